@@ -1,0 +1,11 @@
+"""Executable specifications of the scheduler core.
+
+- `reference`: what an epoch must hand over, computed the obvious way.
+- `world`: a simulated sampler, workers and consumer that drive the core and check it.
+- `machines`: Hypothesis state machines over that world, reusable with any step function.
+- `explorer`: breadth-first exploration of every reachable world of small configurations.
+- `mutants`: deliberate bugs, to show that the checks above can fail.
+
+Import the submodules directly (`from statecore.models.explorer import explore`); this package
+imports nothing heavy on its own.
+"""

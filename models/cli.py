@@ -1,0 +1,91 @@
+"""The command line: `python -m statecore check | diagram`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from statecore.models.explorer import Bounds, Report, default_scenarios, explore_all
+
+__all__ = ["main"]
+
+
+def _config_label(report: Report) -> str:
+    config = report.scenario.config
+    kind = "iterable" if config.iterable else "map"
+    order = "in-order" if config.in_order else "any-order"
+    persistent = "persistent" if config.persistent_workers else "one-epoch"
+    return (
+        f"workers={config.num_workers} prefetch={config.prefetch_factor} "
+        f"{kind:8} {order:9} {persistent:10}"
+    )
+
+
+def check(processes: int, bench: bool, verbose: bool) -> int:
+    """Explore every default scenario; print what was covered and any violation."""
+    scenarios = list(default_scenarios(Bounds()))
+    print(
+        f"exploring {len(scenarios)} configurations exhaustively "
+        f"(workers 1-3, prefetch 1-2, up to {Bounds().batches} batches, map and iterable, "
+        "in order and not, persistent and not; with worker deaths, timeouts and closes) ...",
+        flush=True,
+    )
+    started = time.perf_counter()
+    reports = explore_all(scenarios, processes=processes)
+    elapsed = time.perf_counter() - started
+    if verbose:
+        print(f"  {'configuration':58} {'worlds':>8} {'states':>7} {'transitions':>11}")
+        for report in reports:
+            print(
+                f"  {_config_label(report):58} {report.worlds:8d} {len(report.states):7d} "
+                f"{report.transitions:11d}"
+            )
+    worlds = sum(report.worlds for report in reports)
+    transitions = sum(report.transitions for report in reports)
+    states = len(frozenset().union(*(report.states for report in reports)))
+    failures = [report for report in reports if not report.ok]
+    print(f"configurations:      {len(reports)}")
+    print(f"distinct states:     {states}  (scheduler states; {worlds} worlds with environment)")
+    print(f"transitions:         {transitions}")
+    print(f"violations:          {len(failures)}")
+    print(f"time:                {elapsed:.1f} s on {processes} process(es)")
+    for report in failures:
+        print()
+        print(report.describe())
+    if bench:
+        from statecore.models.bench import run_bench
+
+        print()
+        print(run_bench().describe())
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m statecore", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    check_parser = commands.add_parser(
+        "check", help="explore every state of small configurations and check every invariant"
+    )
+    check_parser.add_argument(
+        "--bench", action="store_true", help="also time `step` against torch-style bookkeeping"
+    )
+    check_parser.add_argument(
+        "--processes",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="processes to explore in (default: up to 2)",
+    )
+    check_parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print a line per configuration"
+    )
+    commands.add_parser("diagram", help="print the state diagram (Mermaid) from the table")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return check(args.processes, args.bench, args.verbose)
+    from statecore.models.diagram import mermaid
+
+    sys.stdout.write(mermaid())
+    return 0

@@ -1,0 +1,172 @@
+"""Exhaustive, breadth-first exploration of every reachable world of small configurations.
+
+Where the Hypothesis machines sample runs, the explorer visits every world reachable from the
+start of a scenario: every order in which workers answer, every moment at which the consumer
+asks, a worker dies, a wait times out, the consumer closes or starts another epoch. Every world
+is checked as it is reached (all the checks of `World.apply`), and two more are made here:
+
+- no world is stuck: a waiting consumer always has some worker that owes it an answer;
+- a world from which nothing more can happen has reached an end (an epoch completed, or an
+  error raised or a close).
+
+Task numbers only grow and every budget (deaths, closes, epochs) only shrinks, so the space is
+finite and a breadth-first search ends. Exploring breadth first means the first violation found
+comes with one of the shortest traces that reach it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+from statecore import Config, Phase
+from statecore import step as core_step
+from statecore.models.reference import IterableSpec, MapSpec
+from statecore.models.world import Action, Scenario, StepFunction, Violation, World
+
+__all__ = ["Bounds", "Report", "default_scenarios", "explore", "explore_all"]
+
+
+@attrs.frozen
+class Report:
+    """What exploring one scenario found."""
+
+    scenario: Scenario
+    worlds: int
+    """Distinct worlds (scheduler state plus environment) reached."""
+    states: frozenset[object] = attrs.field(repr=False)
+    """Distinct scheduler states reached (payloads do not count towards distinctness)."""
+    transitions: int
+    violation: str | None = None
+    trace: tuple[Action, ...] = ()
+    edges: frozenset[tuple[Phase, type, Phase]] = attrs.field(default=frozenset(), repr=False)
+    """Every (phase, event type, next phase) the scheduler went through."""
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"{self.scenario!r}: ok"
+        steps = "\n".join(f"    {action!r}" for action in self.trace)
+        return (
+            f"{self.scenario!r}\n  violation: {self.violation}\n"
+            f"  shortest trace from World.start ({len(self.trace)} actions):\n{steps}"
+        )
+
+
+def explore(scenario: Scenario, step: StepFunction = core_step) -> Report:
+    """Visit every world reachable in `scenario`; stop at the first violation."""
+    edges: set[tuple[Phase, type, Phase]] = set()
+
+    def seen(before: Phase, event: type, after: Phase) -> None:
+        edges.add((before, event, after))
+
+    try:
+        start = World.start(scenario, step, seen)
+    except Violation as violation:
+        return Report(scenario, 0, frozenset(), 0, str(violation), ())
+    parents: dict[World, tuple[World, Action] | None] = {start: None}
+    frontier = deque([start])
+    transitions = 0
+
+    def failed(world: World, message: str, last: Action | None = None) -> Report:
+        trace: list[Action] = [] if last is None else [last]
+        node = parents[world]
+        while node is not None:
+            trace.append(node[1])
+            node = parents[node[0]]
+        trace.reverse()
+        states = frozenset(w.core for w in parents)
+        return Report(
+            scenario, len(parents), states, transitions, message, tuple(trace), frozenset(edges)
+        )
+
+    while frontier:
+        world = frontier.popleft()
+        if world.stuck():
+            return failed(world, "deadlock: a consumer waits and no worker owes an answer")
+        moved = False
+        for action in world.actions():
+            moved = True
+            transitions += 1
+            try:
+                successor = world.apply(action, step, seen)
+            except Violation as violation:
+                return failed(world, str(violation), action)
+            if successor not in parents:
+                parents[successor] = (world, action)
+                frontier.append(successor)
+        if not moved and not world.finished():
+            return failed(world, "a run stopped without finishing an epoch or raising an error")
+    states = frozenset(w.core for w in parents)
+    return Report(scenario, len(parents), states, transitions, edges=frozenset(edges))
+
+
+@attrs.frozen
+class Bounds:
+    """The sizes of configuration `default_scenarios` ranges over."""
+
+    workers: tuple[int, ...] = (1, 2, 3)
+    prefetch: tuple[int, ...] = (1, 2)
+    batches: int = 6
+    """Map-style: indices the sampler yields. Iterable: the most any shard yields in all."""
+
+
+def _shard_lengths(workers: int, total: int) -> tuple[int, ...]:
+    """Uneven shards, so workers run dry at different times; one worker may have nothing."""
+    lengths = [0] * workers
+    for i in range(total):
+        lengths[i % workers] += 1
+    if workers > 1:
+        lengths[-1] = 0  # a worker whose shard is empty runs dry on its first task
+        lengths[0] += 1
+    return tuple(lengths)
+
+
+def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
+    """Every combination of workers, prefetch, dataset kind, order and persistence in `bounds`.
+
+    Each scenario allows one worker death, timeouts and closes at any moment; persistent
+    scenarios run a second epoch on the same workers. One task in each dataset raises.
+    """
+    combos = itertools.product(
+        bounds.workers, bounds.prefetch, (False, True), (True, False), (False, True)
+    )
+    for workers, prefetch, iterable, in_order, persistent in combos:
+        config = Config(
+            num_workers=workers,
+            prefetch_factor=prefetch,
+            in_order=in_order,
+            iterable=iterable,
+            persistent_workers=persistent,
+        )
+        total = bounds.batches
+        dataset: MapSpec | IterableSpec
+        if iterable:
+            dataset = IterableSpec(_shard_lengths(workers, total - 1), frozenset({(0, 1)}))
+        else:
+            dataset = MapSpec(total, frozenset({1}))
+        yield Scenario(config, dataset, epochs=2 if persistent else 1)
+
+
+def _explore_one(args: tuple[Scenario, StepFunction]) -> Report:
+    return explore(*args)
+
+
+def explore_all(
+    scenarios: Iterable[Scenario], step: StepFunction = core_step, processes: int = 1
+) -> list[Report]:
+    """Explore each scenario, in `processes` worker processes when more than one."""
+    jobs = [(scenario, step) for scenario in scenarios]
+    if processes <= 1:
+        return [_explore_one(job) for job in jobs]
+    # The stdlib pool is enough here: the jobs are plain picklable values.
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(processes) as pool:
+        return list(pool.map(_explore_one, jobs))

@@ -1,0 +1,153 @@
+"""Hypothesis state machines that drive the scheduler through a simulated world.
+
+`scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
+world's actions (a consumer asking, a worker answering or dying, a timeout, a close, a new
+epoch) and whose invariants are every check of `statecore.models.world`. It takes the step
+function, so the same machine checks the real core, a deliberately broken one
+(`statecore.models.mutants`), or a user's own driver wrapped as a step function.
+
+Failures print as a runnable program: every rule argument is a small integer and every
+scenario a valid Python expression.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from statecore import Config
+from statecore import step as core_step
+from statecore.models.reference import IterableSpec, MapSpec
+from statecore.models.world import (
+    Action,
+    Close,
+    Expire,
+    Kill,
+    Next,
+    Restart,
+    Scenario,
+    StepFunction,
+    Violation,
+    Work,
+    World,
+)
+
+__all__ = ["scenarios", "scheduler_machine"]
+
+
+@st.composite
+def scenarios(
+    draw: st.DrawFn, max_workers: int = 4, max_prefetch: int = 3, max_batches: int = 12
+) -> Scenario:
+    """Configurations larger than the explorer can afford, with failing tasks sprinkled in."""
+    workers = draw(st.integers(1, max_workers), label="workers")
+    persistent = draw(st.booleans(), label="persistent")
+    config = Config(
+        num_workers=workers,
+        prefetch_factor=draw(st.integers(1, max_prefetch), label="prefetch"),
+        in_order=draw(st.booleans(), label="in_order"),
+        iterable=draw(st.booleans(), label="iterable"),
+        persistent_workers=persistent,
+    )
+    dataset: MapSpec | IterableSpec
+    if config.iterable:
+        lengths = tuple(
+            draw(
+                st.lists(st.integers(0, max_batches // workers), min_size=workers, max_size=workers)
+            )
+        )
+        pairs = [(w, k) for w, length in enumerate(lengths) for k in range(length)]
+        failing = draw(st.frozensets(st.sampled_from(pairs), max_size=2)) if pairs else frozenset()
+        dataset = IterableSpec(lengths, failing)
+    else:
+        batches = draw(st.integers(0, max_batches), label="batches")
+        failing_map = (
+            draw(st.frozensets(st.integers(0, batches - 1), max_size=2)) if batches else frozenset()
+        )
+        dataset = MapSpec(batches, failing_map)
+    epochs = draw(st.integers(1, 3), label="epochs") if persistent else 1
+    # Faults end runs early; scenarios without some of them let runs go long and deep.
+    return Scenario(
+        config,
+        dataset,
+        epochs=epochs,
+        deaths=draw(st.integers(0, 1), label="deaths"),
+        timeouts=draw(st.booleans(), label="timeouts"),
+        closes=draw(st.booleans(), label="closes"),
+    )
+
+
+def scheduler_machine(
+    scenario_strategy: st.SearchStrategy[Scenario] | None = None,
+    step: StepFunction = core_step,
+) -> type[RuleBasedStateMachine]:
+    """A state machine class checking `step` in scenarios drawn from `scenario_strategy`.
+
+    Run it with `run_state_machine_as_test(scheduler_machine())` or expose its `TestCase`
+    attribute to pytest.
+    """
+    drawn = scenarios() if scenario_strategy is None else scenario_strategy
+
+    class SchedulerMachine(RuleBasedStateMachine):
+        world: World
+
+        def _apply(self, action: Action) -> None:
+            self.world = self.world.apply(action, step)
+
+        def _enabled(self, kind: type) -> list[Action]:
+            return [action for action in self.world.actions() if type(action) is kind]
+
+        @initialize(scenario=drawn)
+        def start(self, scenario: Scenario) -> None:
+            self.world = World.start(scenario, step)
+
+        @precondition(lambda self: bool(self._enabled(Next)))
+        @rule()
+        def consumer_asks(self) -> None:
+            self._apply(Next())
+
+        @precondition(lambda self: bool(self._enabled(Work)))
+        @rule(choice=st.integers(0, 7))
+        def worker_answers(self, choice: int) -> None:
+            options = self._enabled(Work)
+            self._apply(options[choice % len(options)])
+
+        @precondition(lambda self: bool(self._enabled(Kill)))
+        @rule(choice=st.integers(0, 7))
+        def worker_dies(self, choice: int) -> None:
+            options = self._enabled(Kill)
+            self._apply(options[choice % len(options)])
+
+        @precondition(lambda self: bool(self._enabled(Expire)))
+        @rule()
+        def wait_times_out(self) -> None:
+            self._apply(Expire())
+
+        @precondition(lambda self: bool(self._enabled(Close)))
+        @rule()
+        def consumer_closes(self) -> None:
+            self._apply(Close())
+
+        @precondition(lambda self: bool(self._enabled(Restart)))
+        @rule()
+        def consumer_starts_next_epoch(self) -> None:
+            self._apply(Restart())
+
+        @rule()
+        def run_ends_when_nothing_can_happen(self) -> None:
+            # Always enabled, so a run that has ended can still take steps; it changes nothing.
+            if not any(True for _ in self.world.actions()) and not self.world.finished():
+                raise Violation("a run stopped without finishing an epoch or raising an error")
+
+        @invariant()
+        def no_consumer_waits_forever(self) -> None:
+            if hasattr(self, "world") and self.world.stuck():
+                raise Violation("deadlock: a consumer waits and no worker owes an answer")
+
+    return SchedulerMachine

@@ -1,0 +1,153 @@
+"""Deliberate bugs in the scheduler, to show that the models catch them.
+
+A checker that never fails proves nothing. Each mutant here swaps one piece of policy in
+`statecore._step` for a plausible wrong version, the kind of slip torch's hand-kept counters
+invite. `mutant.applied()` installs it for the duration of a `with` block; the tests then run
+the explorer and the Hypothesis machines and expect a violation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import attrs
+
+from statecore import (
+    Config,
+    Event,
+    Pending,
+    State,
+    Transition,
+    WorkerDied,
+    WorkerStatus,
+)
+from statecore import _step as core
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+@attrs.frozen
+class Mutant:
+    """One deliberate bug: `replacements` maps names in `statecore._step` to wrong versions."""
+
+    name: str
+    description: str
+    replacements: Callable[[], dict[str, object]] = attrs.field(repr=False)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Install the bug in the core while the block runs; restore the real code after."""
+        replacements = self.replacements()
+        saved = {name: getattr(core, name) for name in replacements}
+        saved_handlers = dict(core._HANDLERS)
+        try:
+            for name, value in replacements.items():
+                setattr(core, name, value)
+            # Handlers are looked up through the dispatch table, not by name.
+            for event_type, handler in list(core._HANDLERS.items()):
+                replacement = replacements.get(handler.__name__)
+                if replacement is not None:
+                    core._HANDLERS[event_type] = replacement  # type: ignore[assignment]
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(core, name, value)
+            core._HANDLERS.clear()
+            core._HANDLERS.update(saved_handlers)
+
+
+def _prefetch_off_by_one() -> dict[str, object]:
+    real = core._pick_worker
+
+    def pick(
+        config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
+    ) -> int | None:
+        # `<=` where `<` was meant: one task more per worker than prefetch_factor allows.
+        roomier = attrs.evolve(config, prefetch_factor=config.prefetch_factor + 1)
+        return real(roomier, workers, loads, cursor)
+
+    return {"_pick_worker": pick}
+
+
+def _early_delivery() -> dict[str, object]:
+    real = core._deliverable
+
+    def deliverable(window: tuple[object, ...], in_order: bool) -> int | None:
+        return real(window, False)  # type: ignore[arg-type]
+
+    return {"_deliverable": deliverable}
+
+
+def _dry_worker_gets_tasks() -> dict[str, object]:
+    real = core._pick_worker
+
+    def pick(
+        config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
+    ) -> int | None:
+        # Treats "ran dry" as "active", as torch would if it forgot to clear _workers_status.
+        awake = tuple(
+            WorkerStatus.ACTIVE if status is WorkerStatus.EXHAUSTED else status
+            for status in workers
+        )
+        return real(config, awake, loads, cursor)
+
+    return {"_pick_worker": pick}
+
+
+def _dispatch_before_resume() -> dict[str, object]:
+    return {"_resume_complete": lambda workers: True}
+
+
+def _death_loses_tasks() -> dict[str, object]:
+    def on_died(state: State, event: Event) -> Transition:
+        # Quietly writes the worker off instead of failing the loader: its tasks are lost.
+        assert isinstance(event, WorkerDied)
+        workers = list(state.life.workers)
+        workers[event.worker] = WorkerStatus.STOPPED
+        life = attrs.evolve(state.life, workers=tuple(workers))
+        return Transition(state._replace(life=life), ())
+
+    return {"_on_died": on_died}
+
+
+def _ends_with_batches_buffered() -> dict[str, object]:
+    def epoch_over(window: tuple[object, ...], pulling_for: int | None) -> bool:
+        # Looks only for answers still owed and forgets answers not yet handed over.
+        return pulling_for is None and all(type(slot) is not Pending for slot in window)
+
+    return {"_epoch_over": epoch_over}
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "prefetch-off-by-one",
+        "a worker may hold prefetch_factor + 1 unresolved tasks",
+        _prefetch_off_by_one,
+    ),
+    Mutant(
+        "early-delivery",
+        "with in_order=True, an answer is handed over as soon as it arrives",
+        _early_delivery,
+    ),
+    Mutant(
+        "dry-worker-gets-tasks",
+        "a worker whose iterable ran dry is still given tasks",
+        _dry_worker_gets_tasks,
+    ),
+    Mutant(
+        "dispatch-before-resume",
+        "tasks are sent once any persistent worker has acknowledged the new epoch",
+        _dispatch_before_resume,
+    ),
+    Mutant(
+        "death-loses-tasks",
+        "a dead worker is written off silently and its tasks are lost",
+        _death_loses_tasks,
+    ),
+    Mutant(
+        "ends-with-batches-buffered",
+        "the epoch ends while answered batches still wait to be handed over",
+        _ends_with_batches_buffered,
+    ),
+)

@@ -1,0 +1,125 @@
+"""statecore: a data loader whose scheduling is a pure, checked state machine.
+
+Layers, from the inside out:
+
+- `statecore` (this package): the pure scheduler core. `step(state, event)` returns the next
+  state and the commands to carry out. No I/O, threads, clocks or torch: importing it loads
+  none of them.
+- `statecore.models`: executable specifications of the core (reference semantics, Hypothesis
+  state machines, the exhaustive explorer).
+- `statecore.executors`: the imperative shell that drives the core and moves the data.
+"""
+
+from statecore._commands import (
+    Command,
+    Deliver,
+    EndEpoch,
+    PullIndex,
+    RaiseError,
+    ResumeWorker,
+    SendTask,
+    Shutdown,
+    StopWorker,
+)
+from statecore._errors import (
+    ClosedError,
+    ExecutorError,
+    InternalError,
+    LoaderCancelledError,
+    LoaderTimeoutError,
+    MisuseError,
+    ProtocolError,
+    StatecoreError,
+    WorkerDiedError,
+)
+from statecore._events import (
+    CloseRequested,
+    Event,
+    IndexDrawn,
+    NextRequested,
+    ResetRequested,
+    SamplerExhausted,
+    TaskCompleted,
+    TaskFailed,
+    TimedOut,
+    WorkerDied,
+    WorkerExhausted,
+    WorkerResumed,
+)
+from statecore._invariants import violations
+from statecore._state import (
+    RESOLVED,
+    Cancelled,
+    Config,
+    Failed,
+    Failure,
+    Lifecycle,
+    Pending,
+    Phase,
+    Ready,
+    Resolved,
+    Slot,
+    State,
+    Stats,
+    TaskFailure,
+    Timeout,
+    WorkerDeath,
+    WorkerStatus,
+    initial_state,
+)
+from statecore._step import TRANSITIONS, Transition, step
+
+__all__ = [
+    "RESOLVED",
+    "TRANSITIONS",
+    "Cancelled",
+    "CloseRequested",
+    "ClosedError",
+    "Command",
+    "Config",
+    "Deliver",
+    "EndEpoch",
+    "Event",
+    "ExecutorError",
+    "Failed",
+    "Failure",
+    "IndexDrawn",
+    "InternalError",
+    "Lifecycle",
+    "LoaderCancelledError",
+    "LoaderTimeoutError",
+    "MisuseError",
+    "NextRequested",
+    "Pending",
+    "Phase",
+    "ProtocolError",
+    "PullIndex",
+    "RaiseError",
+    "Ready",
+    "ResetRequested",
+    "Resolved",
+    "ResumeWorker",
+    "SamplerExhausted",
+    "SendTask",
+    "Shutdown",
+    "Slot",
+    "State",
+    "StatecoreError",
+    "Stats",
+    "StopWorker",
+    "TaskCompleted",
+    "TaskFailed",
+    "TaskFailure",
+    "TimedOut",
+    "Timeout",
+    "Transition",
+    "WorkerDeath",
+    "WorkerDied",
+    "WorkerDiedError",
+    "WorkerExhausted",
+    "WorkerResumed",
+    "WorkerStatus",
+    "initial_state",
+    "step",
+    "violations",
+]

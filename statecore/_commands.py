@@ -1,0 +1,94 @@
+"""Commands: what the scheduler asks its shell to do. Named in the imperative.
+
+A transition returns its commands as a tuple, to be carried out in order. Shutdown is an
+ordered run of commands too: every `StopWorker`, then one `Shutdown`, then (after a failure
+with a waiting consumer) the `RaiseError`, so cleanup is done before the error surfaces.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from statecore._state import Failure
+
+__all__ = [
+    "Command",
+    "Deliver",
+    "EndEpoch",
+    "PullIndex",
+    "RaiseError",
+    "ResumeWorker",
+    "SendTask",
+    "Shutdown",
+    "StopWorker",
+]
+
+
+class Command:
+    """Base of every command. Commands are frozen values."""
+
+    __slots__ = ()
+
+
+@attrs.frozen
+class PullIndex(Command):
+    """Draw the next index from the sampler and answer `IndexDrawn` or `SamplerExhausted`."""
+
+
+@attrs.frozen
+class SendTask(Command):
+    """Give `worker` the task numbered `task`: produce the batch for `index`."""
+
+    worker: int
+    task: int
+    index: object = attrs.field(hash=False)
+
+
+@attrs.frozen
+class Deliver(Command):
+    """Hand `payload`, the batch of `task`, to the waiting consumer."""
+
+    task: int
+    worker: int
+    payload: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class RaiseError(Command):
+    """Raise `failure` to the waiting consumer."""
+
+    failure: Failure
+
+
+@attrs.frozen
+class EndEpoch(Command):
+    """Tell the waiting consumer the epoch is over (StopIteration)."""
+
+
+@attrs.frozen
+class ResumeWorker(Command):
+    """Ask `worker` to start epoch `epoch` (fresh dataset iterator, `seed` as shared seed)."""
+
+    worker: int
+    epoch: int
+    seed: int | None = None
+
+
+@attrs.frozen
+class StopWorker(Command):
+    """Tell `worker` to exit; it owes no more answers."""
+
+    worker: int
+
+
+@attrs.frozen
+class Shutdown(Command):
+    """Release what the executor holds (join processes, queues, shared memory). Emitted once."""
+
+
+# Commands without fields carry no information: share one instance of each.
+PULL_INDEX = PullIndex()
+END_EPOCH = EndEpoch()
+SHUTDOWN = Shutdown()
+
+CLEANUP_COMMANDS: frozenset[type[Command]] = frozenset({StopWorker, Shutdown, RaiseError})

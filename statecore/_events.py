@@ -1,0 +1,126 @@
+"""Events: what happened, told to the scheduler. Named in the past tense.
+
+Three kinds of source feed the scheduler, and the kind decides who is blamed when an event is
+impossible in the current state (see `statecore._errors`):
+
+- the consumer (the training loop): `ResetRequested`, `NextRequested`, `CloseRequested`;
+- the driver, on the consumer's behalf: `IndexDrawn`, `SamplerExhausted`, `TimedOut`;
+- the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
+  `WorkerResumed`, `WorkerDied`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = [
+    "CloseRequested",
+    "Event",
+    "IndexDrawn",
+    "NextRequested",
+    "ResetRequested",
+    "SamplerExhausted",
+    "TaskCompleted",
+    "TaskFailed",
+    "TimedOut",
+    "WorkerDied",
+    "WorkerExhausted",
+    "WorkerResumed",
+]
+
+
+class Event:
+    """Base of every event. Events are frozen values."""
+
+    __slots__ = ()
+
+
+# --- from the consumer -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ResetRequested(Event):
+    """The consumer started an epoch (`iter(loader)`). `seed` is passed on to resumed workers."""
+
+    seed: int | None = None
+
+
+@attrs.frozen
+class NextRequested(Event):
+    """The consumer asked for the next batch (`next(iterator)`)."""
+
+
+@attrs.frozen
+class CloseRequested(Event):
+    """The consumer is done with the iterator: break, deletion, exception or interpreter exit."""
+
+
+# --- from the driver ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class IndexDrawn(Event):
+    """The sampler yielded `index` in answer to `PullIndex`."""
+
+    # Batch samplers yield lists: comparable, not hashable.
+    index: object = attrs.field(hash=False)
+
+
+@attrs.frozen
+class SamplerExhausted(Event):
+    """The sampler raised StopIteration in answer to `PullIndex`."""
+
+
+@attrs.frozen
+class TimedOut(Event):
+    """A waiting consumer got nothing within the loader's timeout."""
+
+    seconds: float
+
+
+# --- from the executor -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TaskCompleted(Event):
+    """`worker` produced the batch for `task`."""
+
+    task: int
+    worker: int
+    payload: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class TaskFailed(Event):
+    """`worker` raised while producing `task`; `error` is the executor's record of it."""
+
+    task: int
+    worker: int
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class WorkerExhausted(Event):
+    """`worker`'s iterable dataset ran dry at `task` (or was already dry when `task` came)."""
+
+    task: int
+    worker: int
+
+
+@attrs.frozen
+class WorkerResumed(Event):
+    """`worker` acknowledged `ResumeWorker` and is ready for tasks of the new epoch."""
+
+    worker: int
+
+
+@attrs.frozen
+class WorkerDied(Event):
+    """`worker` ended without being told to. A negative exit code is a signal number, negated."""
+
+    worker: int
+    pid: int | None = None
+    exitcode: int | None = None
+
+
+CONSUMER_EVENTS: frozenset[type[Event]] = frozenset({ResetRequested, NextRequested, CloseRequested})

@@ -1,0 +1,77 @@
+"""The scheduler's own validity check: what must hold of every state `step` can produce.
+
+`violations(state)` returns a list of broken rules, empty when the state is sound. The models
+call it after every step; it is also cheap enough for an executor's debug mode.
+"""
+
+from __future__ import annotations
+
+from statecore._state import RESOLVED, Failed, Pending, Phase, Ready, State, WorkerStatus
+
+__all__ = ["violations"]
+
+_WAITABLE = (Phase.RESUMING, Phase.RUNNING, Phase.DRAINING)
+
+
+def violations(state: State) -> list[str]:
+    """Every invariant that `state` breaks, as sentences; empty if none."""
+    found: list[str] = []
+    config, life, window = state.config, state.life, state.window
+    n, limit = config.num_workers, config.prefetch_factor
+    phase = life.phase
+
+    if not life.base <= state.rcvd_idx <= state.send_idx:
+        found.append(f"task counters out of order: base {life.base}, rcvd_idx {state.rcvd_idx}")
+    if window and window[0] is RESOLVED:
+        found.append("the window starts with a resolved task")
+    if len(state.loads) != n or len(life.workers) != n:
+        found.append("per-worker tuples do not have one entry per worker")
+        return found
+
+    counted = [0] * n
+    for slot in window:
+        if slot is not RESOLVED:
+            counted[slot.worker] += 1  # type: ignore[union-attr]
+    if tuple(counted) != state.loads:
+        found.append(f"loads {state.loads} do not match the window, which gives {tuple(counted)}")
+    for w, load in enumerate(state.loads):
+        if load > limit:
+            found.append(f"worker {w} holds {load} unresolved tasks, over prefetch {limit}")
+    if state.outstanding + state.buffered > limit * n:
+        found.append("more unresolved tasks than prefetch_factor x workers")
+
+    if any(task >= life.base for task, _ in life.stale):
+        found.append("a task of the current epoch is marked stale")
+    if state.pulling_for is not None:
+        if phase not in (Phase.RUNNING, Phase.DRAINING):
+            found.append(f"an index is being drawn while {phase.value}")
+        elif not 0 <= state.pulling_for < n:
+            found.append(f"an index is drawn for worker {state.pulling_for}, who does not exist")
+
+    if state.waiting:
+        if phase not in _WAITABLE:
+            found.append(f"a consumer waits while the loader is {phase.value}")
+        if any(type(slot) is Ready or type(slot) is Failed for slot in window) and (
+            not config.in_order or type(window[0]) is not Pending
+        ):
+            found.append("a consumer waits although an answer is ready for it")
+        resuming = WorkerStatus.RESUMING in life.workers
+        if not (state.outstanding or state.pulling_for is not None or resuming):
+            found.append("a consumer waits but nothing is outstanding: it would wait forever")
+
+    if phase is Phase.RESUMING and (window or state.pulling_for is not None):
+        found.append("tasks exist before every worker acknowledged the resume")
+    if phase is Phase.FINISHED and (window or state.waiting):
+        found.append("the epoch finished with tasks unresolved or a consumer waiting")
+    if phase in (Phase.FAILED, Phase.CLOSED):
+        if any(status is not WorkerStatus.STOPPED for status in life.workers):
+            found.append(f"workers are left running after the loader {phase.value}")
+        if window:
+            found.append(f"batches are still held after the loader {phase.value}")
+    if phase is Phase.FAILED and life.failure is None:
+        found.append("failed without a recorded failure")
+    if life.failure is not None and phase not in (Phase.FAILED, Phase.CLOSED):
+        found.append(f"a failure is recorded while {phase.value}")
+    if phase is Phase.RUNNING and WorkerStatus.ACTIVE not in life.workers:
+        found.append("running with no active worker: nothing could be sent")
+    return found

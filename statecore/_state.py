@@ -1,0 +1,327 @@
+"""The scheduler's state: every value that a transition may read or change lives in this file.
+
+A state is a frozen, hashable value. It is split in two by how often things change:
+`Lifecycle` (phase, epoch, worker statuses, failure) changes a few times an epoch, while the
+fields of `State` itself (the task window, per-worker loads, the dispatch cursor) change on
+nearly every event. Keeping the fast-changing part small keeps `step` cheap, because a
+transition builds one new `State` and usually reuses the old `Lifecycle` untouched.
+
+Task numbers never restart: the first task of an epoch follows the last task of the one
+before. That is what lets the scheduler tell a late answer from an earlier epoch (a *stale*
+task) from an answer it is waiting for.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import attrs
+
+__all__ = [
+    "RESOLVED",
+    "Cancelled",
+    "Config",
+    "Failed",
+    "Failure",
+    "Lifecycle",
+    "Pending",
+    "Phase",
+    "Ready",
+    "Resolved",
+    "Slot",
+    "State",
+    "Stats",
+    "TaskFailure",
+    "Timeout",
+    "WorkerDeath",
+    "WorkerStatus",
+    "initial_state",
+]
+
+
+class Phase(enum.Enum):
+    """Where the scheduler is in the life of a loader iterator."""
+
+    IDLE = "idle"
+    """Built; no epoch has started. Workers may be starting, but no task is sent."""
+    RESUMING = "resuming"
+    """Persistent workers were asked to start a new epoch; no task is sent until all acknowledge."""
+    RUNNING = "running"
+    """The sampler still yields indices; tasks are sent as workers have room for them."""
+    DRAINING = "draining"
+    """Nothing more will be sent this epoch (sampler done or all workers dry); answers are due."""
+    FINISHED = "finished"
+    """Every task of the epoch is resolved. Persistent workers wait here for the next epoch."""
+    FAILED = "failed"
+    """A worker died or a wait timed out. Sticky: shutdown was emitted, the failure is re-raised."""
+    CLOSED = "closed"
+    """Closed by the consumer. Sticky: everything but another close is refused."""
+
+    # Enum hashes by name in Python code; `step` looks a phase up on every event, and an
+    # identity hash (members are singletons) is a C slot, several times faster.
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"Phase.{self.name}"
+
+
+class WorkerStatus(enum.Enum):
+    """What the scheduler believes about one worker."""
+
+    ACTIVE = "active"
+    """Can be given tasks."""
+    EXHAUSTED = "exhausted"
+    """Its iterable ran dry this epoch; it answers every further task as exhausted."""
+    RESUMING = "resuming"
+    """Asked to start a new epoch and has not acknowledged yet."""
+    STOPPED = "stopped"
+    """Told to stop; it owes nothing and gets nothing."""
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"WorkerStatus.{self.name}"
+
+
+# --- the task window -----------------------------------------------------------------------
+# One slot per task number in [rcvd_idx, send_idx). Torch tells "pending" from "arrived" by the
+# length of a tuple; here each is its own class.
+
+
+@attrs.frozen
+class Pending:
+    """Sent to `worker`; no answer yet."""
+
+    worker: int
+
+
+@attrs.frozen
+class Ready:
+    """Answered with data that waits for its turn (in order) or for a consumer (out of order)."""
+
+    worker: int
+    # The batch is opaque to the scheduler and may be a tensor, which cannot be compared.
+    payload: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Failed:
+    """Answered with the worker's exception, raised in the task's turn."""
+
+    worker: int
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Resolved:
+    """Delivered out of order, or skipped because its worker ran dry; only a placeholder."""
+
+    def __repr__(self) -> str:
+        return "RESOLVED"
+
+
+RESOLVED = Resolved()
+
+Slot = Pending | Ready | Failed | Resolved
+
+
+# --- failures --------------------------------------------------------------------------------
+# Failures are plain values (hashable, comparable) so that states holding them can be
+# de-duplicated; the shell turns them into exceptions.
+
+
+@attrs.frozen
+class TaskFailure:
+    """A worker raised for one task. Not fatal: the loader goes on with the next task."""
+
+    task: int
+    worker: int
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+    def describe(self) -> str:
+        return f"worker {self.worker} raised while producing task {self.task}: {self.error!r}"
+
+
+@attrs.frozen
+class WorkerDeath:
+    """A worker process ended without being told to. Fatal."""
+
+    worker: int
+    pid: int | None = None
+    exitcode: int | None = None
+
+    def describe(self) -> str:
+        who = f"DataLoader worker {self.worker}"
+        if self.pid is not None:
+            who += f" (pid {self.pid})"
+        if self.exitcode is None:
+            how = "exited unexpectedly"
+        elif self.exitcode < 0:
+            how = f"was killed by signal {-self.exitcode}"
+        else:
+            how = f"exited unexpectedly with exit code {self.exitcode}"
+        return f"{who} {how}"
+
+
+@attrs.frozen
+class Timeout:
+    """No answer came within the loader's timeout. Fatal."""
+
+    seconds: float
+
+    def describe(self) -> str:
+        return f"DataLoader timed out after {self.seconds} seconds"
+
+
+@attrs.frozen
+class Cancelled:
+    """The loader was closed while a consumer waited for a batch. Fatal."""
+
+    def describe(self) -> str:
+        return "the loader was closed while a batch was awaited"
+
+
+Failure = TaskFailure | WorkerDeath | Timeout | Cancelled
+
+
+# --- configuration and state ---------------------------------------------------------------
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer of at least 1, got {value!r}")
+
+
+@attrs.frozen
+class Config:
+    """What does not change during the life of a scheduler.
+
+    `num_workers` counts the workers that take tasks; the in-process loader is one worker.
+    `prefetch_factor` bounds the unresolved tasks (sent, not yet delivered or skipped) that any
+    one worker holds, which is torch's documented meaning ("batches loaded in advance by each
+    worker").
+    """
+
+    num_workers: int = attrs.field(validator=_at_least_one)
+    prefetch_factor: int = attrs.field(default=2, validator=_at_least_one)
+    in_order: bool = True
+    iterable: bool = False
+    persistent_workers: bool = False
+
+
+@attrs.frozen
+class Lifecycle:
+    """The slowly changing part of the state."""
+
+    phase: Phase
+    epoch: int
+    """Epochs started so far; the first epoch is 1."""
+    base: int
+    """The first task number of the current epoch."""
+    workers: tuple[WorkerStatus, ...]
+    stale: frozenset[tuple[int, int]]
+    """(task, worker) sent in an earlier epoch and still owed an answer, discarded on arrival."""
+    skipped: int
+    """Tasks of this epoch resolved without delivery because their worker had run dry."""
+    dropped: int
+    """Tasks of this epoch abandoned unresolved when the loader failed or was closed."""
+    failure: Failure | None
+
+
+class State(NamedTuple):
+    """The whole scheduler state. Build the first one with `initial_state`.
+
+    Unlike every other value of the core this is a NamedTuple, not an attrs class: `step`
+    builds one per event, and a tuple is built in a third of the time. It is just as frozen,
+    hashable and printable; change fields with `state._replace(...)`.
+    """
+
+    config: Config
+    life: Lifecycle
+    rcvd_idx: int
+    """The lowest unresolved task number (torch's `_rcvd_idx`)."""
+    window: tuple[Slot, ...]
+    """Slots of tasks rcvd_idx, rcvd_idx + 1, ...; never starts with a resolved slot."""
+    loads: tuple[int, ...]
+    """Per worker: unresolved tasks of this epoch it was given."""
+    cursor: int
+    """Where the round-robin scan for the next worker starts."""
+    pulling_for: int | None
+    """The worker that the index being drawn from the sampler will go to, if one is drawn."""
+    waiting: bool
+    """A consumer asked for the next batch and has not had it."""
+
+    @property
+    def phase(self) -> Phase:
+        return self.life.phase
+
+    @property
+    def send_idx(self) -> int:
+        """The next task number to hand out (torch's `_send_idx`)."""
+        return self.rcvd_idx + len(self.window)
+
+    @property
+    def outstanding(self) -> int:
+        """Tasks of this epoch sent and not answered (torch's `_tasks_outstanding`)."""
+        return sum(1 for slot in self.window if type(slot) is Pending)
+
+    @property
+    def buffered(self) -> int:
+        """Tasks answered and not yet handed to the consumer."""
+        return sum(1 for slot in self.window if type(slot) is Ready or type(slot) is Failed)
+
+    def stats(self) -> Stats:
+        """A snapshot for logs and metrics, so observers need not read the internals."""
+        resolved_in_window = sum(1 for slot in self.window if slot is RESOLVED)
+        resolved = self.rcvd_idx - self.life.base + resolved_in_window
+        return Stats(
+            phase=self.life.phase,
+            epoch=self.life.epoch,
+            in_flight=self.outstanding,
+            buffered=self.buffered,
+            delivered=resolved - self.life.skipped - self.life.dropped,
+            skipped=self.life.skipped,
+            loads=self.loads,
+            workers=self.life.workers,
+        )
+
+
+@attrs.frozen
+class Stats:
+    """A frozen snapshot of the scheduler's bookkeeping for the current epoch."""
+
+    phase: Phase
+    epoch: int
+    in_flight: int
+    buffered: int
+    delivered: int
+    """Batches and task errors handed to the consumer this epoch."""
+    skipped: int
+    loads: tuple[int, ...]
+    workers: tuple[WorkerStatus, ...]
+
+
+def initial_state(config: Config) -> State:
+    """The state of a scheduler that has not started an epoch."""
+    workers = (WorkerStatus.ACTIVE,) * config.num_workers
+    life = Lifecycle(
+        phase=Phase.IDLE,
+        epoch=0,
+        base=0,
+        workers=workers,
+        stale=frozenset(),
+        skipped=0,
+        dropped=0,
+        failure=None,
+    )
+    return State(
+        config=config,
+        life=life,
+        rcvd_idx=0,
+        window=(),
+        loads=(0,) * config.num_workers,
+        cursor=0,
+        pulling_for=None,
+        waiting=False,
+    )

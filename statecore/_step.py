@@ -1,0 +1,666 @@
+"""The transition function: `step(state, event) -> Transition(state, commands)`.
+
+Theory of operation
+-------------------
+A loader iterator lives through phases (see `Phase`). `ResetRequested` starts an epoch: from
+IDLE the workers are fresh and the scheduler goes straight to RUNNING; later epochs exist only
+with persistent workers, which must first acknowledge a `ResumeWorker` each (RESUMING), because
+a task sent before a worker has reset its dataset iterator would be answered from the old epoch.
+
+While RUNNING the scheduler keeps workers busy up to the prefetch bound. It draws one index at a
+time (`PullIndex` -> `IndexDrawn`), choosing the worker *before* the draw so that a drawn index
+always has a place to go: torch draws first and drops the index when no worker has room.
+In order, workers take turns round-robin, torch's order, so the same batches come out in the
+same order; out of order, the least-loaded worker with room gets the task, so one slow sample
+holds up one worker's queue and not the whole epoch.
+
+Answers arrive in any order. In order, an early answer waits in the window until every task
+before it is resolved; out of order, it goes to the consumer as soon as one waits. A worker
+whose iterable ran dry answers every task it holds as exhausted; those tasks are skipped. When
+the sampler ends or every worker is dry, nothing more is sent (DRAINING), and the epoch is
+FINISHED once every task is resolved. Without persistent workers, finishing also shuts the
+workers down.
+
+A worker's exception for one task is delivered in that task's turn and the epoch goes on. A
+worker's death or a timeout is not recoverable: the scheduler emits the shutdown and moves to
+FAILED, where it re-raises the failure on every request. CLOSED refuses everything but another
+close, which does nothing.
+
+Every event that the current state cannot accept raises a `ProtocolError` naming the phase and
+the event; since states are values, the caller still holds the old state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import attrs
+
+from statecore._commands import (
+    END_EPOCH,
+    PULL_INDEX,
+    SHUTDOWN,
+    Command,
+    Deliver,
+    RaiseError,
+    ResumeWorker,
+    SendTask,
+    StopWorker,
+)
+from statecore._errors import ClosedError, ExecutorError, MisuseError, ProtocolError
+from statecore._events import (
+    CONSUMER_EVENTS,
+    CloseRequested,
+    Event,
+    IndexDrawn,
+    NextRequested,
+    ResetRequested,
+    SamplerExhausted,
+    TaskCompleted,
+    TaskFailed,
+    TimedOut,
+    WorkerDied,
+    WorkerExhausted,
+    WorkerResumed,
+)
+from statecore._state import (
+    RESOLVED,
+    Cancelled,
+    Config,
+    Failed,
+    Failure,
+    Lifecycle,
+    Pending,
+    Phase,
+    Ready,
+    Slot,
+    State,
+    TaskFailure,
+    Timeout,
+    WorkerDeath,
+    WorkerStatus,
+)
+
+__all__ = ["TRANSITIONS", "Transition", "step"]
+
+IDLE = Phase.IDLE
+RESUMING = Phase.RESUMING
+RUNNING = Phase.RUNNING
+DRAINING = Phase.DRAINING
+FINISHED = Phase.FINISHED
+FAILED = Phase.FAILED
+CLOSED = Phase.CLOSED
+
+ACTIVE = WorkerStatus.ACTIVE
+EXHAUSTED = WorkerStatus.EXHAUSTED
+STOPPED = WorkerStatus.STOPPED
+
+
+_tuple_new = tuple.__new__
+
+
+class Transition(NamedTuple):
+    """What `step` returns: the next state and the commands to carry out, in order."""
+
+    state: State
+    commands: tuple[Command, ...]
+
+
+def _table(entries: dict[type[Event], tuple[Phase, ...]]) -> Mapping[type[Event], frozenset[Phase]]:
+    return {event: frozenset(targets) for event, targets in entries.items()}
+
+
+_ANSWERS = (TaskCompleted, TaskFailed, WorkerExhausted)
+
+# The legal moves: phase -> event type -> the phases the event may lead to. An event type
+# missing under a phase is refused. The models check every transition they see against this
+# table, and docs/state-machine.md draws its diagram from it.
+TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
+    IDLE: _table(
+        {
+            ResetRequested: (RUNNING,),
+            WorkerDied: (FAILED,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    RESUMING: _table(
+        {
+            NextRequested: (RESUMING,),
+            WorkerResumed: (RESUMING, RUNNING),
+            **{answer: (RESUMING,) for answer in _ANSWERS},  # stale answers only
+            WorkerDied: (FAILED,),
+            TimedOut: (FAILED,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    RUNNING: _table(
+        {
+            NextRequested: (RUNNING,),
+            IndexDrawn: (RUNNING,),
+            SamplerExhausted: (DRAINING, FINISHED),
+            TaskCompleted: (RUNNING,),
+            TaskFailed: (RUNNING,),
+            WorkerExhausted: (RUNNING, DRAINING, FINISHED),
+            WorkerDied: (FAILED,),
+            TimedOut: (FAILED,),
+            ResetRequested: (RESUMING,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    DRAINING: _table(
+        {
+            NextRequested: (DRAINING, FINISHED),
+            # Finishes when every worker ran dry during the draw: the index has nowhere to go.
+            IndexDrawn: (DRAINING, FINISHED),
+            SamplerExhausted: (DRAINING, FINISHED),
+            **{answer: (DRAINING, FINISHED) for answer in _ANSWERS},
+            WorkerDied: (FAILED,),
+            TimedOut: (FAILED,),
+            ResetRequested: (RESUMING,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    FINISHED: _table(
+        {
+            NextRequested: (FINISHED,),
+            **{answer: (FINISHED,) for answer in _ANSWERS},  # stale answers only
+            WorkerDied: (FINISHED, FAILED),
+            ResetRequested: (RESUMING,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    FAILED: _table(
+        {
+            NextRequested: (FAILED,),
+            WorkerDied: (FAILED,),  # every worker was stopped: a late report is ignored
+            CloseRequested: (CLOSED,),
+        }
+    ),
+    CLOSED: _table(
+        {
+            WorkerDied: (CLOSED,),
+            CloseRequested: (CLOSED,),
+        }
+    ),
+}
+
+
+def step(state: State, event: Event) -> Transition:
+    """Apply `event` to `state`. Raises `ProtocolError` (and changes nothing) if it cannot."""
+    if type(event) not in TRANSITIONS[state.life.phase]:
+        raise _refuse(state, event, _why_not(state, event))
+    return _HANDLERS[type(event)](state, event)
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def _refuse(state: State, event: Event, reason: str) -> ProtocolError:
+    phase = state.life.phase
+    if type(event) in CONSUMER_EVENTS:
+        if phase is CLOSED:
+            return ClosedError(phase, event, reason)
+        return MisuseError(phase, event, reason)
+    return ExecutorError(phase, event, reason)
+
+
+def _why_not(state: State, event: Event) -> str:
+    phase = state.life.phase
+    if phase is CLOSED:
+        if type(event) in CONSUMER_EVENTS:
+            return "the loader was closed; start a new iterator to load again"
+        return "the loader was closed and its workers stopped; nothing is owed to an executor"
+    if phase is FAILED:
+        assert state.life.failure is not None
+        return (
+            f"the loader failed earlier ({state.life.failure.describe()}); "
+            "close it and start a new iterator"
+        )
+    if phase is IDLE and isinstance(event, NextRequested):
+        return "no epoch has started; start one with iter(loader) first"
+    if phase is RESUMING and isinstance(event, ResetRequested):
+        return "the previous reset is still waiting for its workers to acknowledge"
+    if isinstance(event, WorkerResumed):
+        return "no worker was asked to resume"
+    if isinstance(event, (IndexDrawn, SamplerExhausted)):
+        return "no index was asked of the sampler"
+    if isinstance(event, TimedOut):
+        return "nothing was being waited for"
+    if isinstance(event, _ANSWERS):
+        return "no task is awaiting an answer"
+    return f"{type(event).__name__} cannot happen while the loader is {phase.value}"
+
+
+# --- policy --------------------------------------------------------------------------------------
+# The decisions that torch spreads over `_try_put_index` and `_next_data`. The mutation tests in
+# models/mutants.py replace these one at a time to show that the models notice.
+
+
+def _pick_worker(
+    config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
+) -> int | None:
+    """The worker the next task goes to, or None if it must wait for room."""
+    limit = config.prefetch_factor
+    if config.in_order:
+        # Take turns strictly: waiting for a busy worker keeps torch's assignment of tasks.
+        if workers[cursor] is ACTIVE:
+            return cursor if loads[cursor] < limit else None
+        n = config.num_workers
+        for k in range(1, n):
+            w = (cursor + k) % n
+            if workers[w] is ACTIVE:
+                return w if loads[w] < limit else None
+        return None
+    n = config.num_workers
+    best = None
+    best_load = limit
+    for k in range(n):
+        w = (cursor + k) % n
+        if workers[w] is ACTIVE and loads[w] < best_load:
+            best, best_load = w, loads[w]
+    return best
+
+
+def _resume_complete(workers: tuple[WorkerStatus, ...]) -> bool:
+    """Tasks may flow again only once every worker has acknowledged the new epoch."""
+    return WorkerStatus.RESUMING not in workers
+
+
+def _epoch_over(window: tuple[Slot, ...], pulling_for: int | None) -> bool:
+    """Once draining, the epoch ends when every task is resolved and no index is on its way."""
+    return not window and pulling_for is None
+
+
+def _deliverable(window: tuple[Slot, ...], in_order: bool) -> int | None:
+    """Position in the window of the answer a waiting consumer gets next, if there is one."""
+    if in_order:
+        return 0 if type(window[0]) is not Pending else None
+    for i, slot in enumerate(window):
+        kind = type(slot)
+        if kind is Ready or kind is Failed:
+            return i
+    return None
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _resolve(rcvd_idx: int, window: tuple[Slot, ...], i: int) -> tuple[int, tuple[Slot, ...]]:
+    """Mark the slot at `i` resolved; the window then starts at the first unresolved task."""
+    if i:
+        return rcvd_idx, window[:i] + (RESOLVED,) + window[i + 1 :]
+    rcvd_idx += 1
+    window = window[1:]
+    while window and window[0] is RESOLVED:
+        rcvd_idx += 1
+        window = window[1:]
+    return rcvd_idx, window
+
+
+_PENDING: list[Pending] = []
+
+
+def _pending(worker: int) -> Pending:
+    """Pending slots are equal by value, so one per worker is shared: a hot path saving."""
+    while len(_PENDING) <= worker:
+        _PENDING.append(Pending(len(_PENDING)))
+    return _PENDING[worker]
+
+
+def _add(loads: tuple[int, ...], worker: int, delta: int) -> tuple[int, ...]:
+    return loads[:worker] + (loads[worker] + delta,) + loads[worker + 1 :]
+
+
+def _shutdown(workers: tuple[WorkerStatus, ...], out: list[Command]) -> tuple[WorkerStatus, ...]:
+    """Append the shutdown run for every worker not yet stopped; nothing if all are."""
+    stopping = [StopWorker(w) for w, status in enumerate(workers) if status is not STOPPED]
+    if stopping:
+        out.extend(stopping)
+        out.append(SHUTDOWN)
+    return (STOPPED,) * len(workers)
+
+
+def _settle(
+    config: Config,
+    life: Lifecycle,
+    rcvd_idx: int,
+    window: tuple[Slot, ...],
+    loads: tuple[int, ...],
+    cursor: int,
+    pulling_for: int | None,
+    waiting: bool,
+    out: list[Command],
+) -> Transition:
+    """Finish a transition: serve a waiting consumer, keep workers busy, notice the epoch end."""
+    if waiting and window:
+        i = _deliverable(window, config.in_order)
+        if i is not None:
+            slot = window[i]
+            task = rcvd_idx + i
+            if type(slot) is Ready:
+                out.append(Deliver(task, slot.worker, slot.payload))
+            else:
+                assert type(slot) is Failed
+                out.append(RaiseError(TaskFailure(task, slot.worker, slot.error)))
+            loads = _add(loads, slot.worker, -1)
+            rcvd_idx, window = _resolve(rcvd_idx, window, i)
+            waiting = False
+    phase = life.phase
+    if phase is RUNNING:
+        if pulling_for is None:
+            w = _pick_worker(config, life.workers, loads, cursor)
+            if w is not None:
+                pulling_for = w
+                out.append(PULL_INDEX)
+    elif phase is DRAINING and _epoch_over(window, pulling_for):
+        workers = life.workers
+        if not config.persistent_workers:
+            workers = _shutdown(workers, out)
+        if waiting:
+            out.append(END_EPOCH)  # after the shutdown, as with errors: clean up, then tell
+            waiting = False
+        life = attrs.evolve(life, phase=FINISHED, workers=workers)
+    # tuple.__new__ skips the NamedTuple constructor's Python frame: this runs on every event.
+    state = _tuple_new(State, (config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting))
+    return _tuple_new(Transition, (state, tuple(out)))
+
+
+def _abandon(
+    state: State, phase: Phase, failure: Failure | None, raised: Failure | None
+) -> Transition:
+    """Shut everything down and drop the window, releasing the batches it held."""
+    out: list[Command] = []
+    life = state.life
+    workers = _shutdown(life.workers, out)
+    if state.waiting and raised is not None:
+        out.append(RaiseError(raised))
+    unresolved = sum(1 for slot in state.window if slot is not RESOLVED)
+    life = attrs.evolve(
+        life,
+        phase=phase,
+        workers=workers,
+        stale=frozenset(),
+        failure=failure,
+        dropped=life.dropped + unresolved,
+    )
+    n = state.config.num_workers
+    new = State(state.config, life, state.send_idx, (), (0,) * n, state.cursor, None, False)
+    return Transition(new, tuple(out))
+
+
+def _fail(state: State, failure: Failure) -> Transition:
+    return _abandon(state, FAILED, failure, failure)
+
+
+def _claim(state: State, event: Event, task: int, worker: int) -> int | None:
+    """The window position of the pending `task`, or None if it is a stale task of an old epoch."""
+    i = task - state.rcvd_idx
+    if 0 <= i < len(state.window):
+        slot = state.window[i]
+        if type(slot) is Pending:
+            if slot.worker != worker:
+                raise _refuse(
+                    state, event, f"task {task} was sent to worker {slot.worker}, not {worker}"
+                )
+            return i
+    if (task, worker) in state.life.stale:
+        return None
+    raise _refuse(state, event, f"task {task} is not awaiting an answer")
+
+
+def _drop_stale(state: State, task: int, worker: int) -> Transition:
+    life = attrs.evolve(state.life, stale=state.life.stale - {(task, worker)})
+    return Transition(state._replace(life=life), ())
+
+
+# --- handlers, one per event type -------------------------------------------------------------
+
+
+def _on_reset(state: State, event: ResetRequested) -> Transition:
+    config = state.config
+    life = state.life
+    n = config.num_workers
+    if state.waiting:
+        raise _refuse(state, event, "a batch is still awaited")
+    if state.pulling_for is not None:
+        raise _refuse(state, event, "an index is still being drawn from the previous sampler")
+    out: list[Command] = []
+    if life.phase is IDLE:
+        life = attrs.evolve(life, phase=RUNNING, epoch=1, base=state.rcvd_idx)
+        return _settle(config, life, state.rcvd_idx, (), state.loads, 0, None, False, out)
+    if not config.persistent_workers:
+        raise _refuse(
+            state, event, "without persistent workers a scheduler runs one epoch; build a new one"
+        )
+    # Tasks still pending belong to the old epoch: their answers will be discarded.
+    send_idx = state.send_idx
+    stale = life.stale.union(
+        (state.rcvd_idx + i, slot.worker)
+        for i, slot in enumerate(state.window)
+        if type(slot) is Pending
+    )
+    epoch = life.epoch + 1
+    out.extend(ResumeWorker(w, epoch, event.seed) for w in range(n))
+    life = Lifecycle(
+        phase=RESUMING,
+        epoch=epoch,
+        base=send_idx,
+        workers=(WorkerStatus.RESUMING,) * n,
+        stale=stale,
+        skipped=0,
+        dropped=0,
+        failure=None,
+    )
+    new = State(config, life, send_idx, (), (0,) * n, 0, None, False)
+    return Transition(new, tuple(out))
+
+
+def _on_next(state: State, event: NextRequested) -> Transition:
+    if state.waiting:
+        raise _refuse(state, event, "a batch is already awaited")
+    phase = state.life.phase
+    if phase is FINISHED:
+        return Transition(state, (END_EPOCH,))
+    if phase is FAILED:
+        assert state.life.failure is not None
+        return Transition(state, (RaiseError(state.life.failure),))
+    out: list[Command] = []
+    return _settle(
+        state.config,
+        state.life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.pulling_for,
+        True,
+        out,
+    )
+
+
+def _on_index(state: State, event: IndexDrawn) -> Transition:
+    w = state.pulling_for
+    if w is None:
+        raise _refuse(state, event, "no index was asked of the sampler")
+    config, life = state.config, state.life
+    if life.workers[w] is not ACTIVE:
+        # The worker ran dry while the index was drawn. Only iterable datasets have dry
+        # workers, and their sampler yields placeholders, so nothing is lost by dropping it
+        # when no other worker has room.
+        w = _pick_worker(config, life.workers, state.loads, state.cursor)
+        if w is None:
+            out: list[Command] = []
+            return _settle(
+                config,
+                life,
+                state.rcvd_idx,
+                state.window,
+                state.loads,
+                state.cursor,
+                None,
+                state.waiting,
+                out,
+            )
+    out = [SendTask(w, state.send_idx, event.index)]
+    return _settle(
+        config,
+        life,
+        state.rcvd_idx,
+        state.window + (_pending(w),),
+        _add(state.loads, w, 1),
+        (w + 1) % config.num_workers,
+        None,
+        state.waiting,
+        out,
+    )
+
+
+def _on_sampler_exhausted(state: State, event: SamplerExhausted) -> Transition:
+    if state.pulling_for is None:
+        raise _refuse(state, event, "no index was asked of the sampler")
+    life = state.life
+    if life.phase is RUNNING:
+        life = attrs.evolve(life, phase=DRAINING)
+    out: list[Command] = []
+    return _settle(
+        state.config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        None,
+        state.waiting,
+        out,
+    )
+
+
+def _on_answer(
+    state: State, event: TaskCompleted | TaskFailed, ok: bool, value: object
+) -> Transition:
+    """A task's answer, data (`ok`) or the worker's error: serve it now or keep it in the window."""
+    task, worker = event.task, event.worker
+    i = task - state.rcvd_idx
+    window = state.window
+    slot = window[i] if 0 <= i < len(window) else None
+    if not (type(slot) is Pending and slot.worker == worker):
+        claimed = _claim(state, event, task, worker)  # slow path: stale, or impossible
+        if claimed is None:
+            return _drop_stale(state, task, worker)
+        i = claimed
+    config = state.config
+    rcvd_idx, loads, waiting = state.rcvd_idx, state.loads, state.waiting
+    out: list[Command] = []
+    if waiting and (i == 0 or not config.in_order):
+        out.append(
+            Deliver(task, worker, value) if ok else RaiseError(TaskFailure(task, worker, value))
+        )
+        loads = _add(loads, worker, -1)
+        rcvd_idx, window = _resolve(rcvd_idx, window, i)
+        waiting = False
+    else:
+        arrived = Ready(worker, value) if ok else Failed(worker, value)
+        window = window[:i] + (arrived,) + window[i + 1 :]
+    return _settle(
+        config, state.life, rcvd_idx, window, loads, state.cursor, state.pulling_for, waiting, out
+    )
+
+
+def _on_completed(state: State, event: TaskCompleted) -> Transition:
+    return _on_answer(state, event, True, event.payload)
+
+
+def _on_failed(state: State, event: TaskFailed) -> Transition:
+    return _on_answer(state, event, False, event.error)
+
+
+def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
+    if not state.config.iterable:
+        raise _refuse(state, event, "a map-style dataset's worker cannot run dry")
+    i = _claim(state, event, event.task, event.worker)
+    if i is None:
+        return _drop_stale(state, event.task, event.worker)
+    life = state.life
+    workers = life.workers
+    if workers[event.worker] is ACTIVE:
+        workers = workers[: event.worker] + (EXHAUSTED,) + workers[event.worker + 1 :]
+    phase = life.phase
+    if phase is RUNNING and ACTIVE not in workers:
+        phase = DRAINING
+    life = attrs.evolve(life, phase=phase, workers=workers, skipped=life.skipped + 1)
+    rcvd_idx, window = _resolve(state.rcvd_idx, state.window, i)
+    out: list[Command] = []
+    return _settle(
+        state.config,
+        life,
+        rcvd_idx,
+        window,
+        _add(state.loads, event.worker, -1),
+        state.cursor,
+        state.pulling_for,
+        state.waiting,
+        out,
+    )
+
+
+def _on_resumed(state: State, event: WorkerResumed) -> Transition:
+    life = state.life
+    w = event.worker
+    if not 0 <= w < len(life.workers) or life.workers[w] is not WorkerStatus.RESUMING:
+        raise _refuse(state, event, f"worker {w} was not asked to resume, or already answered")
+    workers = life.workers[:w] + (ACTIVE,) + life.workers[w + 1 :]
+    phase = RUNNING if _resume_complete(workers) else RESUMING
+    life = attrs.evolve(life, phase=phase, workers=workers)
+    out: list[Command] = []
+    return _settle(
+        state.config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.pulling_for,
+        state.waiting,
+        out,
+    )
+
+
+def _on_died(state: State, event: WorkerDied) -> Transition:
+    workers = state.life.workers
+    if not 0 <= event.worker < len(workers):
+        raise _refuse(state, event, f"there is no worker {event.worker}")
+    if workers[event.worker] is STOPPED:
+        return Transition(state, ())  # it was told to stop: its exit is expected
+    return _fail(state, WorkerDeath(event.worker, event.pid, event.exitcode))
+
+
+def _on_timeout(state: State, event: TimedOut) -> Transition:
+    if not state.waiting:
+        raise _refuse(state, event, "no consumer is waiting, so nothing can time out")
+    return _fail(state, Timeout(event.seconds))
+
+
+_CANCELLED = Cancelled()
+
+
+def _on_close(state: State, event: CloseRequested) -> Transition:
+    life = state.life
+    if life.phase is CLOSED:
+        return Transition(state, ())
+    return _abandon(state, CLOSED, life.failure, _CANCELLED)
+
+
+_HANDLERS: dict[type[Event], Callable[[State, Event], Transition]] = {
+    ResetRequested: _on_reset,  # type: ignore[dict-item]
+    NextRequested: _on_next,  # type: ignore[dict-item]
+    CloseRequested: _on_close,  # type: ignore[dict-item]
+    IndexDrawn: _on_index,  # type: ignore[dict-item]
+    SamplerExhausted: _on_sampler_exhausted,  # type: ignore[dict-item]
+    TimedOut: _on_timeout,  # type: ignore[dict-item]
+    TaskCompleted: _on_completed,  # type: ignore[dict-item]
+    TaskFailed: _on_failed,  # type: ignore[dict-item]
+    WorkerExhausted: _on_exhausted,  # type: ignore[dict-item]
+    WorkerResumed: _on_resumed,  # type: ignore[dict-item]
+    WorkerDied: _on_died,  # type: ignore[dict-item]
+}

@@ -1,0 +1,39 @@
+"""The Hypothesis state machines check the real core, and take any step function."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+
+from statecore import Config, Event, State, Transition, step
+from statecore.models.machines import scenarios, scheduler_machine
+from statecore.models.reference import IterableSpec, MapSpec
+from statecore.models.world import Scenario
+
+# The real core, under the profile's example budget (derandomized in CI).
+TestSchedulerAgainstTheModels = scheduler_machine().TestCase
+
+
+def test_the_machine_runs_a_step_function_it_is_given() -> None:
+    calls: list[type] = []
+
+    def counting(state: State, event: Event) -> Transition:
+        calls.append(type(event))
+        return step(state, event)
+
+    one = Scenario(Config(num_workers=1), MapSpec(2))
+    machine = scheduler_machine(st.just(one), step=counting)
+    run_state_machine_as_test(machine, settings=settings(max_examples=3))
+    assert calls  # every event of every run went through the given function
+
+
+@given(scenarios())
+def test_drawn_scenarios_are_consistent(scenario: Scenario) -> None:
+    config = scenario.config
+    assert config.iterable == isinstance(scenario.dataset, IterableSpec)
+    if isinstance(scenario.dataset, IterableSpec):
+        assert len(scenario.dataset.lengths) == config.num_workers
+    else:
+        assert isinstance(scenario.dataset, MapSpec)
+    assert scenario.epochs == 1 or config.persistent_workers

@@ -1,0 +1,209 @@
+"""Dispatch: which worker gets the next task, how far ahead, and how an epoch stops sending."""
+
+from __future__ import annotations
+
+from _drive import config, feed, fill, only, start
+
+from statecore import (
+    Deliver,
+    EndEpoch,
+    IndexDrawn,
+    NextRequested,
+    Phase,
+    PullIndex,
+    RaiseError,
+    SamplerExhausted,
+    SendTask,
+    Shutdown,
+    StopWorker,
+    TaskCompleted,
+    TaskFailed,
+    WorkerStatus,
+)
+
+
+def test_the_first_reset_starts_epoch_one_and_pulls_a_single_index() -> None:
+    state, commands = start(config())
+    assert state.phase is Phase.RUNNING
+    assert state.life.epoch == 1
+    assert commands == [PullIndex()]
+
+
+def test_the_worker_is_chosen_before_the_index_is_drawn() -> None:
+    state, _ = start(config(num_workers=3))
+    assert state.pulling_for == 0
+    state, commands = feed(state, IndexDrawn("a"))
+    assert commands[0] == SendTask(worker=0, task=0, index="a")
+    assert state.pulling_for == 1
+
+
+def test_a_drawn_index_goes_to_the_worker_chosen_for_it_with_the_next_task_number() -> None:
+    state, _ = start(config(num_workers=3))
+    state, _ = feed(state, IndexDrawn("a"), IndexDrawn("b"))
+    _, commands = feed(state, IndexDrawn("c"))
+    assert only(commands, SendTask) == [SendTask(worker=2, task=2, index="c")]
+
+
+def test_only_one_index_is_pulled_at_a_time() -> None:
+    state, _ = start(config())
+    assert state.pulling_for is not None
+    _, commands = feed(state, NextRequested())
+    assert only(commands, PullIndex) == []
+
+
+def test_each_drawn_index_asks_for_at_most_one_more() -> None:
+    state, _ = start(config(num_workers=3, prefetch_factor=2))
+    for index in range(6):
+        state, commands = feed(state, IndexDrawn(index))
+        assert len(only(commands, PullIndex)) <= 1
+
+
+def test_in_order_dispatch_takes_workers_in_turn_as_torch_does() -> None:
+    state, _ = start(config(num_workers=3, prefetch_factor=2))
+    _, commands = fill(state)
+    sends = only(commands, SendTask)
+    assert [send.worker for send in sends] == [0, 1, 2, 0, 1, 2]
+    assert [send.task for send in sends] == [0, 1, 2, 3, 4, 5]
+    assert [send.index for send in sends] == [0, 1, 2, 3, 4, 5]
+
+
+def test_dispatch_stops_once_every_worker_holds_prefetch_factor_tasks() -> None:
+    state, _ = start(config(num_workers=2, prefetch_factor=3))
+    state, commands = fill(state)
+    assert len(only(commands, SendTask)) == 6
+    assert state.loads == (3, 3)
+    assert state.pulling_for is None
+    assert commands[-1] == SendTask(worker=1, task=5, index=5)
+
+
+def test_an_answered_but_undelivered_task_still_counts_against_prefetch() -> None:
+    state, _ = fill(start(config(num_workers=2, prefetch_factor=2))[0])
+    state, commands = feed(state, TaskCompleted(task=0, worker=0, payload="b0"))
+    assert commands == []
+    assert state.loads == (2, 2)
+    assert state.pulling_for is None
+
+
+def test_a_delivery_frees_room_and_pulls_an_index_for_that_worker() -> None:
+    state, _ = fill(start(config(num_workers=2, prefetch_factor=2))[0])
+    state, _ = feed(state, TaskCompleted(task=0, worker=0, payload="b0"))
+    state, commands = feed(state, NextRequested())
+    assert commands[-1] == PullIndex()
+    assert state.pulling_for == 0
+    assert state.loads == (1, 2)
+
+
+def test_out_of_order_spreads_the_first_tasks_evenly_over_the_workers() -> None:
+    state, _ = start(config(num_workers=3, prefetch_factor=2, in_order=False))
+    _, commands = fill(state)
+    assert [send.worker for send in only(commands, SendTask)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_out_of_order_gives_room_to_whichever_worker_answered_first() -> None:
+    state, _ = fill(start(config(num_workers=3, prefetch_factor=2, in_order=False))[0])
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=4, worker=1))
+    assert commands[-1] == PullIndex()
+    assert state.pulling_for == 1
+    _, commands = feed(state, IndexDrawn("x"))
+    assert only(commands, SendTask) == [SendTask(worker=1, task=6, index="x")]
+
+
+def test_out_of_order_prefers_the_least_loaded_worker_over_the_next_in_turn() -> None:
+    state, _ = fill(start(config(num_workers=3, prefetch_factor=2, in_order=False))[0])
+    # Tasks 0..5 went to workers 0, 1, 2, 0, 1, 2. While the index for worker 2 is drawn,
+    # worker 0 delivers one task and worker 1 both of its own.
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=2, worker=2))
+    assert state.pulling_for == 2
+    state, _ = feed(
+        state,
+        NextRequested(),
+        TaskCompleted(task=0, worker=0),
+        NextRequested(),
+        TaskCompleted(task=1, worker=1),
+        NextRequested(),
+        TaskCompleted(task=4, worker=1),
+    )
+    state, _ = feed(state, IndexDrawn("x"))
+    assert state.loads == (1, 0, 2)
+    assert state.cursor == 0  # worker 0 is next in turn and has room ...
+    assert state.pulling_for == 1  # ... but worker 1 holds less
+
+
+def test_in_order_never_lets_a_worker_exceed_prefetch_factor() -> None:
+    state, _ = fill(start(config(num_workers=2, prefetch_factor=2))[0])
+    for task in range(4):
+        state, _ = feed(state, NextRequested(), TaskCompleted(task=task, worker=task % 2))
+        state, _ = fill(state)
+        assert max(state.loads) <= 2
+
+
+def test_sampler_exhaustion_with_tasks_outstanding_moves_to_draining() -> None:
+    state, _ = start(config(), IndexDrawn("a"))
+    state, commands = feed(state, SamplerExhausted())
+    assert state.phase is Phase.DRAINING
+    assert commands == []
+    assert state.pulling_for is None
+
+
+def test_draining_sends_no_more_tasks_as_workers_get_room() -> None:
+    state, _ = start(config(), IndexDrawn("a"), IndexDrawn("b"), SamplerExhausted())
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert state.phase is Phase.DRAINING
+    assert only(commands, PullIndex) == []
+
+
+def test_draining_finishes_once_the_last_task_is_delivered() -> None:
+    state, _ = start(config(), IndexDrawn("a"), SamplerExhausted())
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert state.phase is Phase.FINISHED
+    assert only(commands, EndEpoch) == []  # the consumer got a batch, not the end
+    _, commands = feed(state, NextRequested())
+    assert commands == [EndEpoch()]
+
+
+def test_a_consumer_waiting_when_the_epoch_finishes_gets_end_epoch_after_the_shutdown() -> None:
+    # Cleanup comes before the consumer is told, as on the failure path.
+    state, _ = start(config(num_workers=3), NextRequested())
+    state, commands = feed(state, SamplerExhausted())
+    assert state.phase is Phase.FINISHED
+    assert commands == [StopWorker(0), StopWorker(1), StopWorker(2), Shutdown(), EndEpoch()]
+    assert not state.waiting
+
+
+def test_the_epoch_end_order_holds_when_the_last_answer_ends_a_draining_epoch() -> None:
+    state, _ = start(config(), IndexDrawn("a"), IndexDrawn("b"), SamplerExhausted())
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    # The consumer waits for task 1; it fails instead, and is raised, not the end.
+    state, commands = feed(state, NextRequested(), TaskFailed(task=1, worker=1))
+    assert [type(c) for c in commands] == [RaiseError, StopWorker, StopWorker, Shutdown]
+    assert state.phase is Phase.FINISHED
+    _, commands = feed(state, NextRequested())
+    assert commands == [EndEpoch()]  # nothing to clean up twice
+
+
+def test_a_persistent_finish_tells_a_waiting_consumer_with_end_epoch_alone() -> None:
+    state, _ = start(config(persistent_workers=True), NextRequested())
+    state, commands = feed(state, SamplerExhausted())
+    assert state.phase is Phase.FINISHED
+    assert commands == [EndEpoch()]
+
+
+def test_a_non_persistent_finish_stops_every_worker_then_shuts_down() -> None:
+    state, _ = start(config(num_workers=3), IndexDrawn("a"), SamplerExhausted())
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert commands == [
+        Deliver(task=0, worker=0),
+        StopWorker(0),
+        StopWorker(1),
+        StopWorker(2),
+        Shutdown(),
+    ]
+    assert state.life.workers == (WorkerStatus.STOPPED,) * 3
+
+
+def test_a_persistent_finish_keeps_the_workers() -> None:
+    state, commands = start(config(persistent_workers=True), SamplerExhausted())
+    assert state.phase is Phase.FINISHED
+    assert only(commands, StopWorker) == []
+    assert only(commands, Shutdown) == []
+    assert state.life.workers == (WorkerStatus.ACTIVE,) * 2

@@ -1,0 +1,179 @@
+"""The transition table is a whitelist: a (phase, event type) pair missing from it is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from _drive import ONE_OF_EACH, config, feed, start
+
+from statecore import (
+    TRANSITIONS,
+    ClosedError,
+    CloseRequested,
+    Event,
+    ExecutorError,
+    IndexDrawn,
+    MisuseError,
+    NextRequested,
+    Phase,
+    ProtocolError,
+    ResetRequested,
+    SamplerExhausted,
+    State,
+    TaskCompleted,
+    WorkerDied,
+    initial_state,
+    step,
+)
+from statecore import _events as events_module
+from statecore._events import CONSUMER_EVENTS
+
+# Persistent and iterable, so that no refusal comes from the configuration instead of the phase.
+_CONFIG = config(num_workers=2, prefetch_factor=1, persistent_workers=True, iterable=True)
+
+
+def _idle() -> State:
+    return initial_state(_CONFIG)
+
+
+def _resuming() -> State:
+    return start(_CONFIG, SamplerExhausted(), ResetRequested())[0]
+
+
+def _running() -> State:
+    return start(_CONFIG)[0]
+
+
+def _draining() -> State:
+    # Task 0 on worker 0 is still due when the sampler runs out.
+    return start(_CONFIG, IndexDrawn(0), SamplerExhausted())[0]
+
+
+def _finished() -> State:
+    return start(_CONFIG, SamplerExhausted())[0]
+
+
+def _failed() -> State:
+    return start(_CONFIG, WorkerDied(worker=0))[0]
+
+
+def _closed() -> State:
+    return start(_CONFIG, CloseRequested())[0]
+
+
+BUILDERS: dict[Phase, Callable[[], State]] = {
+    Phase.IDLE: _idle,
+    Phase.RESUMING: _resuming,
+    Phase.RUNNING: _running,
+    Phase.DRAINING: _draining,
+    Phase.FINISHED: _finished,
+    Phase.FAILED: _failed,
+    Phase.CLOSED: _closed,
+}
+
+MISSING = [
+    (phase, event)
+    for phase in Phase
+    for event in ONE_OF_EACH
+    if type(event) not in TRANSITIONS[phase]
+]
+
+
+def test_every_phase_has_a_representative_state() -> None:
+    assert set(BUILDERS) == set(Phase)
+    for phase, build in BUILDERS.items():
+        assert build().phase is phase
+
+
+def test_representative_states_are_hashable_values() -> None:
+    # The models de-duplicate states, so equal states must hash equal, across rebuilds too.
+    states = [build() for build in BUILDERS.values()]
+    assert len(set(states)) == len(Phase)
+    for build in BUILDERS.values():
+        assert build() == build()
+        assert hash(build()) == hash(build())
+    running = _running()
+    changed = running._replace(waiting=True)
+    assert changed != running
+    assert (changed.waiting, running.waiting) == (True, False)
+
+
+def test_every_event_type_has_a_representative_event() -> None:
+    public = {getattr(events_module, name) for name in events_module.__all__}
+    assert {type(event) for event in ONE_OF_EACH} == public - {Event}
+
+
+def test_the_table_names_every_phase_and_only_known_event_types() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    known = {type(event) for event in ONE_OF_EACH}
+    for events in TRANSITIONS.values():
+        assert set(events) <= known
+
+
+def test_some_pairs_are_missing_from_the_table() -> None:
+    assert MISSING  # otherwise the test below checks nothing
+
+
+@pytest.mark.parametrize(
+    ("phase", "event"),
+    MISSING,
+    ids=[f"{phase.name}-{type(event).__name__}" for phase, event in MISSING],
+)
+def test_an_event_missing_from_the_table_is_refused(phase: Phase, event: Event) -> None:
+    state = BUILDERS[phase]()
+    with pytest.raises(ProtocolError) as caught:
+        step(state, event)
+    error = caught.value
+    # The error blames the event's source: the consumer (ClosedError once closed, MisuseError
+    # before), or the executor and driver (ExecutorError, even after close).
+    if type(event) not in CONSUMER_EVENTS:
+        assert type(error) is ExecutorError
+    elif phase is Phase.CLOSED:
+        assert type(error) is ClosedError
+    else:
+        assert type(error) is MisuseError
+    assert error.phase is phase
+    assert error.event == event
+    assert state == BUILDERS[phase]()
+
+
+def test_the_sticky_phases_accept_only_close_a_worker_death_and_while_failed_a_request() -> None:
+    assert set(TRANSITIONS[Phase.CLOSED]) == {CloseRequested, WorkerDied}
+    assert set(TRANSITIONS[Phase.FAILED]) == {CloseRequested, WorkerDied, NextRequested}
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda phase: phase.name)
+def test_close_is_accepted_in_every_phase(phase: Phase) -> None:
+    state, _ = feed(BUILDERS[phase](), CloseRequested())
+    assert state.phase is Phase.CLOSED
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda phase: phase.name)
+def test_a_worker_death_is_accepted_in_every_phase(phase: Phase) -> None:
+    assert WorkerDied in TRANSITIONS[phase]
+    state, _ = feed(BUILDERS[phase](), WorkerDied(worker=1))
+    assert state.phase in (Phase.FAILED, Phase.CLOSED)
+
+
+@pytest.mark.parametrize("phase", [Phase.FAILED, Phase.CLOSED], ids=lambda phase: phase.name)
+def test_a_worker_death_after_failure_or_close_changes_nothing(phase: Phase) -> None:
+    assert TRANSITIONS[phase][WorkerDied] == frozenset({phase})
+    state = BUILDERS[phase]()
+    after, commands = feed(state, WorkerDied(worker=1, pid=5, exitcode=-9))
+    assert commands == []
+    assert after == state
+
+
+def test_answers_while_resuming_are_accepted_only_for_stale_tasks() -> None:
+    # _resuming() abandoned no task: nothing is stale, so no answer can be accepted.
+    with pytest.raises(ExecutorError):
+        step(_resuming(), TaskCompleted(task=5, worker=0))
+    # Tasks 0 and 1 went to workers 0 and 1 before the reset: only those exact pairs are stale.
+    state = start(_CONFIG, IndexDrawn(0), IndexDrawn(1), ResetRequested())[0]
+    assert state.phase is Phase.RESUMING
+    for wrong in (TaskCompleted(task=0, worker=1), TaskCompleted(task=1, worker=0)):
+        with pytest.raises(ExecutorError):
+            step(state, wrong)
+    after, commands = feed(state, TaskCompleted(task=0, worker=0))
+    assert (after.phase, commands) == (Phase.RESUMING, [])
