@@ -1,9 +1,25 @@
-"""The imperative shell: executors that carry out the scheduler's commands.
+"""The imperative shell: the DataLoader facade, the driver loop and the executors.
 
-Installed as `statecore.executors`. The executor protocol lives here; the executors themselves
-(inline, multiprocessing, threads, pinned memory) build on it.
+Installed as `statecore.executors`. Executors carry out the scheduler's commands and report
+what their workers did; they decide nothing.
 """
 
+from statecore.executors._driver import Driver, failure_exception
+from statecore.executors._launch import ExecutorFactory, Launch
+from statecore.executors._loader import DataLoader
 from statecore.executors._protocol import Executor
+from statecore.executors._remote import RemoteError
+from statecore.executors._worker import WorkerRuntime, WorkerSetup, get_worker_info
 
-__all__ = ["Executor"]
+__all__ = [
+    "DataLoader",
+    "Driver",
+    "Executor",
+    "ExecutorFactory",
+    "Launch",
+    "RemoteError",
+    "WorkerRuntime",
+    "WorkerSetup",
+    "failure_exception",
+    "get_worker_info",
+]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from statecore import Event
+from statecore import Event, ResumeWorker, SendTask
 
 __all__ = ["Executor"]
 
@@ -26,17 +26,21 @@ __all__ = ["Executor"]
 class Executor(Protocol):
     """The small surface a driver loop drives."""
 
-    def start(self, num_workers: int) -> None:
-        """Bring up `num_workers` workers; they wait for tasks."""
+    def start(self) -> None:
+        """Bring up the workers it was built for; they wait for tasks."""
 
-    def dispatch(self, worker: int, task: int, index: object) -> None:
-        """Give `worker` the task numbered `task`: produce the batch for `index`."""
+    def dispatch(self, command: SendTask) -> None:
+        """Give `command.worker` the task: produce the batch for `command.index`."""
 
-    def resume(self, worker: int, epoch: int, seed: int | None) -> None:
-        """Ask `worker` to start epoch `epoch` with a fresh dataset iterator."""
+    def resume(self, command: ResumeWorker) -> None:
+        """Ask `command.worker` to start a new epoch with a fresh dataset iterator."""
 
     def poll(self, timeout: float | None) -> Event | None:
-        """The next answer from any worker, or None if none came within `timeout` seconds."""
+        """The next answer or death from any worker; None if none came within `timeout` seconds.
+
+        `timeout=None` waits as long as it takes. An executor with nothing left to answer
+        returns None at once.
+        """
 
     def stop_worker(self, worker: int) -> None:
         """Tell `worker` to exit once it has read everything sent before."""

@@ -10,6 +10,8 @@ Layers, from the inside out:
 - `statecore.executors`: the imperative shell that drives the core and moves the data.
 """
 
+from typing import Any
+
 from statecore._commands import (
     Command,
     Deliver,
@@ -123,3 +125,12 @@ __all__ = [
     "step",
     "violations",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The loader needs torch; load it only when asked, so the core stays importable without it.
+    if name in ("DataLoader", "get_worker_info"):
+        from statecore import executors
+
+        return getattr(executors, name)
+    raise AttributeError(f"module 'statecore' has no attribute {name!r}")

@@ -1,0 +1,48 @@
+"""The inline executor: loads in the calling thread, like torch with `num_workers=0`."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from statecore import Event, ResumeWorker, SendTask
+from statecore.executors._launch import Launch
+from statecore.executors._worker import WorkerRuntime
+
+__all__ = ["InlineExecutor"]
+
+
+class InlineExecutor:
+    """One worker: the caller. A task is loaded when the driver polls for its answer.
+
+    Loading at poll time rather than at dispatch keeps torch's single-process timing: a batch
+    is produced when the consumer asks for it, not ahead of time.
+    """
+
+    def __init__(self, launch: Launch) -> None:
+        if launch.num_workers != 1:
+            raise ValueError(f"the inline executor has one worker, not {launch.num_workers}")
+        self.launch = launch
+        self.queue: deque[SendTask | ResumeWorker] = deque()
+        self.runtime: WorkerRuntime | None = None
+
+    def start(self) -> None:
+        # In the main process torch neither seeds nor sets worker info: neither do we.
+        self.runtime = WorkerRuntime(self.launch.setup, worker_id=0)
+
+    def dispatch(self, command: SendTask) -> None:
+        self.queue.append(command)
+
+    def resume(self, command: ResumeWorker) -> None:
+        self.queue.append(command)
+
+    def poll(self, timeout: float | None) -> Event | None:
+        if not self.queue or self.runtime is None:
+            return None
+        return self.runtime.answer(self.queue.popleft())
+
+    def stop_worker(self, worker: int) -> None:
+        self.queue.clear()
+
+    def shutdown(self) -> None:
+        self.queue.clear()
+        self.runtime = None

@@ -1,0 +1,155 @@
+"""`statecore.DataLoader`: torch's DataLoader, with the scheduling done by the statecore core.
+
+The class is a subclass of `torch.utils.data.DataLoader`, so it takes the same arguments with
+the same defaults and the same validation, computes `len()` the same way, builds the same
+samplers from `shuffle` and `generator`, and is accepted wherever a torch DataLoader is. Only
+the iterator differs: it runs the scheduler core through a driver loop and an executor.
+
+The iterator also subclasses torch's base iterator, which draws the base seed from the
+loader's generator exactly as torch does, so shuffling and worker seeds match torch epoch
+after epoch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import multiprocess.context
+import torch.utils.data
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from statecore import Config, Phase
+from statecore.executors._driver import Driver
+from statecore.executors._launch import Launch
+from statecore.executors._protocol import Executor
+from statecore.executors._registry import resolve_executor
+from statecore.executors._worker import WorkerSetup
+
+__all__ = ["DataLoader"]
+
+_LIVE: weakref.WeakSet[_Iterator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_iterators() -> None:
+    # Persistent workers outlive the loop that used them; stop them before the interpreter goes.
+    for iterator in list(_LIVE):
+        iterator._shutdown()
+
+
+class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """`torch.utils.data.DataLoader`, plus `executor=`: "inline", "mp", or a factory.
+
+    Left out, `executor` follows torch: `num_workers=0` loads in the calling thread,
+    `num_workers>0` in worker processes. `multiprocessing_context` also takes a context of
+    the `multiprocess` package.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        executor: str | Callable[[Launch], Executor] | None = None,
+    ) -> None:
+        if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
+            # torch validates against the standard library's contexts; ours maps it back.
+            multiprocessing_context = multiprocessing_context.get_start_method()
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self.executor_factory, self.loads_in_process = resolve_executor(executor, num_workers)
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        if not self.loads_in_process:
+            self.check_worker_number_rationality()
+        return _Iterator(self)
+
+
+class _Iterator(_BaseDataLoaderIter):
+    """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._driver: Driver | None = None
+        in_process = loader.loads_in_process
+        if in_process and self._timeout != 0:
+            raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
+        workers = 1 if in_process else loader.num_workers
+        setup = WorkerSetup(
+            dataset=self._dataset,
+            dataset_kind=self._dataset_kind,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            base_seed=int(self._base_seed),
+            num_workers=workers,
+            worker_init_fn=loader.worker_init_fn,
+            shared_seed=self._shared_seed,
+        )
+        config = Config(
+            num_workers=workers,
+            prefetch_factor=1 if in_process else (loader.prefetch_factor or 2),
+            in_order=loader.in_order,
+            iterable=self._dataset_kind == _DatasetKind.Iterable,
+            persistent_workers=self._persistent_workers and not in_process,
+        )
+        executor = loader.executor_factory(Launch(setup, workers, loader.multiprocessing_context))
+        executor.start()
+        self._driver = Driver(config, executor, self._next_index, self._timeout)
+        _LIVE.add(self)
+        self._reset(loader, first_iter=True)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        assert self._driver is not None
+        self._driver.start_epoch(None if first_iter else self._shared_seed)
+
+    def _next_data(self) -> Any:
+        assert self._driver is not None
+        return self._driver.next()
+
+    def _shutdown(self) -> None:
+        driver, self._driver = self._driver, None
+        if driver is not None and driver.state.phase is not Phase.CLOSED:
+            driver.close()
+
+    def __del__(self) -> None:
+        # Never raise from a finalizer; the executor terminates what it must.
+        with contextlib.suppress(Exception):
+            self._shutdown()

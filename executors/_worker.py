@@ -1,0 +1,177 @@
+"""What a worker does, wherever it runs: seed itself as torch does, then answer tasks.
+
+`WorkerSetup` is everything a worker needs, shipped to it once. `WorkerRuntime` lives inside
+the worker and turns each command (`SendTask`, `ResumeWorker`) into the event that answers it.
+The multiprocessing executor runs one runtime per process; the loop around it, the queues and
+the watchdog are that executor's business.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.data import IterDataPipe
+from torch.utils.data._utils import HAS_NUMPY
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.dataloader import _DatasetKind
+
+from statecore import (
+    Event,
+    ResumeWorker,
+    SendTask,
+    TaskCompleted,
+    TaskFailed,
+    WorkerExhausted,
+    WorkerResumed,
+)
+from statecore.executors._remote import RemoteError
+
+__all__ = ["WorkerRuntime", "WorkerSetup", "get_worker_info", "seed_worker"]
+
+
+@attrs.frozen
+class WorkerSetup:
+    """Everything a worker needs to produce batches; the same for every worker of a loader."""
+
+    dataset: Any = attrs.field(eq=False)
+    dataset_kind: int
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any] | None = attrs.field(eq=False)
+    drop_last: bool
+    base_seed: int
+    num_workers: int
+    worker_init_fn: Callable[[int], None] | None = attrs.field(default=None, eq=False)
+    shared_seed: int | None = None
+
+    @property
+    def iterable(self) -> bool:
+        return self.dataset_kind == _DatasetKind.Iterable
+
+
+def get_worker_info() -> torch_worker.WorkerInfo | None:
+    """The current worker's WorkerInfo, or None in the main process.
+
+    The same object that `torch.utils.data.get_worker_info()` returns inside our workers, so
+    IterableDatasets that shard themselves with torch's function work unchanged.
+    """
+    return torch.utils.data.get_worker_info()
+
+
+def seed_worker(base_seed: int, worker_id: int) -> int:
+    """Seed `random`, torch and numpy as torch seeds its workers; return the worker's seed."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if HAS_NUMPY:
+        import numpy
+
+        numpy.random.seed(torch_worker._generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
+    return seed
+
+
+class WorkerRuntime:
+    """One worker's dataset iterator and its answers to the scheduler's commands.
+
+    Build it with `WorkerRuntime.in_worker` inside a worker (seeded, with worker info, after
+    `worker_init_fn`), or directly for loading in the main process, where torch neither seeds
+    nor sets worker info.
+    """
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        worker_id: int,
+        pid: int | None = None,
+        dataset: Any = None,
+        init_error: RemoteError | None = None,
+    ) -> None:
+        self.setup = setup
+        self.worker_id = worker_id
+        self.pid = pid
+        self.dataset = setup.dataset if dataset is None else dataset
+        self.exhausted = False
+        self.init_error = init_error
+        if init_error is None:
+            self._restart("while creating the dataset fetcher")
+
+    @classmethod
+    def in_worker(cls, setup: WorkerSetup, worker_id: int, pid: int | None) -> WorkerRuntime:
+        """Prepare this process or thread as worker `worker_id`, the way torch's workers are."""
+        seed = seed_worker(setup.base_seed, worker_id)
+        dataset = setup.dataset
+        if isinstance(dataset, IterDataPipe) and setup.shared_seed is not None:
+            dataset = _reseed_datapipe(dataset, setup.shared_seed)
+        # torch's own global, so that torch.utils.data.get_worker_info() sees this worker, and
+        # default_collate builds batches straight in shared memory as it does in torch's workers.
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_id, num_workers=setup.num_workers, seed=seed, dataset=dataset
+        )
+        init_error = None
+        try:
+            if setup.worker_init_fn is not None:
+                setup.worker_init_fn(worker_id)
+        except Exception as error:
+            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
+            init_error = RemoteError.capture(
+                error, worker=worker_id, pid=pid, index=None, where="in worker_init_fn"
+            )
+        return cls(setup, worker_id, pid, dataset, init_error)
+
+    def _restart(self, where: str) -> None:
+        setup = self.setup
+        try:
+            self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                setup.dataset_kind,
+                self.dataset,
+                setup.auto_collation,
+                setup.collate_fn,
+                setup.drop_last,
+            )
+        except Exception as error:
+            self.init_error = RemoteError.capture(
+                error, worker=self.worker_id, pid=self.pid, index=None, where=where
+            )
+
+    def answer(self, command: SendTask | ResumeWorker) -> Event:
+        """The event that answers `command`: every task gets exactly one answer."""
+        if isinstance(command, ResumeWorker):
+            return self.resume(command)
+        task, worker = command.task, self.worker_id
+        if self.init_error is not None:
+            return TaskFailed(task, worker, self.init_error)
+        if self.exhausted:
+            return WorkerExhausted(task, worker)
+        try:
+            data = self.fetcher.fetch(command.index)
+        except StopIteration as error:
+            if self.setup.iterable:
+                self.exhausted = True
+                return WorkerExhausted(task, worker)
+            return TaskFailed(task, worker, self._capture(error, command.index))
+        except Exception as error:
+            return TaskFailed(task, worker, self._capture(error, command.index))
+        return TaskCompleted(task, worker, data)
+
+    def resume(self, command: ResumeWorker) -> Event:
+        """Start a new epoch: a fresh dataset iterator, as torch's workers do on resume."""
+        if command.seed is not None and isinstance(self.setup.dataset, IterDataPipe):
+            self.dataset = _reseed_datapipe(self.setup.dataset, command.seed)
+        self.exhausted = False
+        if self.init_error is None:
+            self._restart("while restarting the dataset for a new epoch")
+        return WorkerResumed(self.worker_id)
+
+    def _capture(self, error: BaseException, index: object) -> RemoteError:
+        return RemoteError.capture(error, worker=self.worker_id, pid=self.pid, index=index)
+
+
+def _reseed_datapipe(dataset: Any, seed: int) -> Any:
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    rng = torch.Generator()
+    rng.manual_seed(seed)
+    return apply_random_seed(dataset, rng)
