@@ -26,6 +26,7 @@ import multiprocessing as stdlib_multiprocessing
 import os
 import pickle
 import queue
+import signal
 import time
 from multiprocessing.reduction import ForkingPickler as StdlibPickler
 from typing import Any
@@ -99,6 +100,9 @@ def _worker_main(
     authkey: bytes,
 ) -> None:
     """The body of a worker process."""
+    # Ctrl-C reaches the whole process group; the main process decides what happens next and
+    # stops the workers itself, so a worker neither dies of it nor prints a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdlib_multiprocessing.current_process().authkey = authkey
     torch.set_num_threads(1)
     parent = os.getppid()

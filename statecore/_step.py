@@ -366,6 +366,23 @@ def _settle(
     return _tuple_new(Transition, (state, tuple(out)))
 
 
+def _settle_same(
+    state: State, life: Lifecycle, pulling_for: int | None, waiting: bool
+) -> Transition:
+    """`_settle` for a transition that leaves the window, loads and cursor as they were."""
+    return _settle(
+        state.config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        pulling_for,
+        waiting,
+        [],
+    )
+
+
 def _abandon(
     state: State, phase: Phase, failure: Failure | None, raised: Failure | None
 ) -> Transition:
@@ -465,18 +482,7 @@ def _on_next(state: State, event: NextRequested) -> Transition:
     if phase is FAILED:
         assert state.life.failure is not None
         return Transition(state, (RaiseError(state.life.failure),))
-    out: list[Command] = []
-    return _settle(
-        state.config,
-        state.life,
-        state.rcvd_idx,
-        state.window,
-        state.loads,
-        state.cursor,
-        state.pulling_for,
-        True,
-        out,
-    )
+    return _settle_same(state, state.life, state.pulling_for, True)
 
 
 def _on_index(state: State, event: IndexDrawn) -> Transition:
@@ -490,18 +496,7 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
         # when no other worker has room.
         w = _pick_worker(config, life.workers, state.loads, state.cursor)
         if w is None:
-            out: list[Command] = []
-            return _settle(
-                config,
-                life,
-                state.rcvd_idx,
-                state.window,
-                state.loads,
-                state.cursor,
-                None,
-                state.waiting,
-                out,
-            )
+            return _settle_same(state, life, None, state.waiting)
     out = [SendTask(w, state.send_idx, event.index)]
     return _settle(
         config,
@@ -522,18 +517,7 @@ def _on_sampler_exhausted(state: State, event: SamplerExhausted) -> Transition:
     life = state.life
     if life.phase is RUNNING:
         life = attrs.evolve(life, phase=DRAINING)
-    out: list[Command] = []
-    return _settle(
-        state.config,
-        life,
-        state.rcvd_idx,
-        state.window,
-        state.loads,
-        state.cursor,
-        None,
-        state.waiting,
-        out,
-    )
+    return _settle_same(state, life, None, state.waiting)
 
 
 def _on_answer(
@@ -612,18 +596,7 @@ def _on_resumed(state: State, event: WorkerResumed) -> Transition:
     workers = life.workers[:w] + (ACTIVE,) + life.workers[w + 1 :]
     phase = RUNNING if _resume_complete(workers) else RESUMING
     life = attrs.evolve(life, phase=phase, workers=workers)
-    out: list[Command] = []
-    return _settle(
-        state.config,
-        life,
-        state.rcvd_idx,
-        state.window,
-        state.loads,
-        state.cursor,
-        state.pulling_for,
-        state.waiting,
-        out,
-    )
+    return _settle_same(state, life, state.pulling_for, state.waiting)
 
 
 def _on_died(state: State, event: WorkerDied) -> Transition:
