@@ -69,6 +69,8 @@ class Driver:
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
+        self.sampler_failed = False
+        self.sampler_error: Exception | None = None
 
     # --- the consumer's calls ----------------------------------------------------------------
 
@@ -79,16 +81,21 @@ class Driver:
         while self.state.phase is Phase.RESUMING:
             self._wait()
             outcome = self._carry_out() or outcome
+        self._raise_sampler_error()  # priming the workers read the sampler, as torch's does
         if outcome is not None:
             self._hand_over(outcome)
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
+        self._raise_sampler_error()
+        if self.sampler_failed:
+            raise StopIteration  # as in torch, whose sampler iterator is spent once it raised
         self._feed(_NEXT)
         while True:
             outcome = self._carry_out()
             if outcome is not None:
                 return self._hand_over(outcome)
+            self._raise_sampler_error()
             self._wait()
 
     def close(self) -> None:
@@ -145,13 +152,23 @@ class Driver:
             index = self.draw()
         except StopIteration:
             self._feed(_SAMPLER_EXHAUSTED)
-        except BaseException:
+        except BaseException as error:
             # The sampler itself failed: nothing sensible can follow, so leave nothing behind.
+            # A batch handed over in this same round still reaches the consumer first, and the
+            # sampler's error comes with the next request, in the order torch raises them.
             self.todo.clear()
+            self.sampler_failed = True
             self.close()
-            raise
+            if not isinstance(error, Exception):
+                raise
+            self.sampler_error = error
         else:
             self._feed(IndexDrawn(index))
+
+    def _raise_sampler_error(self) -> None:
+        error, self.sampler_error = self.sampler_error, None
+        if error is not None:
+            raise error
 
     def _hand_over(self, outcome: Any) -> Any:
         if outcome is _END:

@@ -101,6 +101,23 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         return _Iterator(self)
 
 
+def _drawer(iterator: _Iterator) -> Callable[[], Any]:
+    """`iterator._next_index` without a reference to the iterator.
+
+    A bound method would close a cycle (iterator -> driver -> method -> iterator), and a cycle
+    waits for the garbage collector: the workers of a dropped iterator would outlive it.
+    """
+    ref = weakref.ref(iterator)
+
+    def draw() -> Any:
+        alive = ref()
+        if alive is None:
+            raise StopIteration
+        return alive._next_index()  # type: ignore[no-untyped-call]
+
+    return draw
+
+
 class _Iterator(_BaseDataLoaderIter):
     """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
 
@@ -128,10 +145,11 @@ class _Iterator(_BaseDataLoaderIter):
             in_order=loader.in_order,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             persistent_workers=self._persistent_workers and not in_process,
+            lazy=in_process,
         )
         executor = loader.executor_factory(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
-        self._driver = Driver(config, executor, self._next_index, self._timeout)
+        self._driver = Driver(config, executor, _drawer(self), self._timeout)
         _LIVE.add(self)
         self._reset(loader, first_iter=True)
 

@@ -22,6 +22,7 @@ unpickles anything.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as stdlib_multiprocessing
 import os
 import pickle
@@ -52,7 +53,10 @@ __all__ = ["MultiprocessExecutor", "resolve_context"]
 
 # How often an idle worker checks that its parent is still there.
 WATCHDOG_INTERVAL = 1.0
-# How long shutdown waits for workers to exit by themselves before terminating them.
+# How long shutdown lets workers exit by themselves before terminating them. An idle worker
+# exits at once; one still busy with a batch nobody will read is simply terminated.
+SHUTDOWN_GRACE = 1.0
+# How long to wait for a process that has ended, or was terminated, to be reaped.
 JOIN_TIMEOUT = 5.0
 # Answers to resumes carry no task number; this marks them on the wire.
 _NO_TASK = -1
@@ -189,7 +193,10 @@ class MultiprocessExecutor:
         if worker not in self.stopping:
             self.stopping.add(worker)
             if worker not in self.gone:
-                self.tasks[worker].put(None)
+                # At interpreter exit the queue may already be finalized; shutdown then
+                # terminates the worker instead.
+                with contextlib.suppress(ValueError, OSError):
+                    self.tasks[worker].put(None)
 
     # --- answers -----------------------------------------------------------------------------
 
@@ -278,7 +285,7 @@ class MultiprocessExecutor:
         self.closed = True
         for worker in range(len(self.processes)):
             self.stop_worker(worker)
-        deadline = time.monotonic() + JOIN_TIMEOUT
+        deadline = time.monotonic() + SHUTDOWN_GRACE
         running = {w for w, p in enumerate(self.processes) if p.is_alive()}
         while running and time.monotonic() < deadline:
             # A worker blocked on sending a batch nobody will read exits once we drain it.

@@ -87,11 +87,15 @@ class WorkerRuntime:
         worker_id: int,
         pid: int | None = None,
         dataset: Any = None,
-        init_error: RemoteError | None = None,
+        init_error: BaseException | RemoteError | None = None,
+        note: str | None = None,
     ) -> None:
+        """`pid` None means this runs in the main process: errors then stay exception objects
+        (with `note` added, if given) instead of being turned into data for another process."""
         self.setup = setup
         self.worker_id = worker_id
         self.pid = pid
+        self.note = note
         self.dataset = setup.dataset if dataset is None else dataset
         self.exhausted = False
         self.init_error = init_error
@@ -132,9 +136,7 @@ class WorkerRuntime:
                 setup.drop_last,
             )
         except Exception as error:
-            self.init_error = RemoteError.capture(
-                error, worker=self.worker_id, pid=self.pid, index=None, where=where
-            )
+            self.init_error = self._capture(error, None, where)
 
     def answer(self, command: SendTask | ResumeWorker) -> Event:
         """The event that answers `command`: every task gets exactly one answer."""
@@ -165,8 +167,17 @@ class WorkerRuntime:
             self._restart("while restarting the dataset for a new epoch")
         return WorkerResumed(self.worker_id)
 
-    def _capture(self, error: BaseException, index: object) -> RemoteError:
-        return RemoteError.capture(error, worker=self.worker_id, pid=self.pid, index=index)
+    def _capture(
+        self, error: BaseException, index: object, where: str = "while loading"
+    ) -> BaseException | RemoteError:
+        if self.pid is None:
+            if self.note is not None:
+                at = "" if index is None else f" at dataset index {index!r}"
+                error.add_note(f"{self.note} {where}{at}")
+            return error
+        return RemoteError.capture(
+            error, worker=self.worker_id, pid=self.pid, index=index, where=where
+        )
 
 
 def _reseed_datapipe(dataset: Any, seed: int) -> Any:

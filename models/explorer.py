@@ -152,6 +152,9 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
         else:
             dataset = MapSpec(total, frozenset({1}))
         yield Scenario(config, dataset, epochs=2 if persistent else 1)
+        if workers == 1 and prefetch == 1 and not persistent:
+            # Loading in the calling thread: one worker, reading the sampler only on demand.
+            yield Scenario(attrs.evolve(config, lazy=True), dataset)
 
 
 def _explore_one(args: tuple[Scenario, StepFunction]) -> Report:

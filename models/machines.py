@@ -54,6 +54,7 @@ def scenarios(
         in_order=draw(st.booleans(), label="in_order"),
         iterable=draw(st.booleans(), label="iterable"),
         persistent_workers=persistent,
+        lazy=draw(st.booleans(), label="lazy") if workers == 1 else False,
     )
     dataset: MapSpec | IterableSpec
     if config.iterable:

@@ -48,6 +48,10 @@ def violations(state: State) -> list[str]:
         elif not 0 <= state.pulling_for < n:
             found.append(f"an index is drawn for worker {state.pulling_for}, who does not exist")
 
+    if config.lazy and state.pulling_for is not None and not state.waiting:
+        found.append("a lazy scheduler draws an index with no consumer waiting")
+    if config.lazy and len(window) > 1:
+        found.append("a lazy scheduler holds more than one task")
     if state.waiting:
         if phase not in _WAITABLE:
             found.append(f"a consumer waits while the loader is {phase.value}")

@@ -208,6 +208,9 @@ class Config:
     in_order: bool = True
     iterable: bool = False
     persistent_workers: bool = False
+    lazy: bool = False
+    """Draw an index only when a consumer waits and nothing is in hand: torch's behaviour
+    without workers, where the sampler is read at `next()`, never ahead of it."""
 
 
 @attrs.frozen

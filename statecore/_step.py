@@ -348,7 +348,7 @@ def _settle(
             waiting = False
     phase = life.phase
     if phase is RUNNING:
-        if pulling_for is None:
+        if pulling_for is None and (not config.lazy or (waiting and not window)):
             w = _pick_worker(config, life.workers, loads, cursor)
             if w is not None:
                 pulling_for = w
@@ -497,7 +497,7 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
         w = _pick_worker(config, life.workers, state.loads, state.cursor)
         if w is None:
             return _settle_same(state, life, None, state.waiting)
-    out = [SendTask(w, state.send_idx, event.index)]
+    out: list[Command] = [SendTask(w, state.send_idx, event.index)]
     return _settle(
         config,
         life,

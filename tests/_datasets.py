@@ -1,0 +1,335 @@
+"""Small datasets, samplers and callbacks for the loader conformance tests.
+
+Everything here is defined at module level so that it pickles by reference: the same objects
+serve torch's DataLoader and statecore's, under every start method.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+import statecore
+
+# --- map-style datasets ------------------------------------------------------------------------
+
+
+class Numbers(Dataset):  # type: ignore[type-arg]
+    """Item i is i: the simplest dataset whose batches show which indices went into them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return index
+
+
+class Records(Dataset):  # type: ignore[type-arg]
+    """Nested samples (dict, tuple, tensor, string), to exercise collation of structures."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "pair": (index, -index),
+            "vector": torch.tensor([index, 2 * index], dtype=torch.float32),
+            "name": f"item-{index}",
+        }
+
+
+class RandomDraws(Dataset):  # type: ignore[type-arg]
+    """Item i: the index, the worker's info, and one draw from each seeded RNG, in this order."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return [index, *_info_fields(), *_draws()]
+
+
+# --- iterable datasets -------------------------------------------------------------------------
+
+
+class ShardedRange(IterableDataset):  # type: ignore[type-arg]
+    """range(n), split between workers by striding with get_worker_info(), as torch documents."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
+
+
+class PerWorkerCounts(IterableDataset):  # type: ignore[type-arg]
+    """Worker k yields counts[k] items (100 * k + j), so workers run dry at different times.
+
+    Loaded in the main process it yields every worker's items, one worker after the other.
+    """
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = tuple(counts)
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        workers = range(len(self.counts)) if info is None else [info.id]
+        for k in workers:
+            yield from (100 * k + j for j in range(self.counts[k]))
+
+
+class Unsharded(IterableDataset):  # type: ignore[type-arg]
+    """range(n) in every worker: each worker yields a full copy, as torch documents."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+class SizedIterable(IterableDataset):  # type: ignore[type-arg]
+    """Yields `actual` items (sharded between workers) but reports `reported` as its length."""
+
+    def __init__(self, actual: int, reported: int) -> None:
+        self.actual = actual
+        self.reported = reported
+
+    def __len__(self) -> int:
+        return self.reported
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.actual))
+        return iter(range(info.id, self.actual, info.num_workers))
+
+
+class InitDraws(IterableDataset):  # type: ignore[type-arg]
+    """Yields, once per worker, what `record_init_draws` saw followed by fresh draws."""
+
+    init_draws: tuple[Any, ...] = ()
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        yield [*self.init_draws, *_info_fields(), *_draws()]
+
+
+def record_init_draws(worker_id: int) -> None:
+    """A worker_init_fn: note the worker id and one draw from each RNG on the worker's dataset."""
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.init_draws = (worker_id, *_draws())
+
+
+class WorkerInfoProbe(IterableDataset):  # type: ignore[type-arg]
+    """Yields, once per worker, what statecore.get_worker_info() tells about the worker."""
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        info = statecore.get_worker_info()
+        if info is None:
+            yield [None]
+            return
+        yield [
+            info is get_worker_info(),
+            info.id,
+            info.num_workers,
+            info.seed,
+            info.dataset is self,
+            type(info).__module__ + "." + type(info).__qualname__,
+        ]
+
+
+def _info_fields() -> list[int]:
+    info = get_worker_info()
+    if info is None:
+        return [-1, -1, -1]
+    return [info.id, info.num_workers, info.seed]
+
+
+def _draws() -> list[float]:
+    return [random.random(), torch.rand(1).item(), float(numpy.random.rand())]
+
+
+# --- samplers ----------------------------------------------------------------------------------
+
+
+class EveryOtherBackwards(Sampler[int]):
+    """n-1, n-3, ...: a custom sampler that skips and reverses."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n - 1, -1, -2))
+
+    def __len__(self) -> int:
+        return (self.n + 1) // 2
+
+
+class GrowingBatches(Sampler[list[int]]):
+    """Batches of 1, 2, 3, ... consecutive indices, the last one possibly short."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, size = 0, 1
+        while start < self.n:
+            yield list(range(start, min(start + size, self.n)))
+            start += size
+            size += 1
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+# --- collate functions -------------------------------------------------------------------------
+
+
+def sum_and_items(batch: list[Any]) -> dict[str, Any]:
+    """A custom collate_fn for batches: the items as a list and their sum."""
+    return {"items": list(batch), "sum": sum(batch)}
+
+
+def tag_sample(sample: Any) -> tuple[str, Any]:
+    """A custom collate_fn without auto-collation: it gets one sample at a time."""
+    return ("sample", sample)
+
+
+class WorkerPids(Dataset):  # type: ignore[type-arg]
+    """Item i is the pid of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+class FailsAt(Dataset):  # type: ignore[type-arg]
+    """Numbers(n), except that loading any index in `bad` raises KeyError."""
+
+    def __init__(self, n: int, bad: Sequence[int]) -> None:
+        self.n = n
+        self.bad = frozenset(bad)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            raise KeyError(f"bad index {index}")
+        return index
+
+
+def failing_init(worker_id: int) -> None:
+    """A worker_init_fn that raises in every worker."""
+    raise RuntimeError(f"worker_init_fn failed in worker {worker_id}")
+
+
+class BadSample(Exception):
+    """An exception that carries data, as user code's exceptions often do."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"bad sample {index}")
+        self.index = index
+
+
+class RaisesBadSample(Dataset):  # type: ignore[type-arg]
+    """Every index raises BadSample(index)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        raise BadSample(index)
+
+
+class LoggingSampler(Sampler[int]):
+    """0, 1, ..., n-1, noting each index as it is drawn, to show when the loader draws."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.drawn: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        for index in range(self.n):
+            self.drawn.append(index)
+            yield index
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class BrokenSampler(Sampler[int]):
+    """0, 1, ... until `fails_at`, where it raises ValueError."""
+
+    def __init__(self, n: int, fails_at: int) -> None:
+        self.n = n
+        self.fails_at = fails_at
+
+    def __iter__(self) -> Iterator[int]:
+        for index in range(self.n):
+            if index == self.fails_at:
+                raise ValueError(f"sampler failed at {index}")
+            yield index
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class BlocksAt(Dataset):  # type: ignore[type-arg]
+    """Numbers(n), except that loading `index` first reads a byte from the pipe `fd`.
+
+    The loading blocks until the main process writes a byte; a worker killed while it waits
+    leaves nothing shared in a bad state. Fork only: the descriptor is inherited.
+    """
+
+    def __init__(self, n: int, index: int, fd: int) -> None:
+        self.n = n
+        self.index = index
+        self.fd = fd
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.index:
+            os.read(self.fd, 1)
+        return index
+
+
+class ExitsAt(Dataset):  # type: ignore[type-arg]
+    """Numbers(n), except that the worker loading `index` exits at once, without cleanup."""
+
+    def __init__(self, n: int, index: int) -> None:
+        self.n = n
+        self.index = index
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.index:
+            os._exit(3)
+        return index

@@ -1,0 +1,336 @@
+"""statecore.DataLoader has torch's DataLoader interface: signature, validation, len, helpers.
+
+Where statecore adds something (the `executor` argument, `multiprocess` contexts) the tests say
+what it must do; everywhere else the specification is whatever torch does for the same call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import multiprocess
+import pytest
+import torch
+import torch.utils.data
+from _datasets import GrowingBatches, Numbers, ShardedRange, SizedIterable, WorkerInfoProbe
+
+import statecore
+from statecore.executors import Launch
+from statecore.executors._inline import InlineExecutor
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+WORKERS = pytest.mark.timeout(120)
+LOADERS = [
+    pytest.param(torch.utils.data.DataLoader, id="torch"),
+    pytest.param(statecore.DataLoader, id="statecore"),
+]
+
+
+def as_lists(batches: Any) -> list[Any]:
+    return [batch.tolist() if isinstance(batch, torch.Tensor) else batch for batch in batches]
+
+
+# --- the class and its signature -----------------------------------------------------------------
+
+
+def test_signature_is_torchs_plus_a_keyword_only_executor() -> None:
+    ours = inspect.signature(statecore.DataLoader.__init__).parameters
+    theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+    assert list(ours) == [*theirs, "executor"]
+    for name, parameter in theirs.items():
+        assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
+    executor = ours["executor"]
+    assert executor.kind is inspect.Parameter.KEYWORD_ONLY
+    assert executor.default is None
+
+
+def test_loader_is_a_torch_dataloader() -> None:
+    loader = statecore.DataLoader(Numbers(4))
+    assert isinstance(loader, torch.utils.data.DataLoader)
+
+
+def test_loader_attributes_equal_torchs() -> None:
+    args: dict[str, Any] = {"batch_size": 3, "shuffle": True, "drop_last": True}
+    ours = statecore.DataLoader(Numbers(10), **args)
+    theirs = torch.utils.data.DataLoader(Numbers(10), **args)
+    for name in ("batch_size", "drop_last", "num_workers", "timeout", "prefetch_factor"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert type(ours.sampler) is type(theirs.sampler)
+    assert type(ours.batch_sampler) is type(theirs.batch_sampler)
+    assert ours.collate_fn is theirs.collate_fn
+
+
+# --- validation ----------------------------------------------------------------------------------
+# Each row: keyword arguments that torch refuses. statecore must refuse them the same way.
+
+BAD_ARGUMENTS = [
+    pytest.param(lambda: {"dataset": Numbers(5), "num_workers": -1}, id="negative-num-workers"),
+    pytest.param(lambda: {"dataset": Numbers(5), "timeout": -1}, id="negative-timeout"),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "batch_size": 2, "batch_sampler": GrowingBatches(5)},
+        id="batch-sampler-with-batch-size",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "shuffle": True, "batch_sampler": GrowingBatches(5)},
+        id="batch-sampler-with-shuffle",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "sampler": [0, 1], "batch_sampler": GrowingBatches(5)},
+        id="batch-sampler-with-sampler",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "drop_last": True, "batch_sampler": GrowingBatches(5)},
+        id="batch-sampler-with-drop-last",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "sampler": [0, 1], "shuffle": True},
+        id="sampler-with-shuffle",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "persistent_workers": True},
+        id="persistent-workers-without-workers",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "prefetch_factor": 2},
+        id="prefetch-factor-without-workers",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "num_workers": 2, "prefetch_factor": -1},
+        id="negative-prefetch-factor",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "num_workers": 2, "multiprocessing_context": "bogus"},
+        id="unknown-start-method",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "multiprocessing_context": "fork"},
+        id="start-method-without-workers",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "num_workers": 2, "multiprocessing_context": 42},
+        id="context-of-the-wrong-type",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "multiprocessing_context": multiprocessing.get_context()},
+        id="context-object-without-workers",
+    ),
+    pytest.param(lambda: {"dataset": ShardedRange(5), "shuffle": True}, id="iterable-with-shuffle"),
+    pytest.param(lambda: {"dataset": ShardedRange(5), "sampler": [0]}, id="iterable-with-sampler"),
+    pytest.param(
+        lambda: {"dataset": ShardedRange(5), "batch_sampler": [[0]]},
+        id="iterable-with-batch-sampler",
+    ),
+    pytest.param(
+        lambda: {"dataset": Numbers(5), "batch_size": None, "drop_last": True},
+        id="drop-last-without-batching",
+    ),
+    pytest.param(lambda: {"dataset": Numbers(5), "batch_size": 0}, id="zero-batch-size"),
+    pytest.param(lambda: {"dataset": Numbers(5), "batch_size": 2.5}, id="fractional-batch-size"),
+    pytest.param(lambda: {"dataset": Numbers(5), "drop_last": "yes"}, id="drop-last-not-a-bool"),
+]
+
+
+def construction_error(loader_class: type, kwargs: dict[str, Any]) -> BaseException:
+    with pytest.raises(Exception) as raised:
+        loader_class(**kwargs)
+    return raised.value
+
+
+@pytest.mark.parametrize("kwargs", BAD_ARGUMENTS)
+def test_bad_arguments_are_refused_with_torchs_error(kwargs: Callable[[], dict[str, Any]]) -> None:
+    expected = construction_error(torch.utils.data.DataLoader, kwargs())
+    got = construction_error(statecore.DataLoader, kwargs())
+    assert (type(got), str(got)) == (type(expected), str(expected))
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value"),
+    [("batch_size", 4), ("dataset", Numbers(3)), ("drop_last", True), ("sampler", [0])],
+)
+def test_setting_a_fixed_attribute_after_construction_fails_like_torch(
+    attribute: str, value: Any
+) -> None:
+    errors = []
+    for loader_class in (torch.utils.data.DataLoader, statecore.DataLoader):
+        loader = loader_class(Numbers(10), batch_size=2)
+        with pytest.raises(ValueError) as raised:
+            setattr(loader, attribute, value)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("loader_class", LOADERS)
+def test_timeout_without_workers_fails_when_iterated(loader_class: type) -> None:
+    # torch accepts the argument but refuses to start an in-process iterator with it.
+    loader = loader_class(Numbers(5), timeout=3)
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        iter(loader)
+
+
+# --- len() ---------------------------------------------------------------------------------------
+
+LENGTHS = [
+    pytest.param(Numbers(10), {}, id="map-defaults"),
+    pytest.param(Numbers(10), {"batch_size": 3}, id="map-b3"),
+    pytest.param(Numbers(10), {"batch_size": 3, "drop_last": True}, id="map-b3-drop"),
+    pytest.param(Numbers(9), {"batch_size": 3, "drop_last": True}, id="map-b3-drop-even"),
+    pytest.param(Numbers(10), {"batch_size": None}, id="map-unbatched"),
+    pytest.param(Numbers(10), {"batch_sampler": GrowingBatches(10)}, id="batch-sampler"),
+    pytest.param(Numbers(10), {"sampler": [1, 2, 3, 4, 5], "batch_size": 2}, id="list-sampler"),
+    pytest.param(SizedIterable(10, 10), {"batch_size": 3}, id="iterable-b3"),
+    pytest.param(SizedIterable(10, 10), {"batch_size": 3, "drop_last": True}, id="iterable-drop"),
+    pytest.param(SizedIterable(10, 10), {"batch_size": None}, id="iterable-unbatched"),
+    pytest.param(SizedIterable(10, 10), {"batch_size": 3, "num_workers": 2}, id="iterable-w2"),
+    pytest.param(Numbers(10), {"batch_size": 4, "num_workers": 2}, id="map-w2"),
+]
+
+
+@pytest.mark.parametrize(("dataset", "kwargs"), LENGTHS)
+def test_len_equals_torchs(dataset: Any, kwargs: dict[str, Any]) -> None:
+    assert len(statecore.DataLoader(dataset, **kwargs)) == len(
+        torch.utils.data.DataLoader(dataset, **kwargs)
+    )
+
+
+def test_len_of_an_iterable_without_len_fails_like_torch() -> None:
+    errors = []
+    for loader_class in (torch.utils.data.DataLoader, statecore.DataLoader):
+        with pytest.raises(TypeError) as raised:
+            len(loader_class(ShardedRange(10)))
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+def yielded_and_warned(loader: Any) -> tuple[list[Any], list[str]]:
+    """Take len(loader), then load everything; return the batches and the warnings given."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", "This DataLoader will create")
+        len(loader)
+        batches = as_lists(loader)
+    return batches, [str(warning.message) for warning in caught]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@WORKERS
+def test_more_samples_than_the_reported_length_warns_like_torch(num_workers: int) -> None:
+    dataset = SizedIterable(13, 5)  # one dataset for both: the warning names it
+
+    def loader(loader_class: type) -> Any:
+        return loader_class(dataset, batch_size=2, num_workers=num_workers)
+
+    expected = yielded_and_warned(loader(torch.utils.data.DataLoader))
+    got = yielded_and_warned(loader(statecore.DataLoader))
+    assert got == expected
+    assert any("was reported to be 5" in message for message in got[1])
+
+
+# --- executors -----------------------------------------------------------------------------------
+
+
+def test_inline_executor_with_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"executor='inline'.*num_workers=0.*num_workers=4"):
+        statecore.DataLoader(Numbers(5), num_workers=4, executor="inline")
+
+
+def test_mp_executor_without_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"executor='mp'.*num_workers > 0.*num_workers=0"):
+        statecore.DataLoader(Numbers(5), executor="mp")
+
+
+def test_unknown_executor_is_refused_with_the_available_names() -> None:
+    with pytest.raises(ValueError, match="unknown executor 'threads'") as raised:
+        statecore.DataLoader(Numbers(5), executor="threads")
+    assert re.search(r"\binline\b", str(raised.value))
+    assert re.search(r"\bmp\b", str(raised.value))
+
+
+def test_executor_that_is_neither_a_name_nor_a_factory_is_refused() -> None:
+    with pytest.raises(TypeError, match="executor must be a name"):
+        statecore.DataLoader(Numbers(5), executor=3)  # type: ignore[arg-type]
+
+
+def test_inline_executor_loads_like_torch_without_workers() -> None:
+    loader = statecore.DataLoader(Numbers(10), batch_size=3, executor="inline")
+    assert as_lists(loader) == as_lists(torch.utils.data.DataLoader(Numbers(10), batch_size=3))
+
+
+@WORKERS
+def test_mp_executor_loads_like_torch_with_workers() -> None:
+    loader = statecore.DataLoader(Numbers(10), batch_size=3, num_workers=2, executor="mp")
+    expected = torch.utils.data.DataLoader(Numbers(10), batch_size=3, num_workers=2)
+    assert as_lists(loader) == as_lists(expected)
+
+
+def test_executor_factory_is_given_the_launch_and_does_the_loading() -> None:
+    launches: list[Launch] = []
+
+    def factory(launch: Launch) -> InlineExecutor:
+        launches.append(launch)
+        return InlineExecutor(launch)
+
+    loader = statecore.DataLoader(Numbers(7), batch_size=3, executor=factory)
+    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert len(launches) == 2  # one per epoch, as torch makes one iterator per epoch
+    assert launches[0].num_workers == 1
+    assert launches[0].setup.dataset is loader.dataset
+
+
+# --- multiprocessing contexts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        pytest.param(lambda: multiprocess.get_context("fork"), id="multiprocess"),
+        pytest.param(lambda: multiprocessing.get_context("fork"), id="stdlib"),
+        pytest.param(lambda: "fork", id="name"),
+    ],
+)
+@WORKERS
+def test_multiprocessing_context_may_be_a_context_of_either_package(
+    context: Callable[[], Any],
+) -> None:
+    loader = statecore.DataLoader(
+        Numbers(10), batch_size=3, num_workers=2, multiprocessing_context=context()
+    )
+    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert loader.multiprocessing_context.get_start_method() == "fork"
+
+
+# --- get_worker_info -----------------------------------------------------------------------------
+
+
+def test_get_worker_info_is_none_in_the_main_process() -> None:
+    assert statecore.get_worker_info() is None
+
+
+def test_get_worker_info_is_none_while_loading_in_process() -> None:
+    loader = statecore.DataLoader(WorkerInfoProbe(), batch_size=None)
+    assert as_lists(loader) == [[None]]
+    assert statecore.get_worker_info() is None
+
+
+@WORKERS
+def test_get_worker_info_in_workers_is_torchs_worker_info() -> None:
+    def probe(loader_class: type) -> list[Any]:
+        loader = loader_class(
+            WorkerInfoProbe(),
+            batch_size=None,
+            num_workers=3,
+            generator=torch.Generator().manual_seed(5),
+        )
+        return as_lists(loader)
+
+    got = probe(statecore.DataLoader)
+    assert got == probe(torch.utils.data.DataLoader)
+    assert [info[:3] for info in got] == [[True, 0, 3], [True, 1, 3], [True, 2, 3]]
+    assert all(info[4] for info in got)  # info.dataset is the worker's copy of the dataset
+    assert statecore.get_worker_info() is None
