@@ -22,10 +22,17 @@ def _mp(launch: Launch) -> Executor:
     return MultiprocessExecutor(launch)
 
 
+def _thread(launch: Launch) -> Executor:
+    from statecore.executors._thread import ThreadExecutor
+
+    return ThreadExecutor(launch)
+
+
 # name -> (factory, loads in the calling thread?)
 BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
     "inline": (_inline, True),
     "mp": (_mp, False),
+    "thread": (_thread, False),
 }
 
 
@@ -59,7 +66,7 @@ def resolve_executor(
         )
     if not in_process and num_workers == 0:
         raise ValueError(
-            f"executor={executor!r} loads in worker processes and needs num_workers > 0, but got "
+            f"executor={executor!r} loads in workers and needs num_workers > 0, but got "
             "num_workers=0; set num_workers, or use executor='inline'"
         )
     return factory, in_process

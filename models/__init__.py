@@ -5,6 +5,9 @@
 - `machines`: Hypothesis state machines over that world, reusable with any step function.
 - `explorer`: breadth-first exploration of every reachable world of small configurations.
 - `mutants`: deliberate bugs, to show that the checks above can fail.
+- `conformance`: a Hypothesis machine that drives a real executor through `DataLoader` and
+  compares it with torch's, for any executor name or factory.
+- `bench`, `demo`, `cli`: the step benchmark and the `python -m statecore` commands.
 
 Import the submodules directly (`from statecore.models.explorer import explore`); this package
 imports nothing heavy on its own.

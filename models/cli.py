@@ -1,4 +1,4 @@
-"""The command line: `python -m statecore check | diagram`."""
+"""The command line: `python -m statecore check | diagram | demo`."""
 
 from __future__ import annotations
 
@@ -82,9 +82,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "-v", "--verbose", action="store_true", help="print a line per configuration"
     )
     commands.add_parser("diagram", help="print the state diagram (Mermaid) from the table")
+    demo_parser = commands.add_parser(
+        "demo",
+        help="load a synthetic image set through every executor and through torch; check that "
+        "the batches match and compare the speed",
+    )
+    demo_parser.add_argument(
+        "--quick", action="store_true", help="a small run that finishes in a few seconds"
+    )
+    demo_parser.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batches per epoch (default: 40, or 6 with --quick)",
+    )
     args = parser.parse_args(argv)
     if args.command == "check":
         return check(args.processes, args.bench, args.verbose)
+    if args.command == "demo":
+        from statecore.models.demo import demo
+
+        return demo(quick=args.quick, batches=args.batches)
     from statecore.models.diagram import mermaid
 
     sys.stdout.write(mermaid())

@@ -1,0 +1,157 @@
+"""`python -m statecore demo`: every executor hands over torch's batches, and says how fast."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+import torch.utils.data
+
+from statecore import Event, TaskCompleted
+from statecore.executors import _registry
+from statecore.executors._inline import InlineExecutor
+from statecore.models.cli import main
+from statecore.models.demo import Progress, SyntheticImages, compare_batches
+
+
+@pytest.mark.timeout(300)
+def test_the_quick_demo_matches_torch_and_prints_the_table() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "statecore", "demo", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
+    assert {"executor", "inline", "mp", "torch"} <= rows, done.stdout
+    assert "MISMATCH" not in done.stdout
+    # stderr is a pipe here, not a terminal: one line per stage, no bar redrawn in place.
+    assert "\r" not in done.stderr
+    assert "demo: inline (num_workers=0) run 1/2 ..." in done.stderr.splitlines()
+
+
+def _batches(size: int = 12) -> list[object]:
+    return list(torch.utils.data.DataLoader(SyntheticImages(size), batch_size=4))
+
+
+def test_the_same_batches_match() -> None:
+    assert compare_batches(_batches(), _batches()) is None
+
+
+def test_a_changed_pixel_is_a_mismatch() -> None:
+    expected, got = _batches(), _batches()
+    got[1][0][2, 0, 5, 7] += 1  # type: ignore[index]
+    assert compare_batches(expected, got) == "batch 1, [0]: 1 of 49152 values differ"
+
+
+def test_a_wrong_label_is_a_mismatch() -> None:
+    expected, got = _batches(), _batches()
+    got[2][1][0] = 9  # type: ignore[index]
+    assert compare_batches(expected, got) == "batch 2, [1]: 1 of 4 values differ"
+
+
+def test_batches_out_of_order_are_a_mismatch() -> None:
+    expected = _batches()
+    got = [expected[1], expected[0], expected[2]]
+    message = compare_batches(expected, got)
+    assert message is not None and message.startswith("batch 0, [0]:")
+
+
+def test_a_missing_or_extra_batch_is_a_mismatch() -> None:
+    expected = _batches()
+    assert compare_batches(expected, expected[:2]) == "2 batches instead of 3"
+    assert compare_batches(expected[:2], expected) == "3 batches instead of 2"
+
+
+def test_a_batch_of_another_type_or_shape_is_a_mismatch() -> None:
+    expected = _batches()
+    images, labels = expected[0]  # type: ignore[misc]
+    assert compare_batches([expected[0]], [[images.float(), labels]]) == (
+        "batch 0, [0]: torch.float32 of shape (4, 3, 64, 64) instead of "
+        "torch.uint8 of shape (4, 3, 64, 64)"
+    )
+    assert compare_batches([expected[0]], [[images]]) == (
+        "batch 0 is made differently: batch[0] instead of batch[0], batch[1]"
+    )
+    assert compare_batches([[1, "a"]], [[1, "b"]]) == "batch 0, [1]: 'b' instead of 'a'"
+
+
+def test_the_images_are_the_same_in_every_process_and_pickle() -> None:
+    dataset = SyntheticImages(5)
+    image, label = dataset[3]
+    assert image.shape == (3, 64, 64) and image.dtype == torch.uint8 and label == 3
+    again, _ = pickle.loads(pickle.dumps(dataset))[3]
+    assert torch.equal(image, again)
+    assert not torch.equal(image, dataset[4][0])
+    with pytest.raises(IndexError):
+        dataset[5]
+
+
+def test_progress_off_a_terminal_prints_a_line_per_stage() -> None:
+    stream = io.StringIO()
+    progress = Progress(total=100, stream=stream)
+    progress.stage("inline run 1/2")
+    progress.advance(60)
+    progress.stage("mp run 1/2")
+    progress.advance(40)
+    progress.done("2 epochs loaded")
+    assert stream.getvalue().splitlines() == [
+        "demo: inline run 1/2 ...",
+        "demo: mp run 1/2 ...",
+        "demo: 2 epochs loaded",
+    ]
+
+
+def test_progress_on_a_terminal_redraws_one_line() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(total=4, stream=stream, width=4)
+    progress.stage("inline")
+    for _ in range(4):
+        progress.advance()
+    progress.done("done")
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("demo: done\n")
+    assert "[####] 100%  inline" in text
+
+
+def test_the_demo_refuses_no_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--batches", "0"]) == 2
+    assert "--batches must be at least 1" in capsys.readouterr().err
+
+
+class _Relabelling(InlineExecutor):
+    """A broken executor: every label it hands over is one too high."""
+
+    def poll(self, timeout: float | None) -> Event | None:
+        event = super().poll(timeout)
+        if isinstance(event, TaskCompleted):
+            images, labels = event.payload  # type: ignore[misc]
+            return attrs.evolve(event, payload=[images, labels + 1])
+        return event
+
+
+def test_a_loader_that_differs_fails_the_demo(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    registry = {"inline": _registry.BUILT_IN["inline"], "relabelling": (_Relabelling, True)}
+    monkeypatch.setattr(_registry, "BUILT_IN", registry)
+    assert main(["demo", "--quick", "--batches", "2"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "MISMATCH (num_workers=0): relabelling did not hand over torch's batches: "
+        "batch 0, [1]: 16 of 16 values differ"
+    ) in out
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert rows["relabelling"] == "NO" and rows["inline"] == "yes" and rows["torch"] == "yes"
