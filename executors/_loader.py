@@ -13,7 +13,6 @@ after epoch.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -168,6 +167,9 @@ class _Iterator(_BaseDataLoaderIter):
             driver.close()
 
     def __del__(self) -> None:
-        # Never raise from a finalizer; the executor terminates what it must.
-        with contextlib.suppress(Exception):
+        # Never raise from a finalizer. No module globals here either: at interpreter exit they
+        # may already be gone when this runs.
+        try:  # noqa: SIM105
             self._shutdown()
+        except Exception:
+            pass

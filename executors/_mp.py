@@ -28,6 +28,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 from multiprocessing.reduction import ForkingPickler as StdlibPickler
 from typing import Any
@@ -53,6 +54,9 @@ __all__ = ["MultiprocessExecutor", "resolve_context"]
 
 # How often an idle worker checks that its parent is still there.
 WATCHDOG_INTERVAL = 1.0
+# How often an idle worker checks whether shutdown has begun. The stop message normally wakes
+# it at once, but a loader reclaimed by the garbage collector may have lost its queues first.
+STOP_CHECK_INTERVAL = 0.1
 # How long shutdown lets workers exit by themselves before terminating them. An idle worker
 # exits at once; one still busy with a batch nobody will read is simply terminated.
 SHUTDOWN_GRACE = 1.0
@@ -96,12 +100,21 @@ def _encode(task: int, event: Event) -> bytes:
         return header + bytes(multiprocess.reduction.ForkingPickler.dumps(event))
 
 
+def _watch_parent(parent: int) -> None:
+    """Exit this worker once its parent is gone, even while user code blocks the main thread."""
+    while True:
+        time.sleep(WATCHDOG_INTERVAL)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
 def _worker_main(
     shipped: WorkerSetup | bytes,
     worker_id: int,
     tasks: Any,
     results: Any,
     authkey: bytes,
+    stopping: Any,
 ) -> None:
     """The body of a worker process."""
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
@@ -109,15 +122,17 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdlib_multiprocessing.current_process().authkey = authkey
     torch.set_num_threads(1)
-    parent = os.getppid()
+    threading.Thread(
+        target=_watch_parent, args=(os.getppid(),), name="statecore-watchdog", daemon=True
+    ).start()
     setup = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
     while True:
         try:
-            command = tasks.get(timeout=WATCHDOG_INTERVAL)
+            command = tasks.get(timeout=STOP_CHECK_INTERVAL)
         except queue.Empty:
-            if os.getppid() != parent:
-                return  # the main process is gone: nobody will read what we make
+            if stopping.is_set():
+                return
             continue
         if command is None:
             return
@@ -152,6 +167,7 @@ class MultiprocessExecutor:
         self.readers: list[Any] = []
         self.ready: list[Event] = []
         self.stopping: set[int] = set()
+        self.shutting_down: Any = None
         self.gone: set[int] = set()
         self.closed = False
 
@@ -164,13 +180,14 @@ class MultiprocessExecutor:
         if ctx.get_start_method() != "fork":
             shipped = bytes(multiprocess.reduction.ForkingPickler.dumps(setup))
         authkey = bytes(stdlib_multiprocessing.current_process().authkey)
+        self.shutting_down = ctx.Event()
         try:
             for worker in range(self.launch.num_workers):
                 tasks = ctx.Queue()
                 reader, writer = ctx.Pipe(duplex=False)
                 process = ctx.Process(
                     target=_worker_main,
-                    args=(shipped, worker, tasks, writer, authkey),
+                    args=(shipped, worker, tasks, writer, authkey, self.shutting_down),
                     name=f"statecore-worker-{worker}",
                     daemon=True,
                 )
@@ -283,6 +300,8 @@ class MultiprocessExecutor:
         if self.closed:
             return
         self.closed = True
+        if self.shutting_down is not None:
+            self.shutting_down.set()
         for worker in range(len(self.processes)):
             self.stop_worker(worker)
         deadline = time.monotonic() + SHUTDOWN_GRACE
