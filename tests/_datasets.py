@@ -333,3 +333,13 @@ class ExitsAt(Dataset):  # type: ignore[type-arg]
         if index == self.index:
             os._exit(3)
         return index
+
+
+class ThreadCounts(Dataset):  # type: ignore[type-arg]
+    """Each sample is the number of threads torch uses where it is loaded."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return torch.get_num_threads()

@@ -36,6 +36,7 @@ from _datasets import (
     RandomDraws,
     Records,
     ShardedRange,
+    ThreadCounts,
     Unsharded,
     WorkerPids,
     failing_init,
@@ -895,3 +896,44 @@ def test_dropping_a_loader_stops_its_workers_at_once(
         if leftover is not None:
             close(leftover)
             del leftover
+
+
+# --- distributed sampling ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("workers", [0, 2])
+@WORKERS
+def test_a_distributed_sampler_shards_and_reshuffles_each_epoch_like_torchs(
+    rank: int, workers: int
+) -> None:
+    def epochs(loader_class: type) -> list[list[Any]]:
+        sampler = torch.utils.data.DistributedSampler(
+            Numbers(23), num_replicas=2, rank=rank, shuffle=True, seed=7
+        )
+        loader = loader_class(
+            Numbers(23),
+            batch_size=3,
+            sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
+        result = []
+        try:
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                result.append([as_lists(batch) for batch in loader])
+        finally:
+            release(loader)
+        return result
+
+    expected = epochs(torch.utils.data.DataLoader)
+    assert expected[0] != expected[1]  # set_epoch reshuffles
+    assert epochs(statecore.DataLoader) == expected
+
+
+@WORKERS
+def test_workers_run_torch_on_one_thread_like_torchs() -> None:
+    expected = run(torch.utils.data.DataLoader, ThreadCounts(), kw(num_workers=2))
+    assert expected == [[[1], [1], [1], [1]]]
+    assert run(statecore.DataLoader, ThreadCounts(), kw(num_workers=2)) == expected
