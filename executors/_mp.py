@@ -23,6 +23,7 @@ unpickles anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as stdlib_multiprocessing
 import os
 import pickle
@@ -131,7 +132,7 @@ def _worker_main(
         try:
             command = tasks.get(timeout=STOP_CHECK_INTERVAL)
         except queue.Empty:
-            if stopping.is_set():
+            if stopping.value:
                 return
             continue
         if command is None:
@@ -180,7 +181,9 @@ class MultiprocessExecutor:
         if ctx.get_start_method() != "fork":
             shipped = bytes(multiprocess.reduction.ForkingPickler.dumps(setup))
         authkey = bytes(stdlib_multiprocessing.current_process().authkey)
-        self.shutting_down = ctx.Event()
+        # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
+        # killed while checking it, and shutdown would then block on it.
+        self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
         try:
             for worker in range(self.launch.num_workers):
                 tasks = ctx.Queue()
@@ -301,7 +304,7 @@ class MultiprocessExecutor:
             return
         self.closed = True
         if self.shutting_down is not None:
-            self.shutting_down.set()
+            self.shutting_down.value = True
         for worker in range(len(self.processes)):
             self.stop_worker(worker)
         deadline = time.monotonic() + SHUTDOWN_GRACE

@@ -140,8 +140,10 @@ def leaks(before: Snapshot, after: Snapshot, pids: Iterable[int] = ()) -> list[s
     new_fds = {fd: target for fd, target in after.fds.items() if fd not in before.fds}
     if len(after.fds) > len(before.fds):
         found.append(f"open fds grew from {len(before.fds)} to {len(after.fds)}: {new_fds}")
-    marks = {f"_{pid}_" for pid in (os.getpid(), *pids)} | {f"_{pid}" for pid in pids}
-    new_shm = sorted(name for name in after.shm - before.shm if any(mark in name for mark in marks))
+    marks = {f"_{pid}_" for pid in (os.getpid(), *pids)}
+    new_shm = sorted(
+        name for name in after.shm - before.shm if any(mark in f"{name}_" for mark in marks)
+    )
     if new_shm:
         found.append(f"/dev/shm entries left: {new_shm}")
     return found
