@@ -302,7 +302,7 @@ SCRIPT = textwrap.dedent(
         print(worker_0, worker_1, flush=True)
         # Worker 0 checks once it has nothing to do. Wait (bounded) until it has died; an
         # executor whose idle workers check no Event gets worker 0 killed while idle instead.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 3
         while os.path.exists(f"/proc/{worker_0}") and time.monotonic() < deadline:
             with open(f"/proc/{worker_0}/stat") as stat:
                 if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
