@@ -673,11 +673,12 @@ def test_in_process_a_sampler_error_comes_in_its_turn_like_torchs() -> None:
 
 @pytest.mark.parametrize("fails_at", [3, 5])
 @WORKERS
-def test_with_workers_every_batch_drawn_before_a_sampler_error_is_still_delivered(
+def test_with_workers_the_batch_in_hand_when_the_sampler_fails_is_still_delivered(
     fails_at: int,
 ) -> None:
     # torch draws the next batch's indices before handing over the batch in hand, and loses
     # that batch when the sampler raises; statecore hands it over, then raises, then ends.
+    # (Batches still in flight on other workers are dropped, in both.)
     loader = statecore.DataLoader(
         Numbers(12),
         sampler=BrokenSampler(12, fails_at),
