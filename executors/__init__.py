@@ -8,10 +8,12 @@ from statecore.executors._driver import Driver, failure_exception
 from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._loader import DataLoader
 from statecore.executors._protocol import Executor
+from statecore.executors._registry import ENTRY_POINT_GROUP, available
 from statecore.executors._remote import RemoteError
-from statecore.executors._worker import WorkerRuntime, WorkerSetup, get_worker_info
+from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "DataLoader",
     "Driver",
     "Executor",
@@ -20,6 +22,8 @@ __all__ = [
     "RemoteError",
     "WorkerRuntime",
     "WorkerSetup",
+    "as_worker",
+    "available",
     "failure_exception",
     "get_worker_info",
 ]

@@ -1,13 +1,22 @@
-"""Executors by name: `DataLoader(executor="mp")`."""
+"""Executors by name: `DataLoader(executor="mp")`.
+
+The built-in names are "inline", "mp" and "thread". Other packages add executors through the
+entry-point group `statecore.executors`: each entry point names an executor factory, a callable
+taking a `Launch` and returning an `Executor`. A factory with a true `in_process` attribute loads
+in the calling thread and takes `num_workers=0`; any other takes `num_workers > 0`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 
 from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._protocol import Executor
 
-__all__ = ["BUILT_IN", "available", "resolve_executor"]
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "available", "lookup", "resolve_executor"]
+
+ENTRY_POINT_GROUP = "statecore.executors"
 
 
 def _inline(launch: Launch) -> Executor:
@@ -36,8 +45,34 @@ BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
 }
 
 
+def _plugins() -> dict[str, EntryPoint]:
+    return {
+        point.name: point
+        for point in entry_points(group=ENTRY_POINT_GROUP)
+        if point.name not in BUILT_IN  # a plug-in cannot shadow a built-in name
+    }
+
+
 def available() -> list[str]:
-    return sorted(BUILT_IN)
+    """Every executor name: the built-ins and those other packages registered."""
+    return sorted({*BUILT_IN, *_plugins()})
+
+
+def lookup(name: str) -> tuple[ExecutorFactory, bool]:
+    """The factory registered as `name`, and whether it loads in the calling thread."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    point = _plugins().get(name)
+    if point is None:
+        raise ValueError(
+            f"unknown executor {name!r}; available executors: {', '.join(available())}"
+        )
+    factory = point.load()
+    if not callable(factory):
+        raise TypeError(
+            f"the executor {name!r} registered by {point.value!r} is not a callable factory"
+        )
+    return factory, bool(getattr(factory, "in_process", False))
 
 
 def resolve_executor(
@@ -47,17 +82,13 @@ def resolve_executor(
     if executor is None:
         executor = "inline" if num_workers == 0 else "mp"
     if callable(executor):
-        return executor, num_workers == 0
+        return executor, bool(getattr(executor, "in_process", num_workers == 0))
     if not isinstance(executor, str):
         raise TypeError(
             f"executor must be a name ({', '.join(available())}) or an executor factory, "
             f"but got {executor!r}"
         )
-    if executor not in BUILT_IN:
-        raise ValueError(
-            f"unknown executor {executor!r}; available executors: {', '.join(available())}"
-        )
-    factory, in_process = BUILT_IN[executor]
+    factory, in_process = lookup(executor)
     if in_process and num_workers > 0:
         raise ValueError(
             f"executor={executor!r} loads in the calling thread and needs num_workers=0, but "

@@ -8,8 +8,9 @@ the watchdog are that executor's business.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -30,7 +31,7 @@ from statecore import (
 )
 from statecore.executors._remote import RemoteError
 
-__all__ = ["WorkerRuntime", "WorkerSetup", "get_worker_info", "seed_worker"]
+__all__ = ["WorkerRuntime", "WorkerSetup", "as_worker", "get_worker_info", "seed_worker"]
 
 
 @attrs.frozen
@@ -59,6 +60,27 @@ def get_worker_info() -> torch_worker.WorkerInfo | None:
     IterableDatasets that shard themselves with torch's function work unchanged.
     """
     return torch.utils.data.get_worker_info()
+
+
+@contextlib.contextmanager
+def as_worker(setup: WorkerSetup, worker_id: int) -> Iterator[None]:
+    """Within the block, `get_worker_info()` (ours and torch's) describes worker `worker_id`.
+
+    For executors that run several workers on one thread: wrap each worker's dataset work
+    (creating its `WorkerRuntime`, answering its commands) so that datasets which shard
+    themselves by worker see the right worker.
+    """
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id,
+        num_workers=setup.num_workers,
+        seed=setup.base_seed + worker_id,
+        dataset=setup.dataset,
+    )
+    try:
+        yield
+    finally:
+        torch_worker._worker_info = saved
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:

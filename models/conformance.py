@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 
 from statecore import violations
 from statecore.executors._launch import ExecutorFactory
-from statecore.executors._registry import BUILT_IN, available
+from statecore.executors._registry import lookup
 
 __all__ = [
     "ConformanceError",
@@ -325,14 +325,7 @@ def executor_machine(
     dropping the last reference: that alone must stop their workers, as it does torch's.
     """
     if in_process is None:
-        if isinstance(executor, str):
-            if executor not in BUILT_IN:
-                raise ValueError(
-                    f"unknown executor {executor!r}; available executors: {', '.join(available())}"
-                )
-            in_process = BUILT_IN[executor][1]
-        else:
-            in_process = False
+        in_process = lookup(executor)[1] if isinstance(executor, str) else False
     drawn = (
         setups(in_process, max_workers, max_items, max_batch_size, max_prefetch)
         if setup_strategy is None

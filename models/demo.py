@@ -194,7 +194,7 @@ def _groups(
     any other with num_workers=`workers`.
     """
     import statecore
-    from statecore.executors._registry import BUILT_IN, available
+    from statecore.executors._registry import available, lookup
 
     def arguments(num_workers: int) -> dict[str, Any]:
         return dict(
@@ -212,7 +212,7 @@ def _groups(
 
     executors: dict[int, list[Run]] = {}
     for name in available():
-        num_workers = 0 if BUILT_IN[name][1] else workers
+        num_workers = 0 if lookup(name)[1] else workers
         executors.setdefault(num_workers, []).append(
             Run(name, num_workers, statecore_loader(name, num_workers))
         )
