@@ -938,3 +938,45 @@ def test_workers_run_torch_on_one_thread_like_torchs() -> None:
     expected = run(torch.utils.data.DataLoader, ThreadCounts(), kw(num_workers=2))
     assert expected == [[[1], [1], [1], [1]]]
     assert run(statecore.DataLoader, ThreadCounts(), kw(num_workers=2)) == expected
+
+
+# --- the thread executor passes the same matrix -----------------------------------------------
+
+
+def _rows_with_workers(rows: list[Any]) -> list[Any]:
+    """The rows that load in workers: the thread executor needs num_workers > 0.
+
+    Rows whose samples draw from the process-wide RNGs are left out: threads share those
+    generators, so they cannot be seeded per worker (docs/architecture.md says so).
+    """
+    return [
+        pytest.param(*row.values, id=f"thread-{row.id}")
+        for row in rows
+        if row.values[1](torch.Generator()).get("num_workers", 0) > 0
+        and not isinstance(row.values[0], RandomDraws)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "kwargs"), _rows_with_workers(MAP_STYLE + CUSTOM + ITERABLE + EPOCHS)
+)
+@WORKERS
+def test_thread_workers_hand_over_torchs_batches(dataset: Any, kwargs: Kwargs) -> None:
+    def threaded(dataset: Any, **options: Any) -> Any:
+        return statecore.DataLoader(dataset, executor="thread", **options)
+
+    expected = run(torch.utils.data.DataLoader, dataset, kwargs, epochs=2)
+    assert run(threaded, dataset, kwargs, epochs=2) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dataset", "kwargs"), _rows_with_workers(OUT_OF_ORDER))
+@WORKERS
+def test_thread_workers_out_of_order_hand_over_torchs_batches_in_some_order(
+    dataset: Any, kwargs: Kwargs
+) -> None:
+    def threaded(dataset: Any, **options: Any) -> Any:
+        return statecore.DataLoader(dataset, executor="thread", **options)
+
+    expected = run(torch.utils.data.DataLoader, dataset, kwargs)
+    got = run(threaded, dataset, kwargs)  # type: ignore[arg-type]
+    assert [multiset(epoch) for epoch in got] == [multiset(epoch) for epoch in expected]
