@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from typing import NoReturn
 
 import attrs
 
@@ -85,9 +84,6 @@ class RemoteError:
             if isinstance(error, BaseException):
                 return error
         return RuntimeError(text)
-
-    def reraise(self) -> NoReturn:
-        raise self.exception()
 
 
 class _KeyErrorMessage(str):

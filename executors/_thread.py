@@ -30,7 +30,7 @@ from statecore import Event, ResumeWorker, SendTask, WorkerDied
 from statecore.executors._launch import Launch
 from statecore.executors._worker import WorkerRuntime
 
-__all__ = ["ThreadExecutor", "thread_worker_info"]
+__all__ = ["ThreadExecutor"]
 
 JOIN_TIMEOUT = 5.0
 
@@ -59,11 +59,6 @@ def _install_thread_worker_info() -> None:
         compiled: dict[str, Any] = {}
         exec(compile(source, "<statecore thread worker info>", "exec"), namespace, compiled)
         torch_worker.get_worker_info.__code__ = compiled["get_worker_info"].__code__
-
-
-def thread_worker_info() -> torch_worker.WorkerInfo | None:
-    """The WorkerInfo of the calling thread, if it is one of our worker threads."""
-    return getattr(_threads, "info", None)
 
 
 class ThreadExecutor:

@@ -90,5 +90,3 @@ class Shutdown(Command):
 PULL_INDEX = PullIndex()
 END_EPOCH = EndEpoch()
 SHUTDOWN = Shutdown()
-
-CLEANUP_COMMANDS: frozenset[type[Command]] = frozenset({StopWorker, Shutdown, RaiseError})

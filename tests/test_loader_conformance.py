@@ -943,6 +943,11 @@ def test_workers_run_torch_on_one_thread_like_torchs() -> None:
 # --- the thread executor passes the same matrix -----------------------------------------------
 
 
+def threaded(dataset: Any, **options: Any) -> Any:
+    """statecore's DataLoader with worker threads."""
+    return statecore.DataLoader(dataset, executor="thread", **options)
+
+
 def _rows_with_workers(rows: list[Any]) -> list[Any]:
     """The rows that load in workers: the thread executor needs num_workers > 0.
 
@@ -962,9 +967,6 @@ def _rows_with_workers(rows: list[Any]) -> list[Any]:
 )
 @WORKERS
 def test_thread_workers_hand_over_torchs_batches(dataset: Any, kwargs: Kwargs) -> None:
-    def threaded(dataset: Any, **options: Any) -> Any:
-        return statecore.DataLoader(dataset, executor="thread", **options)
-
     expected = run(torch.utils.data.DataLoader, dataset, kwargs, epochs=2)
     assert run(threaded, dataset, kwargs, epochs=2) == expected  # type: ignore[arg-type]
 
@@ -974,9 +976,6 @@ def test_thread_workers_hand_over_torchs_batches(dataset: Any, kwargs: Kwargs) -
 def test_thread_workers_out_of_order_hand_over_torchs_batches_in_some_order(
     dataset: Any, kwargs: Kwargs
 ) -> None:
-    def threaded(dataset: Any, **options: Any) -> Any:
-        return statecore.DataLoader(dataset, executor="thread", **options)
-
     expected = run(torch.utils.data.DataLoader, dataset, kwargs)
     got = run(threaded, dataset, kwargs)  # type: ignore[arg-type]
     assert [multiset(epoch) for epoch in got] == [multiset(epoch) for epoch in expected]
