@@ -7,6 +7,7 @@ what their workers did; they decide nothing.
 from statecore.executors._driver import Driver, failure_exception
 from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._loader import DataLoader
+from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
 from statecore.executors._protocol import Executor
 from statecore.executors._registry import ENTRY_POINT_GROUP, available
 from statecore.executors._remote import RemoteError
@@ -19,6 +20,8 @@ __all__ = [
     "Executor",
     "ExecutorFactory",
     "Launch",
+    "Pinned",
+    "PinnedExecutor",
     "RemoteError",
     "WorkerRuntime",
     "WorkerSetup",
@@ -26,4 +29,5 @@ __all__ = [
     "available",
     "failure_exception",
     "get_worker_info",
+    "pinned",
 ]

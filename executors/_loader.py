@@ -24,6 +24,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from statecore import Config, Phase
 from statecore.executors._driver import Driver
 from statecore.executors._launch import Launch
+from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import Executor
 from statecore.executors._registry import resolve_executor
 from statecore.executors._worker import WorkerSetup
@@ -41,11 +42,12 @@ def _close_live_iterators() -> None:
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
-    """`torch.utils.data.DataLoader`, plus `executor=`: "inline", "mp", or a factory.
+    """`torch.utils.data.DataLoader`, plus `executor=`: a registered name or a factory.
 
     Left out, `executor` follows torch: `num_workers=0` loads in the calling thread,
-    `num_workers>0` in worker processes. `multiprocessing_context` also takes a context of
-    the `multiprocess` package.
+    `num_workers>0` in worker processes. Built-in names: "inline", "mp", "thread" and
+    "pinned"; `pin_memory=True` puts the pin-memory stage over whichever executor loads.
+    `multiprocessing_context` also takes a context of the `multiprocess` package.
     """
 
     def __init__(
@@ -146,7 +148,18 @@ class _Iterator(_BaseDataLoaderIter):
             persistent_workers=self._persistent_workers and not in_process,
             lazy=in_process,
         )
-        executor = loader.executor_factory(Launch(setup, workers, loader.multiprocessing_context))
+        factory = loader.executor_factory
+        if isinstance(factory, Pinned):
+            # torch has just warned that there is no accelerator: the stage would warn again,
+            # then pass every batch through.
+            torch_warned = loader.pin_memory and not self._pin_memory
+            if torch_warned and factory.pin is None and factory.device is None:
+                assert callable(factory.inner)  # resolved by the DataLoader
+                factory = factory.inner
+        elif self._pin_memory:
+            # torch's base iterator says whether to pin: an accelerator is there, and not MPS.
+            factory = Pinned(factory, in_process=in_process)
+        executor = factory(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
         self._driver = Driver(config, executor, _drawer(self), self._timeout)
         _LIVE.add(self)

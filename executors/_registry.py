@@ -1,6 +1,7 @@
 """Executors by name: `DataLoader(executor="mp")`.
 
-The built-in names are "inline", "mp" and "thread". Other packages add executors through the
+The built-in names are "inline", "mp", "thread" and "pinned" (the pin-memory stage over the
+executor num_workers would choose: "inline" or "mp"). Other packages add executors through the
 entry-point group `statecore.executors`: each entry point names an executor factory, a callable
 taking a `Launch` and returning an `Executor`. A factory with a true `in_process` attribute loads
 in the calling thread and takes `num_workers=0`; any other takes `num_workers > 0`.
@@ -11,12 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
+import attrs
+
 from statecore.executors._launch import ExecutorFactory, Launch
+from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import Executor
 
-__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "available", "lookup", "resolve_executor"]
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "PINNED", "available", "lookup", "resolve_executor"]
 
 ENTRY_POINT_GROUP = "statecore.executors"
+# Not in BUILT_IN: whether it loads in the calling thread depends on what it wraps.
+PINNED = "pinned"
 
 
 def _inline(launch: Launch) -> Executor:
@@ -49,17 +55,22 @@ def _plugins() -> dict[str, EntryPoint]:
     return {
         point.name: point
         for point in entry_points(group=ENTRY_POINT_GROUP)
-        if point.name not in BUILT_IN  # a plug-in cannot shadow a built-in name
+        # a plug-in cannot shadow a built-in name
+        if point.name not in BUILT_IN and point.name != PINNED
     }
 
 
 def available() -> list[str]:
     """Every executor name: the built-ins and those other packages registered."""
-    return sorted({*BUILT_IN, *_plugins()})
+    return sorted({*BUILT_IN, PINNED, *_plugins()})
 
 
 def lookup(name: str) -> tuple[ExecutorFactory, bool]:
-    """The factory registered as `name`, and whether it loads in the calling thread."""
+    """The factory registered as `name`, and whether it loads in the calling thread.
+
+    "pinned" is not looked up here: it takes its inner executor from num_workers, so only
+    `resolve_executor` can resolve it.
+    """
     if name in BUILT_IN:
         return BUILT_IN[name]
     point = _plugins().get(name)
@@ -81,6 +92,13 @@ def resolve_executor(
     """The factory for `executor`, and whether it loads in-process; errors say what to do."""
     if executor is None:
         executor = "inline" if num_workers == 0 else "mp"
+    if executor == PINNED:
+        executor = Pinned()
+    if isinstance(executor, Pinned):
+        if isinstance(executor.inner, Pinned) or executor.inner == PINNED:
+            raise ValueError("the pinned executor cannot wrap another pinned executor")
+        inner, in_process = resolve_executor(executor.inner, num_workers)
+        return attrs.evolve(executor, inner=inner, in_process=in_process), in_process
     if callable(executor):
         return executor, bool(getattr(executor, "in_process", num_workers == 0))
     if not isinstance(executor, str):

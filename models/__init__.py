@@ -7,6 +7,8 @@
 - `mutants`: deliberate bugs, to show that the checks above can fail.
 - `conformance`: a Hypothesis machine that drives a real executor through `DataLoader` and
   compares it with torch's, for any executor name or factory.
+- `kit`: the executor conformance kit, `check_executor`: a torch comparison matrix and the
+  machine above, in one call.
 - `bench`, `demo`, `cli`: the step benchmark and the `python -m statecore` commands.
 
 Import the submodules directly (`from statecore.models.explorer import explore`); this package

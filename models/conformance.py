@@ -48,7 +48,8 @@ from hypothesis.stateful import (
 
 from statecore import violations
 from statecore.executors._launch import ExecutorFactory
-from statecore.executors._registry import lookup
+from statecore.executors._pinned import Pinned
+from statecore.executors._registry import PINNED, lookup
 
 __all__ = [
     "ConformanceError",
@@ -60,6 +61,7 @@ __all__ = [
     "canonical",
     "child_processes",
     "executor_machine",
+    "loads_in_process",
     "setups",
     "surviving_children",
 ]
@@ -297,6 +299,23 @@ def surviving_children(before: Iterable[int], timeout: float) -> dict[int, str]:
 # --- the machine --------------------------------------------------------------------------------
 
 
+def loads_in_process(executor: str | ExecutorFactory | None) -> bool:
+    """Whether `executor` loads in the calling thread, so takes num_workers=0.
+
+    A name asks the registry ("pinned" wraps "mp" unless told otherwise); a factory answers with
+    its `in_process` attribute, and one without it starts workers.
+    """
+    if isinstance(executor, Pinned):
+        return executor.in_process or (
+            executor.inner is not None and loads_in_process(executor.inner)
+        )
+    if executor is None or executor == PINNED:
+        return False
+    if isinstance(executor, str):
+        return lookup(executor)[1]
+    return bool(getattr(executor, "in_process", False))
+
+
 class ConformanceError(AssertionError):
     """statecore's loader and torch's handed over different things, or left something behind."""
 
@@ -325,7 +344,7 @@ def executor_machine(
     dropping the last reference: that alone must stop their workers, as it does torch's.
     """
     if in_process is None:
-        in_process = lookup(executor)[1] if isinstance(executor, str) else False
+        in_process = loads_in_process(executor)
     drawn = (
         setups(in_process, max_workers, max_items, max_batch_size, max_prefetch)
         if setup_strategy is None

@@ -35,25 +35,7 @@ from statecore.models.conformance import (
 # Every example starts real loaders (for "mp", real processes), so runs stay few and short.
 # Settings on top of the loaded profile (ci: derandomized), so CI runs the same examples always.
 CHEAP = settings(max_examples=15, stateful_step_count=6, deadline=None, derandomize=True)
-CHEAPER = settings(CHEAP, max_examples=12)
 MANY_WORKERS = "ignore:This DataLoader will create:UserWarning"
-
-
-@pytest.mark.timeout(300)
-def test_the_inline_executor_hands_over_what_torch_does() -> None:
-    run_state_machine_as_test(executor_machine("inline"), settings=CHEAP)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.filterwarnings(MANY_WORKERS)
-def test_the_mp_executor_hands_over_what_torch_does() -> None:
-    run_state_machine_as_test(executor_machine("mp"), settings=CHEAPER)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.filterwarnings(MANY_WORKERS)
-def test_the_thread_executor_hands_over_what_torch_does() -> None:
-    run_state_machine_as_test(executor_machine("thread"), settings=CHEAP)
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,310 @@
+"""The pinned executor: a pin-memory stage composed over any other executor.
+
+`DataLoader(..., pin_memory=True)` wraps whatever executor loads the batches (inline, mp,
+thread or a plug-in) in this stage; `executor="pinned"` (or `pinned(...)`) names it outright.
+
+Over an executor with workers, the stage is one thread of the main process. It is the only
+caller of the inner executor's `poll`: it takes each answer as it arrives, pins a batch's
+tensors (torch's `pin_memory` semantics: tensors inside mappings, sequences, tuples and
+namedtuples; `.pin_memory()` on a custom batch type; strings and other objects unchanged), and
+queues the answer for the driver. Pinning thus overlaps with training, as torch's pin thread
+does. Over an in-process executor the batch is pinned in the calling thread, as torch does
+with `num_workers=0`.
+
+The stage decides nothing. Answers keep the order each worker gave them, so a resume is still
+answered after every task sent before it; the core reorders batches as always. A batch that
+fails to pin becomes that task's `TaskFailed`, so the error is raised in the batch's turn. At
+shutdown the stage thread stops before the inner executor stops its workers, because it is
+the stage that reads their answers.
+
+Beyond torch, `pinned(device="cuda")` also copies each pinned batch to the GPU on a side
+stream as soon as it is pinned, and records a CUDA event after the copy. Before the driver sees
+the batch, the consumer's current stream is made to wait for that event, so the consumer can
+never read a tensor before its copy is done; and each tensor is marked as used on the
+consumer's stream, so the caching allocator does not hand its memory to the side stream while
+the consumer still reads it. How far ahead copies run is bounded by what the core lets the
+workers prefetch.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
+from statecore.executors._launch import ExecutorFactory, Launch
+from statecore.executors._protocol import Executor
+
+__all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
+
+# How long the stage thread waits on the workers before it checks whether it is to stop.
+STAGE_POLL_INTERVAL = 0.05
+# How long shutdown waits for the stage thread to finish the batch it is pinning.
+STAGE_JOIN_TIMEOUT = 30.0
+
+PinFunction = Callable[[Any], Any]
+
+
+class DeviceCopy(Protocol):
+    """Moves pinned batches to a device ahead of use, in two halves."""
+
+    def launch(self, batch: Any) -> Any:
+        """In the stage thread: start copying `batch`; return a ticket for `claim`."""
+
+    def claim(self, ticket: Any) -> Any:
+        """In the consumer's thread: order the consumer after the copy; return the batch."""
+
+
+def _moved(data: Any, device: torch.device) -> Any:
+    """`data` with every tensor it holds copied to `device`, asynchronously."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, str | bytes):
+        return data
+    if isinstance(data, collections.abc.Mapping):
+        items = {key: _moved(value, device) for key, value in data.items()}
+        try:
+            return type(data)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(data, tuple):
+        values = [_moved(value, device) for value in data]
+        return type(data)(*values) if hasattr(data, "_fields") else type(data)(values)
+    if isinstance(data, list):
+        return [_moved(value, device) for value in data]
+    move = getattr(data, "to", None)
+    if callable(move):
+        # A custom batch type that knows how to move itself, as `.pin_memory()` for pinning.
+        return move(device, non_blocking=True)
+    return data
+
+
+def _tensors(data: Any) -> collections.abc.Iterator[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        yield data
+    elif isinstance(data, collections.abc.Mapping):
+        for value in data.values():
+            yield from _tensors(value)
+    elif isinstance(data, tuple | list):
+        for value in data:
+            yield from _tensors(value)
+
+
+class CudaCopy:
+    """Copies batches to a CUDA device on a side stream, fenced by CUDA events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def launch(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+        with torch.cuda.stream(self.stream):
+            moved = _moved(batch, self.device)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self.stream)
+        return moved, done
+
+    def claim(self, ticket: tuple[Any, torch.cuda.Event]) -> Any:
+        moved, done = ticket
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(done)
+        for tensor in _tensors(moved):
+            if tensor.device.type == "cuda":
+                tensor.record_stream(consumer)
+        return moved
+
+
+def default_pin() -> PinFunction | None:
+    """torch's pin function for the current accelerator; None where there is none."""
+    if not torch.accelerator.is_available():
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    device = accelerator.type if accelerator is not None else None
+    return functools.partial(torch_pin_memory, device=device)
+
+
+class PinnedExecutor:
+    """An executor that pins (and optionally moves) every batch another executor produces."""
+
+    def __init__(
+        self,
+        inner: Executor,
+        pin: PinFunction,
+        *,
+        threaded: bool,
+        copy: DeviceCopy | None = None,
+    ) -> None:
+        self.inner = inner
+        self.pin = pin
+        self.copy = copy
+        self.threaded = threaded
+        self.answers: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    def start(self) -> None:
+        self.inner.start()
+        if self.threaded:
+            device_index = (
+                torch.accelerator.current_device_index()
+                if torch.accelerator.is_available()
+                else None
+            )
+            self.thread = threading.Thread(
+                target=self._stage, args=(device_index,), name="statecore-pin", daemon=True
+            )
+            self.thread.start()
+
+    def dispatch(self, command: SendTask) -> None:
+        self.inner.dispatch(command)
+
+    def resume(self, command: ResumeWorker) -> None:
+        self.inner.resume(command)
+
+    def stop_worker(self, worker: int) -> None:
+        self.inner.stop_worker(worker)
+
+    def poll(self, timeout: float | None) -> Event | None:
+        if not self.threaded:
+            return self._claimed(self._pinned(self.inner.poll(timeout)))
+        try:
+            answer = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(answer, BaseException):
+            raise answer
+        return self._claimed(answer)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.stopping.set()
+        if self.thread is not None:
+            # The stage reads the workers' answers: it must be gone before they are.
+            self.thread.join(STAGE_JOIN_TIMEOUT)
+            self.thread = None
+        self.inner.shutdown()
+        while not self.answers.empty():
+            self.answers.get_nowait()
+
+    # --- the stage ---------------------------------------------------------------------------
+
+    def _stage(self, device_index: int | None) -> None:
+        # Pinning copies memory; one thread keeps it from competing with the training loop.
+        torch.set_num_threads(1)
+        if device_index is not None:
+            torch.accelerator.set_device_index(device_index)
+        try:
+            while not self.stopping.is_set():
+                answer = self._pinned(self.inner.poll(STAGE_POLL_INTERVAL))
+                if answer is not None:
+                    self.answers.put(answer)
+        except BaseException as error:
+            # The driver is waiting on our queue: hand it the reason rather than leave it there.
+            self.answers.put(error)
+
+    def _pinned(self, event: Event | None) -> Event | None:
+        """`event` with its batch pinned (and its copy launched); a pinning error as TaskFailed."""
+        if type(event) is not TaskCompleted:
+            return event
+        try:
+            batch = self.pin(event.payload)
+            if self.copy is not None:
+                batch = self.copy.launch(batch)
+        except Exception as error:
+            error.add_note(
+                f"Raised while pinning the batch of task {event.task} from worker "
+                f"{event.worker} in statecore's pin-memory stage"
+            )
+            return TaskFailed(event.task, event.worker, error)
+        return TaskCompleted(event.task, event.worker, batch)
+
+    def _claimed(self, event: Event | None) -> Event | None:
+        if self.copy is None or type(event) is not TaskCompleted:
+            return event
+        return TaskCompleted(event.task, event.worker, self.copy.claim(event.payload))
+
+
+@attrs.frozen
+class Pinned:
+    """An executor factory: the pin-memory stage over `inner`.
+
+    `inner` is a registered name, a factory, or None for the loader's default ("inline" with
+    num_workers=0, "mp" otherwise); the DataLoader resolves it. `device`, if given, is where
+    each pinned batch is copied ahead of use (CUDA only). `pin` replaces torch's pin function,
+    for instance to run the stage where there is no accelerator.
+    """
+
+    inner: str | ExecutorFactory | None = None
+    device: str | torch.device | None = None
+    pin: PinFunction | None = None
+    in_process: bool = False
+    """Whether `inner` loads in the calling thread; set when `inner` is resolved."""
+
+    def __call__(self, launch: Launch) -> Executor:
+        if self.inner is None or isinstance(self.inner, str):
+            raise TypeError(
+                f"the pinned executor's inner executor {self.inner!r} is not resolved yet; "
+                "pass it to statecore.DataLoader(executor=...), which resolves it"
+            )
+        inner = self.inner(launch)
+        pin = self.pin if self.pin is not None else default_pin()
+        copy = self._device_copy()
+        if pin is None:
+            warnings.warn(
+                "the pinned executor found no accelerator to pin memory for; batches are "
+                "handed over unpinned",
+                stacklevel=2,
+            )
+            if copy is None:
+                return inner
+            pin = _unchanged
+        return PinnedExecutor(inner, pin, threaded=not self.in_process, copy=copy)
+
+    def _device_copy(self) -> DeviceCopy | None:
+        if self.device is None:
+            return None
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            raise ValueError(
+                f"the pinned executor copies batches ahead of use to CUDA devices only, not "
+                f"{device}; leave device out to keep batches in pinned host memory"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"the pinned executor was asked to copy batches to {device}, but CUDA is not "
+                "available here; leave device out to load on the CPU"
+            )
+        # "cuda" alone means the current device, fixed now: the stage thread has its own.
+        index: int | None = device.index
+        chosen = torch.cuda.current_device() if index is None else index
+        return CudaCopy(torch.device("cuda", chosen))
+
+
+def _unchanged(batch: Any) -> Any:
+    return batch
+
+
+def pinned(
+    inner: str | ExecutorFactory | None = None,
+    *,
+    device: str | torch.device | None = None,
+    pin: PinFunction | None = None,
+) -> Pinned:
+    """The pin-memory stage over `inner`: `DataLoader(..., executor=pinned("thread"))`.
+
+    `device="cuda"` also copies each batch to the GPU ahead of use, so the loop receives device
+    tensors. `pin` replaces torch's pin function.
+    """
+    return Pinned(inner, device, pin)

@@ -1,0 +1,97 @@
+"""The executor conformance kit: every built-in executor passes it, and it fails a broken one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import pytest
+import torch
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+from statecore import Event, TaskCompleted
+from statecore.executors import pinned
+from statecore.executors._inline import InlineExecutor
+from statecore.models.conformance import ConformanceError, loads_in_process
+from statecore.models.kit import Case, check_executor, matrix, run_case
+
+MANY_WORKERS = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture
+def pinning_clones(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`Tensor.pin_memory` as a copy, so torch's own pin function runs without an accelerator."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *_: self.clone())
+    yield
+
+
+@pytest.mark.timeout(300)
+@MANY_WORKERS
+@pytest.mark.parametrize("name", ["inline", "mp", "thread"])
+def test_every_built_in_executor_passes_the_kit(name: str) -> None:
+    report = check_executor(name)
+    assert len(report.cases) == len(matrix(in_process=name == "inline"))
+
+
+@pytest.mark.timeout(300)
+@MANY_WORKERS
+@pytest.mark.parametrize("inner", ["inline", "mp", "thread"])
+def test_the_pinned_executor_passes_the_kit_over_each_inner_executor(
+    inner: str, pinning_clones: None
+) -> None:
+    check_executor(pinned(inner, pin=torch_pin_memory))
+
+
+@pytest.mark.timeout(120)
+def test_the_kit_takes_a_bare_executor_factory() -> None:
+    report = check_executor(InlineExecutor, in_process=True)
+    assert report.cases == tuple(case.name for case in matrix(in_process=True))
+
+
+class _Blanking(InlineExecutor):
+    """A broken executor: every batch it loads arrives as None."""
+
+    def poll(self, timeout: float | None) -> Event | None:
+        event = super().poll(timeout)
+        if isinstance(event, TaskCompleted):
+            return attrs.evolve(event, payload=None)
+        return event
+
+
+@pytest.mark.timeout(120)
+def test_the_kit_names_the_configuration_a_broken_executor_fails() -> None:
+    with pytest.raises(ConformanceError, match="'sequential, batch 3', epoch 1"):
+        check_executor(_Blanking, in_process=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_case_compares_every_epoch_with_torchs() -> None:
+    case = Case("three epochs", lambda: list(range(6)), lambda: {"batch_size": 2}, epochs=3)
+    run_case("inline", case)  # the real executor agrees
+    with pytest.raises(ConformanceError, match="'three epochs', epoch 1"):
+        run_case(_Blanking, case)
+
+
+def test_the_matrix_uses_workers_only_for_executors_with_workers() -> None:
+    in_process = matrix(in_process=True)
+    with_workers = matrix(in_process=False, workers=3)
+    assert all(case.arguments().get("num_workers", 0) == 0 for case in in_process)
+    assert {case.arguments().get("num_workers") for case in with_workers} == {1, 3}
+    assert any(not case.in_order for case in with_workers)
+    assert any(case.arguments().get("persistent_workers") for case in with_workers)
+
+
+@pytest.mark.parametrize(
+    ("executor", "expected"),
+    [
+        ("inline", True),
+        ("mp", False),
+        ("thread", False),
+        ("pinned", False),
+        (pinned("inline"), True),
+        (pinned("mp"), False),
+        (InlineExecutor, False),
+    ],
+)
+def test_the_kit_knows_which_executors_load_in_process(executor: object, expected: bool) -> None:
+    assert loads_in_process(executor) is expected  # type: ignore[arg-type]
