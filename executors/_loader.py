@@ -13,12 +13,14 @@ after epoch.
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import multiprocess.context
 import torch.utils.data
+from torch.autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase
@@ -32,6 +34,7 @@ from statecore.executors._worker import WorkerSetup
 __all__ = ["DataLoader"]
 
 _LIVE: weakref.WeakSet[_Iterator] = weakref.WeakSet()
+_ITER = _DatasetKind.Iterable
 
 
 @atexit.register
@@ -102,6 +105,23 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         return _Iterator(self)
 
 
+def _too_long(iterator: _Iterator, promised: int) -> str:
+    """torch's warning for an IterableDataset that yields more than its len() said."""
+    message = (
+        f"Length of IterableDataset {iterator._dataset} was reported to be {promised}"
+        f"(when accessing len(dataloader)), but {iterator._num_yielded} samples have been "
+        "fetched. "
+    )
+    if iterator._num_workers > 0:
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly configuring "
+            "the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
+            "examples."
+        )
+    return message
+
+
 def _drawer(iterator: _Iterator) -> Callable[[], Any]:
     """`iterator._next_index` without a reference to the iterator.
 
@@ -169,6 +189,21 @@ class _Iterator(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         assert self._driver is not None
         self._driver.start_epoch(None if first_iter else self._shared_seed)
+
+    def __next__(self) -> Any:
+        if _profiler_enabled():
+            # torch's own __next__ labels the batch for the profiler.
+            return super().__next__()
+        # Without a profiler the label is wasted, and it costs more than the rest of a small
+        # batch's journey through torch (record_function enters a dispatcher op each time).
+        if self._sampler_iter is None:
+            self._reset()  # type: ignore[call-arg]
+        data = self._next_data()
+        self._num_yielded += 1
+        promised = self._IterableDataset_len_called
+        if promised is not None and self._num_yielded > promised and self._dataset_kind == _ITER:
+            warnings.warn(_too_long(self, promised), stacklevel=2)
+        return data
 
     def _next_data(self) -> Any:
         assert self._driver is not None

@@ -231,6 +231,21 @@ def test_more_samples_than_the_reported_length_warns_like_torch(num_workers: int
     assert any("was reported to be 5" in message for message in got[1])
 
 
+def profiled_labels(loader: Any) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in loader:
+            pass
+    return [event.name for event in profiler.events() if event.name.startswith("enumerate(")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_under_the_profiler_every_batch_is_labelled_as_torch_labels_it() -> None:
+    theirs = profiled_labels(torch.utils.data.DataLoader(range(6), batch_size=2))
+    ours = profiled_labels(statecore.DataLoader(range(6), batch_size=2))
+    assert len(ours) == len(theirs) == 4  # three batches, and the call that ends the epoch
+    assert set(ours) == {"enumerate(DataLoader)#_Iterator.__next__"}
+
+
 # --- executors -----------------------------------------------------------------------------------
 
 
