@@ -54,7 +54,6 @@ __all__ = ["Driver", "failure_exception"]
 _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
-_END = object()
 
 
 class Driver:
@@ -87,15 +86,18 @@ class Driver:
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
-        self._raise_sampler_error()
         if self.sampler_failed:
+            self._raise_sampler_error()
             raise StopIteration  # as in torch, whose sampler iterator is spent once it raised
         self._feed(_NEXT)
         while True:
             outcome = self._carry_out()
             if outcome is not None:
+                if type(outcome) is Deliver:
+                    return outcome.payload  # type: ignore[attr-defined]
                 return self._hand_over(outcome)
-            self._raise_sampler_error()
+            if self.sampler_error is not None:
+                self._raise_sampler_error()
             self._wait()
 
     def close(self) -> None:
@@ -120,9 +122,9 @@ class Driver:
             event = TimedOut(self.timeout)
         self._feed(event)
 
-    def _carry_out(self) -> Any:
-        """Carry out every pending command; return what the consumer is to get, if anything."""
-        outcome: Any = None
+    def _carry_out(self) -> Command | None:
+        """Carry out every pending command; return the one telling what the consumer gets."""
+        outcome: Command | None = None
         todo, executor = self.todo, self.executor
         while todo:
             command = todo.popleft()
@@ -131,12 +133,8 @@ class Driver:
                 executor.dispatch(command)  # type: ignore[arg-type]
             elif kind is PullIndex:
                 self._pull()
-            elif kind is Deliver:
-                outcome = (True, command.payload)  # type: ignore[attr-defined]
-            elif kind is RaiseError:
-                outcome = (False, command.failure)  # type: ignore[attr-defined]
-            elif kind is EndEpoch:
-                outcome = _END
+            elif kind is Deliver or kind is RaiseError or kind is EndEpoch:
+                outcome = command
             elif kind is ResumeWorker:
                 executor.resume(command)  # type: ignore[arg-type]
             elif kind is StopWorker:
@@ -170,13 +168,12 @@ class Driver:
         if error is not None:
             raise error
 
-    def _hand_over(self, outcome: Any) -> Any:
-        if outcome is _END:
+    def _hand_over(self, outcome: Command) -> Any:
+        if type(outcome) is Deliver:
+            return outcome.payload  # type: ignore[attr-defined]
+        if type(outcome) is EndEpoch:
             raise StopIteration
-        ok, value = outcome
-        if ok:
-            return value
-        raise failure_exception(value)
+        raise failure_exception(outcome.failure)  # type: ignore[attr-defined]
 
 
 def failure_exception(failure: Failure) -> BaseException:
