@@ -32,6 +32,7 @@ import collections.abc
 import functools
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -207,9 +208,14 @@ class PinnedExecutor:
             torch.accelerator.set_device_index(device_index)
         try:
             while not self.stopping.is_set():
+                asked = time.monotonic()
                 answer = self._pinned(self.inner.poll(STAGE_POLL_INTERVAL))
                 if answer is not None:
                     self.answers.put(answer)
+                elif time.monotonic() - asked < STAGE_POLL_INTERVAL / 2:
+                    # The inner executor owes nothing (its workers were stopped, and shutdown
+                    # is on its way): wait for the stop rather than spin.
+                    self.stopping.wait(STAGE_POLL_INTERVAL)
         except BaseException as error:
             # The driver is waiting on our queue: hand it the reason rather than leave it there.
             self.answers.put(error)
