@@ -125,11 +125,13 @@ class CudaCopy:
 
 
 def default_pin() -> PinFunction | None:
-    """torch's pin function for the current accelerator; None where there is none."""
+    """torch's pin function for the current accelerator; None where torch would not pin."""
     if not torch.accelerator.is_available():
         return None
     accelerator = torch.accelerator.current_accelerator()
     device = accelerator.type if accelerator is not None else None
+    if device == "mps":
+        return None  # torch's DataLoader does not pin for MPS either: pinning fails there
     return functools.partial(torch_pin_memory, device=device)
 
 
