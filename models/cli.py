@@ -1,12 +1,14 @@
-"""The command line: `python -m statecore check | diagram | demo`."""
+"""The command line: `python -m statecore check | diagram | demo | bench`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from statecore.models.explorer import Bounds, Report, default_scenarios, explore_all
 
@@ -63,6 +65,67 @@ def check(processes: int, bench: bool, verbose: bool) -> int:
     return 1 if failures else 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _add_bench(commands: Any) -> None:
+    bench_parser = commands.add_parser(
+        "bench",
+        help="time torch's DataLoader and statecore's on the same workloads, in alternating "
+        "pairs, and print the medians and ratios",
+    )
+    bench_parser.add_argument(
+        "--quick", action="store_true", help="smaller epochs and fewer pairs: about a minute"
+    )
+    bench_parser.add_argument(
+        "--only", type=_names, metavar="NAME[,NAME]", help="run only these workloads"
+    )
+    bench_parser.add_argument(
+        "--rounds",
+        type=_positive,
+        metavar="N",
+        help="pairs of runs per workload (default: 5, or 3 with --quick)",
+    )
+    bench_parser.add_argument(
+        "--batches", type=_positive, metavar="N", help="batches per epoch, for every workload"
+    )
+    bench_parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    bench_parser.add_argument(
+        "--plot", metavar="PATH", help="draw the ratios and the straggler timelines as a PNG"
+    )
+    bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from statecore.models import benchmark
+    from statecore.models.workloads import WORKLOADS
+
+    if args.list:
+        for workload in WORKLOADS:
+            print(f"{workload.name:22} {workload.summary}")
+        return 0
+    if args.batches is not None and args.batches < 2:
+        print("bench: --batches must be at least 2", file=sys.stderr)
+        return 2
+    return benchmark.bench(
+        quick=args.quick,
+        only=args.only,
+        rounds=args.rounds,
+        batches=args.batches,
+        json_path=args.json,
+        plot_path=args.plot,
+        command=shlex.join(["python", "-m", "statecore", *argv]),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m statecore", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -97,7 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="batches per epoch (default: 40, or 6 with --quick)",
     )
-    args = parser.parse_args(argv)
+    _add_bench(commands)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(arguments)
+    if args.command == "bench":
+        return _bench(args, arguments)
     if args.command == "check":
         return check(args.processes, args.bench, args.verbose)
     if args.command == "demo":

@@ -1,0 +1,622 @@
+"""The workloads of `python -m statecore bench`, and how one run of one loader is measured.
+
+A `Workload` says which dataset to load, with which loader arguments, what to time and what
+figure to report. `measure` builds one fresh loader (torch's or statecore's, from the same
+arguments), times it as the workload says, stops its workers, and returns a `Measurement`:
+the seconds timed and the work done in them, in the workload's unit of work. The throughput
+`work / seconds` is what the benchmark compares between the two loaders.
+
+The datasets are defined here, at module level, so that spawn and forkserver workers can
+unpickle them by name. The ones that stand for real work (sleeping, computing) measure their
+own work with a clock around it and return that duration as the sample: the ideal an
+efficiency is measured against comes from what the workers really did, not from what they
+were asked to do (a 3 ms sleep overshoots by tens of microseconds, more on a busy machine).
+
+The table of workloads, with the reasons for each choice, is in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import gc
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.utils.data
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+__all__ = [
+    "SEED",
+    "WARMUP_BATCHES",
+    "Floats",
+    "Indices",
+    "Loader",
+    "Measurement",
+    "NumpyWork",
+    "Sleeps",
+    "Timing",
+    "Unit",
+    "Workload",
+    "WORKLOADS",
+    "close",
+    "is_straggler",
+    "measure",
+    "release",
+    "select",
+]
+
+SEED = 20240611
+"""Seeds the shuffling generator of every loader, so both loaders draw the same order."""
+
+WARMUP_BATCHES = 4
+"""Batches per epoch of the untimed run each loader makes before a workload's first pair."""
+
+
+# --- datasets ----------------------------------------------------------------------------------
+
+
+class Indices(torch.utils.data.Dataset[int]):
+    """`size` trivial samples: each is its own index, so the loader's own cost is all there is."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def is_straggler(index: int, one_in: int) -> bool:
+    """Whether sample `index` is one of the slow ones: about one in `one_in`, by a hash.
+
+    A hash rather than `index % one_in`: a period would line up with round-robin dispatch
+    (batch k goes to worker k % num_workers) and put every straggler on the same worker.
+    """
+    if one_in <= 0:
+        return False
+    mixed = (index * 2654435761) & 0xFFFFFFFF  # Knuth's multiplicative hash
+    return (mixed >> 16) % one_in == 0
+
+
+class Sleeps(torch.utils.data.Dataset[float]):
+    """Samples that wait, as on remote storage: each sleeps and returns how long it slept.
+
+    With `straggler_one_in` > 0, about one sample in that many (chosen by `is_straggler`)
+    sleeps `straggler_factor` times longer.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        seconds: float,
+        straggler_one_in: int = 0,
+        straggler_factor: float = 40.0,
+    ) -> None:
+        self.size = size
+        self.seconds = seconds
+        self.straggler_one_in = straggler_one_in
+        self.straggler_factor = straggler_factor
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        seconds = self.seconds
+        if is_straggler(index, self.straggler_one_in):
+            seconds *= self.straggler_factor
+        started = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - started
+
+
+class NumpyWork(torch.utils.data.Dataset[float]):
+    """Samples that compute: elementwise numpy arithmetic (about 1 ms of one core by default).
+
+    Each returns the CPU time its own thread spent (`time.thread_time`), so time spent waiting
+    for a core on a busy machine is not counted as work. Elementwise operations run on one
+    thread, so one sample keeps exactly one core busy.
+    """
+
+    def __init__(self, size: int, floats: int = 25_000, passes: int = 10) -> None:
+        self.size = size
+        self.floats = floats
+        self.passes = passes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        import numpy  # imported here: numpy is optional (the `bench` extra), torch is not
+
+        started = time.thread_time()
+        values = numpy.random.default_rng(index).random(self.floats)
+        for _ in range(self.passes):
+            values = numpy.sqrt(values * values + 1.0) - 0.5
+        return time.thread_time() - started
+
+
+class Floats(torch.utils.data.Dataset[torch.Tensor]):
+    """Large samples: each a float32 tensor of `floats` values, all equal to its index."""
+
+    def __init__(self, size: int, floats: int) -> None:
+        self.size = size
+        self.floats = floats
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.floats,), float(index), dtype=torch.float32)
+
+
+# --- what is timed, and what is reported -------------------------------------------------------
+
+
+class Timing(enum.Enum):
+    """Which stretch of a run the clock covers."""
+
+    STEADY = "steady"
+    """From the first batch handed over to the last: start-up and the first batch excluded."""
+    EPOCH = "epoch"
+    """A whole first epoch, from `iter(loader)` to the last batch: start-up included."""
+    WARM_EPOCH = "warm-epoch"
+    """A whole second epoch with persistent workers, from `iter(loader)` to the last batch.
+
+    The first epoch starts the workers and is not timed. At the start of the second every
+    worker is idle, so all the work counted was done inside the timed stretch.
+    """
+    FIRST_BATCH = "first-batch"
+    """From `iter(loader)` to the first batch of a fresh loader: starting the workers."""
+    SECOND_FIRST_BATCH = "second-first-batch"
+    """From `iter(loader)` to the first batch of the second epoch (the first is not timed)."""
+
+
+def _count(batch: object) -> float:
+    return 1.0
+
+
+def _keep(batch: object) -> object:
+    return batch
+
+
+def _touch(batch: object) -> float:
+    """The bytes of a batch tensor, reading one value of it as the least a consumer does."""
+    assert isinstance(batch, torch.Tensor)
+    batch.reshape(-1)[-1].item()
+    return float(batch.nbytes)
+
+
+def _batches(notes: Sequence[object], workers: int) -> float:
+    return float(len(notes))
+
+
+def _ideal(notes: Sequence[object], workers: int) -> float:
+    # The samples are the seconds of work each took; spread evenly over the workers, that
+    # much work takes this long at best.
+    total = sum(float(batch.sum()) for batch in notes if isinstance(batch, torch.Tensor))
+    return total / max(1, workers)
+
+
+def _bytes(notes: Sequence[object], workers: int) -> float:
+    return float(sum(float(note) for note in notes if isinstance(note, float)))
+
+
+@attrs.frozen
+class _Accounting:
+    lower_is_better: bool
+    note: Callable[[object], object]
+    """What the timed loop keeps of each batch: cheap, so that it costs both loaders little."""
+    tally: Callable[[Sequence[object], int], float]
+    """The work done, from the notes and the number of workers."""
+    figure: Callable[[float], float]
+    """The reported figure, from the throughput (work per second)."""
+
+
+class Unit(enum.Enum):
+    """What a workload reports. Every one is computed from the throughput, work per second."""
+
+    US_PER_BATCH = "us/batch"
+    """Microseconds per batch. Work: batches handed over."""
+    EFFICIENCY = "% ideal"
+    """Percent of the ideal. Work: the measured seconds of work of every sample / workers."""
+    GB_PER_S = "GB/s"
+    """Gigabytes (1e9 bytes) of batch tensors per second. Work: bytes handed over."""
+    MS = "ms"
+    """Milliseconds to the first batch. Work: 1 per run."""
+
+    @property
+    def accounting(self) -> _Accounting:
+        return _ACCOUNTING[self]
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.accounting.lower_is_better
+
+    def figure(self, throughput: float) -> float:
+        """The figure reported for a run of this throughput (work per second)."""
+        return self.accounting.figure(throughput)
+
+
+_ACCOUNTING: Mapping[Unit, _Accounting] = {
+    Unit.US_PER_BATCH: _Accounting(True, _count, _batches, lambda rate: 1e6 / rate),
+    Unit.EFFICIENCY: _Accounting(False, _keep, _ideal, lambda rate: 100.0 * rate),
+    Unit.GB_PER_S: _Accounting(False, _touch, _bytes, lambda rate: rate / 1e9),
+    # Only the clock counts here: a run's work is the one first batch.
+    Unit.MS: _Accounting(True, _count, lambda notes, workers: 1.0, lambda rate: 1e3 / rate),
+}
+
+
+@attrs.frozen
+class Measurement:
+    """One run of one loader: the seconds timed and the work done in them."""
+
+    seconds: float
+    work: float
+    """In the workload's unit of work (see `Unit`)."""
+    arrivals: tuple[float, ...] = ()
+    """For workloads with a timeline: seconds from `iter(loader)` to each batch."""
+
+    @property
+    def throughput(self) -> float:
+        return self.work / self.seconds
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Workload:
+    """One benchmark case: a dataset, the loader arguments, what is timed and reported."""
+
+    name: str
+    summary: str
+    """One line: what the workload stands for."""
+    dataset: Callable[[int], torch.utils.data.Dataset[Any]] = attrs.field(repr=False)
+    """Builds the dataset from its number of samples."""
+    batch_size: int
+    num_workers: int
+    unit: Unit
+    timing: Timing
+    batches: int
+    """Batches per epoch."""
+    quick_batches: int
+    """Batches per epoch under `--quick`."""
+    options: Mapping[str, object] = attrs.field(factory=dict)
+    """Further loader arguments, the same for both loaders."""
+    rounds: int | None = None
+    """Pairs of runs; None: the benchmark's default."""
+    quick_rounds: int | None = None
+    """Pairs of runs under `--quick`; None: the benchmark's default."""
+    warmup: bool = True
+    """Whether each loader makes one small untimed run before the first pair."""
+    timeline: bool = False
+    """Whether runs keep the arrival time of every batch (for the plot)."""
+    needs: tuple[str, ...] = ()
+    """Optional packages the dataset imports."""
+
+    def loader_arguments(self) -> dict[str, Any]:
+        """The loader arguments, with a freshly seeded generator: call once per loader."""
+        return dict(
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(SEED),
+            num_workers=self.num_workers,
+            **self.options,
+        )
+
+    def quick(self) -> Workload:
+        """This workload as `--quick` runs it: smaller epochs, and maybe fewer pairs."""
+        return attrs.evolve(self, batches=self.quick_batches, rounds=self.quick_rounds)
+
+    def resized(self, batches: int) -> Workload:
+        """This workload with `batches` batches per epoch."""
+        return attrs.evolve(self, batches=batches)
+
+    @property
+    def workers(self) -> int:
+        """The workers the work is spread over: the calling thread when num_workers is 0."""
+        return max(1, self.num_workers)
+
+
+_IO = functools.partial(Sleeps, seconds=0.003)
+_STRAGGLERS = functools.partial(Sleeps, seconds=0.001, straggler_one_in=20, straggler_factor=40.0)
+# 4 samples of 1.25M float32 values: 20 MB per batch.
+_LARGE = functools.partial(Floats, floats=1_250_000)
+_STARTUP_WORKERS = 4
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload(
+        "inline-b1",
+        "per-batch overhead, in the calling thread: trivial samples, batch size 1",
+        Indices,
+        batch_size=1,
+        num_workers=0,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=20_000,
+        quick_batches=4_000,
+    ),
+    Workload(
+        "inline-b64",
+        "per-batch overhead, in the calling thread: trivial samples, batch size 64",
+        Indices,
+        batch_size=64,
+        num_workers=0,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=4_000,
+        quick_batches=800,
+    ),
+    Workload(
+        "processes-b64",
+        "per-batch overhead, 2 worker processes: trivial samples, batch size 64",
+        Indices,
+        batch_size=64,
+        num_workers=2,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=3_000,
+        quick_batches=600,
+    ),
+    Workload(
+        "io",
+        "I/O-bound: every sample sleeps 3 ms; 8 workers, batch size 8",
+        _IO,
+        batch_size=8,
+        num_workers=8,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.WARM_EPOCH,
+        batches=400,
+        quick_batches=96,
+        options={"persistent_workers": True},
+    ),
+    Workload(
+        "stragglers-in-order",
+        "1 ms samples, 1 in 20 takes 40 ms; 4 workers, batch size 4, in_order=True",
+        _STRAGGLERS,
+        batch_size=4,
+        num_workers=4,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.EPOCH,
+        batches=600,
+        quick_batches=160,
+        options={"in_order": True},
+        timeline=True,
+    ),
+    Workload(
+        "stragglers-any-order",
+        "1 ms samples, 1 in 20 takes 40 ms; 4 workers, batch size 4, in_order=False",
+        _STRAGGLERS,
+        batch_size=4,
+        num_workers=4,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.EPOCH,
+        batches=600,
+        quick_batches=160,
+        options={"in_order": False},
+        timeline=True,
+    ),
+    Workload(
+        "large-batches",
+        "20 MB float32 batches (4 samples of 5 MB); 2 workers",
+        _LARGE,
+        batch_size=4,
+        num_workers=2,
+        unit=Unit.GB_PER_S,
+        timing=Timing.STEADY,
+        batches=150,
+        quick_batches=40,
+    ),
+    Workload(
+        "cpu",
+        "CPU-bound: about 1 ms of numpy per sample; 2 workers, batch size 8",
+        NumpyWork,
+        batch_size=8,
+        num_workers=2,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.WARM_EPOCH,
+        batches=200,
+        quick_batches=50,
+        options={"persistent_workers": True},
+        needs=("numpy",),
+    ),
+    Workload(
+        "startup-fork",
+        "time to the first batch, 4 workers started with fork",
+        Indices,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=32,
+        quick_batches=32,
+        options={"multiprocessing_context": "fork"},
+    ),
+    Workload(
+        "startup-spawn",
+        "time to the first batch, 4 workers started with spawn",
+        Indices,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=32,
+        quick_batches=32,
+        options={"multiprocessing_context": "spawn"},
+        # Four interpreters importing torch take seconds on two cores: --quick affords one pair.
+        quick_rounds=1,
+        # Every run starts fresh interpreters: there is nothing for a warm-up to warm.
+        warmup=False,
+    ),
+    Workload(
+        "startup-forkserver",
+        "time to the first batch, 4 workers started with forkserver",
+        Indices,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=32,
+        quick_batches=32,
+        options={"multiprocessing_context": "forkserver"},
+        quick_rounds=1,  # as for spawn: every worker imports torch
+        # The warm-up starts each library's fork server, once per process as in training.
+        warmup=True,
+    ),
+    Workload(
+        "epoch2-persistent",
+        "time to the first batch of the second epoch, 4 workers, persistent_workers=True",
+        Indices,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.SECOND_FIRST_BATCH,
+        batches=32,
+        quick_batches=32,
+        options={"persistent_workers": True},
+    ),
+    Workload(
+        "epoch2-fresh",
+        "time to the first batch of the second epoch, 4 workers, persistent_workers=False",
+        Indices,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.SECOND_FIRST_BATCH,
+        batches=32,
+        quick_batches=32,
+        options={"persistent_workers": False},
+    ),
+)
+"""Every workload, in the order the benchmark runs and prints them."""
+
+
+def select(names: Sequence[str] | None = None) -> tuple[Workload, ...]:
+    """The workloads of these names, in the benchmark's order; all of them for None.
+
+    Raises ValueError naming the unknown names and the known ones.
+    """
+    if names is None:
+        return WORKLOADS
+    known = {workload.name for workload in WORKLOADS}
+    unknown = [name for name in names if name not in known]
+    if not names:
+        raise ValueError(f"no workload named; choose from {', '.join(sorted(known))}")
+    if unknown:
+        raise ValueError(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}"
+        )
+    return tuple(workload for workload in WORKLOADS if workload.name in names)
+
+
+# --- one run -----------------------------------------------------------------------------------
+
+Loader = torch.utils.data.DataLoader[Any]
+
+
+def close(iterator: object) -> None:
+    """Stop an iterator's workers now, whichever library made it (a no-op without workers)."""
+    from statecore.executors._loader import _Iterator as StatecoreIterator
+
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()
+    elif isinstance(iterator, StatecoreIterator):
+        iterator._shutdown()
+
+
+def release(loader: Loader) -> None:
+    """Stop the workers a loader keeps between epochs (persistent workers), now."""
+    iterator = loader._iterator
+    if iterator is not None:
+        close(iterator)
+        loader._iterator = None
+
+
+def measure(workload: Workload, loader_class: type[Loader]) -> Measurement:
+    """One timed run: a fresh loader of `loader_class`, timed as `workload.timing` says.
+
+    Building the dataset and the loader is not timed; stopping the workers afterwards is
+    neither timed nor skipped: no worker outlives the run.
+    """
+    if workload.timing is Timing.STEADY and workload.batches < 2:
+        raise ValueError(f"{workload.name}: the steady state needs at least 2 batches per epoch")
+    dataset = workload.dataset(workload.batches * workload.batch_size)
+    loader = loader_class(dataset, **workload.loader_arguments())
+    try:
+        return _TIMERS[workload.timing](workload, loader)
+    finally:
+        release(loader)
+
+
+def _steady(workload: Workload, loader: Loader) -> Measurement:
+    accounting = workload.unit.accounting
+    note = accounting.note
+    iterator = iter(loader)
+    try:
+        next(iterator)
+        notes: list[object] = []
+        gc.collect()  # garbage left by earlier runs is not this run's to collect
+        started = time.perf_counter()
+        # islice stops at the last batch, so the clock stops before an exhausted iterator
+        # shuts its workers down (torch does that inside the call that raises StopIteration).
+        for batch in itertools.islice(iterator, len(loader) - 1):
+            notes.append(note(batch))
+        seconds = time.perf_counter() - started
+    finally:
+        close(iterator)
+    return Measurement(seconds, accounting.tally(notes, workload.workers))
+
+
+def _whole_epoch(workload: Workload, loader: Loader, warm: bool) -> Measurement:
+    accounting = workload.unit.accounting
+    note = accounting.note
+    if warm:
+        for _ in loader:
+            pass
+    notes: list[object] = []
+    arrivals: list[float] = []
+    gc.collect()
+    started = time.perf_counter()
+    iterator = iter(loader)
+    try:
+        for batch in itertools.islice(iterator, len(loader)):
+            notes.append(note(batch))
+            arrivals.append(time.perf_counter() - started)
+    finally:
+        close(iterator)
+    return Measurement(
+        arrivals[-1],
+        accounting.tally(notes, workload.workers),
+        tuple(arrivals) if workload.timeline else (),
+    )
+
+
+def _first_batch(workload: Workload, loader: Loader, second: bool) -> Measurement:
+    if second:
+        for _ in loader:
+            pass
+    gc.collect()
+    started = time.perf_counter()
+    iterator = iter(loader)
+    try:
+        next(iterator)
+        seconds = time.perf_counter() - started
+    finally:
+        close(iterator)
+    return Measurement(seconds, 1.0)
+
+
+_TIMERS: Mapping[Timing, Callable[[Workload, Loader], Measurement]] = {
+    Timing.STEADY: _steady,
+    Timing.EPOCH: functools.partial(_whole_epoch, warm=False),
+    Timing.WARM_EPOCH: functools.partial(_whole_epoch, warm=True),
+    Timing.FIRST_BATCH: functools.partial(_first_batch, second=False),
+    Timing.SECOND_FIRST_BATCH: functools.partial(_first_batch, second=True),
+}

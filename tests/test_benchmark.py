@@ -1,0 +1,457 @@
+"""`python -m statecore bench`: a fair A/B harness, whose figures add up and survive the trip.
+
+No test here asserts on speed: the real runs are tiny, and only check that every figure is
+there, positive, and that no worker outlives its run. The arithmetic is checked on made-up
+timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import multiprocess
+import pytest
+import torch
+import torch.utils.data
+
+from statecore.models import benchmark
+from statecore.models.benchmark import (
+    INSTALL_HINT,
+    BenchReport,
+    Machine,
+    MissingDependency,
+    Side,
+    WorkloadResult,
+    pair_order,
+    pair_ratios,
+    plot,
+    read_json,
+    run_benchmark,
+    write_json,
+)
+from statecore.models.cli import main
+from statecore.models.workloads import (
+    WORKLOADS,
+    Measurement,
+    Timing,
+    Unit,
+    Workload,
+    is_straggler,
+    measure,
+    select,
+)
+
+WORKERS = pytest.mark.timeout(120)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def workload(name: str, batches: int = 4) -> Workload:
+    return select([name])[0].resized(batches)
+
+
+def result(
+    name: str = "inline-b1",
+    unit: Unit = Unit.US_PER_BATCH,
+    torch_runs: tuple[Measurement, ...] = (Measurement(1.0, 100.0),),
+    statecore_runs: tuple[Measurement, ...] = (Measurement(0.5, 100.0),),
+) -> WorkloadResult:
+    return WorkloadResult(
+        name=name,
+        summary=f"{name}, made up",
+        unit=unit,
+        timing=Timing.STEADY,
+        batches=100,
+        batch_size=1,
+        num_workers=0,
+        torch=torch_runs,
+        statecore=statecore_runs,
+        first=tuple(pair_order(pair)[0] for pair in range(len(torch_runs))),
+    )
+
+
+def made_up_report() -> BenchReport:
+    """A report with every kind of figure, and a straggler timeline, without running anything."""
+    arrivals = tuple(0.1 + 0.01 * number for number in range(20))
+    late = tuple(0.1 + 0.02 * number for number in range(20))
+    return BenchReport(
+        results=(
+            result(),
+            result(
+                "io",
+                Unit.EFFICIENCY,
+                (Measurement(1.0, 0.9), Measurement(1.0, 0.8), Measurement(1.1, 0.95)),
+                (Measurement(1.0, 0.95), Measurement(1.2, 0.9), Measurement(1.0, 0.97)),
+            ),
+            result(
+                "large-batches", Unit.GB_PER_S, (Measurement(2.0, 3e9),), (Measurement(1.0, 3e9),)
+            ),
+            result("startup-fork", Unit.MS, (Measurement(0.08, 1.0),), (Measurement(0.1, 1.0),)),
+            attrs.evolve(
+                result(
+                    "stragglers-in-order",
+                    Unit.EFFICIENCY,
+                    (Measurement(late[-1], 0.2, late),),
+                    (Measurement(arrivals[-1], 0.2, arrivals),),
+                ),
+                batches=20,
+            ),
+        ),
+        machine=Machine.here(),
+        seconds=12.5,
+        command="python -m statecore bench --made-up",
+    )
+
+
+class FixedWork(torch.utils.data.Dataset[float]):
+    """Samples that report a fixed amount of work (0.25 s) without doing any."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        return 0.25
+
+
+class SmallTensors(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((1000,), float(index))
+
+
+def recording(calls: list[tuple[str, int, Side]]) -> benchmark.Measure:
+    """A stand-in for one run: records who ran what, and takes no time at all."""
+
+    def fake(workload: Workload, side: Side) -> Measurement:
+        calls.append((workload.name, workload.batches, side))
+        return Measurement(1.0, 10.0)
+
+    return fake
+
+
+# --- alternation --------------------------------------------------------------------------------
+
+
+def test_each_loader_runs_equally_often_taking_turns_at_going_first() -> None:
+    calls: list[tuple[str, int, Side]] = []
+    no_warmup = attrs.evolve(workload("inline-b1", 50), warmup=False)
+    report = run_benchmark([no_warmup], rounds=4, measure=recording(calls))
+    t, s = Side.TORCH, Side.STATECORE
+    assert [side for _, _, side in calls] == [t, s, s, t, t, s, s, t]
+    assert report.results[0].first == (t, s, t, s)
+    assert len(report.results[0].torch) == len(report.results[0].statecore) == 4
+
+
+def test_the_warm_up_is_one_small_untimed_run_of_each_loader_before_the_pairs() -> None:
+    calls: list[tuple[str, int, Side]] = []
+    report = run_benchmark([workload("inline-b1", 50)], rounds=1, measure=recording(calls))
+    assert calls == [
+        ("inline-b1", 4, Side.TORCH),
+        ("inline-b1", 4, Side.STATECORE),
+        ("inline-b1", 50, Side.TORCH),
+        ("inline-b1", 50, Side.STATECORE),
+    ]
+    assert len(report.results[0].torch) == 1
+
+
+def test_a_workload_with_its_own_rounds_runs_that_many_pairs() -> None:
+    calls: list[tuple[str, int, Side]] = []
+    spawn = attrs.evolve(workload("startup-spawn"), rounds=2)
+    report = run_benchmark([spawn, workload("inline-b1")], rounds=3, measure=recording(calls))
+    assert [len(item.ratios) for item in report.results] == [2, 3]
+
+
+def test_a_run_that_raises_fails_its_workload_and_the_others_still_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def breaks_on_io(workload: Workload, side: Side) -> Measurement:
+        if workload.name == "io" and side is Side.STATECORE and workload.batches > 4:
+            raise RuntimeError("worker 0 fell over\nmore detail")
+        return Measurement(1.0, 10.0)
+
+    report = run_benchmark(
+        [workload("io", 8), workload("inline-b1", 8)], rounds=2, measure=breaks_on_io
+    )
+    broken, fine = report.results
+    assert broken.error == "statecore raised RuntimeError: worker 0 fell over"
+    assert not broken.ok and broken.torch == broken.statecore == ()
+    assert fine.ok and len(fine.ratios) == 2
+    assert "io                     % ideal  FAILED: statecore raised" in report.table()
+
+
+# --- arithmetic ---------------------------------------------------------------------------------
+
+
+def test_the_ratio_is_statecore_throughput_over_torch_throughput_in_each_pair() -> None:
+    torch_runs = (Measurement(1.0, 100.0), Measurement(2.0, 100.0))
+    statecore_runs = (Measurement(0.5, 100.0), Measurement(2.0, 50.0))
+    assert pair_ratios(torch_runs, statecore_runs) == (2.0, 0.5)
+
+
+def test_the_reported_ratio_is_the_median_of_the_pairs_not_a_ratio_of_medians() -> None:
+    made_up = result(
+        torch_runs=(Measurement(1.0, 1.0), Measurement(1.0, 1.0), Measurement(10.0, 1.0)),
+        statecore_runs=(Measurement(2.0, 1.0), Measurement(0.8, 1.0), Measurement(8.0, 1.0)),
+    )
+    assert made_up.ratios == (0.5, 1.25, 1.25)
+    assert made_up.ratio == 1.25
+
+
+def test_times_are_reported_lower_is_better_and_the_ratio_still_favours_the_faster() -> None:
+    made_up = result(
+        unit=Unit.US_PER_BATCH,
+        torch_runs=(Measurement(0.002, 100.0),),
+        statecore_runs=(Measurement(0.001, 100.0),),
+    )
+    assert made_up.median(Side.TORCH) == pytest.approx(20.0)  # us per batch
+    assert made_up.median(Side.STATECORE) == pytest.approx(10.0)
+    assert made_up.ratio == pytest.approx(2.0)
+    assert Unit.MS.figure(Measurement(0.25, 1.0).throughput) == pytest.approx(250.0)
+
+
+def test_efficiency_is_the_ideal_over_the_elapsed_time_and_gb_per_s_counts_bytes() -> None:
+    assert Unit.EFFICIENCY.figure(Measurement(2.0, 1.5).throughput) == pytest.approx(75.0)
+    assert Unit.GB_PER_S.figure(Measurement(0.5, 2e9).throughput) == pytest.approx(4.0)
+
+
+def test_each_side_reports_its_median_and_range() -> None:
+    made_up = made_up_report().results[1]
+    assert made_up.figures(Side.TORCH) == pytest.approx((90.0, 80.0, 95.0 / 1.1))
+    assert made_up.median(Side.TORCH) == pytest.approx(95.0 / 1.1)
+    assert (made_up.low(Side.TORCH), made_up.high(Side.TORCH)) == pytest.approx((80.0, 90.0))
+
+
+@WORKERS
+def test_the_ideal_is_the_work_the_samples_measured_spread_over_the_workers() -> None:
+    fixed = Workload(
+        "fixed",
+        "samples that report 0.25 s of work",
+        FixedWork,
+        batch_size=3,
+        num_workers=2,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.EPOCH,
+        batches=4,
+        quick_batches=4,
+    )
+    run = measure(fixed, torch.utils.data.DataLoader)
+    assert run.work == pytest.approx(4 * 3 * 0.25 / 2)
+
+
+def test_the_steady_state_counts_the_batches_and_bytes_after_the_first() -> None:
+    large = Workload(
+        "small-tensors",
+        "4 KB samples",
+        SmallTensors,
+        batch_size=2,
+        num_workers=0,
+        unit=Unit.GB_PER_S,
+        timing=Timing.STEADY,
+        batches=5,
+        quick_batches=5,
+    )
+    assert measure(large, torch.utils.data.DataLoader).work == 4 * 2 * 1000 * 4
+    per_batch = attrs.evolve(large, unit=Unit.US_PER_BATCH)
+    assert measure(per_batch, torch.utils.data.DataLoader).work == 4
+
+
+# --- workloads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", WORKLOADS, ids=lambda spec: spec.name)
+def test_every_dataset_is_defined_at_module_level_and_pickles(spec: Workload) -> None:
+    dataset = spec.dataset(8)
+    assert "<locals>" not in type(dataset).__qualname__
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert type(copy) is type(dataset) and len(copy) == 8
+
+
+def test_stragglers_are_about_one_in_twenty_and_land_on_every_worker() -> None:
+    slow = [index for index in range(4000) if is_straggler(index, 20)]
+    assert 150 <= len(slow) <= 250
+    # batch size 4, 4 workers taking batches round robin: batch b goes to worker b % 4
+    assert {(index // 4) % 4 for index in slow} == {0, 1, 2, 3}
+
+
+def test_an_unknown_workload_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown workload.*nope.*choose from.*inline-b1"):
+        select(["inline-b1", "nope"])
+
+
+# --- real runs, tiny ----------------------------------------------------------------------------
+
+
+@WORKERS
+def test_a_tiny_real_run_reports_every_figure_present_and_positive() -> None:
+    report = run_benchmark([workload("inline-b1"), workload("processes-b64")], rounds=1)
+    assert [item.name for item in report.results] == ["inline-b1", "processes-b64"]
+    for item in report.results:
+        figures = [*item.figures(Side.TORCH), *item.figures(Side.STATECORE), *item.ratios]
+        assert len(figures) == 3
+        assert all(math.isfinite(figure) and figure > 0 for figure in figures)
+    assert "inline-b1" in report.table() and "processes-b64" in report.table()
+
+
+@WORKERS
+def test_no_worker_outlives_its_run_persistent_ones_included() -> None:
+    run_benchmark([workload("epoch2-persistent"), workload("io", 8)], rounds=1)
+    assert multiprocessing.active_children() == []
+    assert multiprocess.active_children() == []
+
+
+def test_the_straggler_runs_keep_when_each_batch_arrived() -> None:
+    fixed = Workload(
+        "fixed",
+        "samples that report 0.25 s of work",
+        FixedWork,
+        batch_size=3,
+        num_workers=0,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.EPOCH,
+        batches=4,
+        quick_batches=4,
+        timeline=True,
+    )
+    run = measure(fixed, torch.utils.data.DataLoader)
+    assert len(run.arrivals) == 4
+    assert list(run.arrivals) == sorted(run.arrivals) and run.arrivals[-1] == run.seconds
+    assert measure(attrs.evolve(fixed, timeline=False), torch.utils.data.DataLoader).arrivals == ()
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def test_the_json_reads_back_with_the_same_figures(tmp_path: Path) -> None:
+    report = made_up_report()
+    path = tmp_path / "bench.json"
+    write_json(report, path)
+    assert read_json(path) == report
+    raw = json.loads(path.read_text())
+    io = raw["workloads"][1]
+    assert io["ratio"] == report.results[1].ratio
+    assert io["torch"]["median"] == report.results[1].median(Side.TORCH)
+    assert io["statecore"]["runs"][0] == {"seconds": 1.0, "work": 0.95, "arrivals": []}
+
+
+def test_the_plot_is_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "bench.png"
+    plot(made_up_report(), path)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plotting_without_matplotlib_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingDependency, match=r"pip install 'statecore\[bench\]'"):
+        plot(made_up_report(), "never-written.png")
+
+
+def test_bench_plot_without_matplotlib_fails_before_running_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    def must_not_run(*args: Any, **kwargs: Any) -> BenchReport:
+        raise AssertionError("the benchmark ran although --plot cannot work")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(benchmark, "run_benchmark", must_not_run)
+    code = main(["bench", "--only", "inline-b1", "--plot", str(tmp_path / "bench.png")])
+    assert code == 2
+    assert INSTALL_HINT in capsys.readouterr().err
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_the_table_has_a_row_per_workload_with_both_medians_and_the_ratio() -> None:
+    table = made_up_report().table()
+    row = next(line for line in table.splitlines() if line.startswith("inline-b1 "))
+    # torch: 100 batches in 1 s = 10000 us/batch; statecore twice as fast
+    assert row.split() == [
+        "inline-b1",
+        "us/batch",
+        "10000",
+        "(10000-10000)",
+        "5000",
+        "(5000-5000)",
+        "2.00x",
+        "1",
+    ]
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_the_cli_passes_quick_only_rounds_and_paths_to_bench(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake(**options: Any) -> int:
+        seen.update(options)
+        return 0
+
+    monkeypatch.setattr(benchmark, "bench", fake)
+    argv = ["bench", "--quick", "--only", "io,cpu", "--rounds", "3", "--json", "out.json"]
+    assert main([*argv, "--plot", "out.png"]) == 0
+    assert seen["quick"] is True
+    assert seen["only"] == ["io", "cpu"]
+    assert seen["rounds"] == 3
+    assert (seen["json_path"], seen["plot_path"]) == ("out.json", "out.png")
+    assert seen["command"] == "python -m statecore " + " ".join([*argv, "--plot", "out.png"])
+
+
+def test_quick_shrinks_the_epochs_and_explicit_rounds_apply_to_every_workload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[tuple[Workload, ...], int]] = []
+
+    def fake(workloads: Any, rounds: int, **options: Any) -> BenchReport:
+        seen.append((tuple(workloads), rounds))
+        return made_up_report()
+
+    monkeypatch.setattr(benchmark, "run_benchmark", fake)
+    assert benchmark.bench(quick=True, only=["inline-b1", "startup-spawn"]) == 0
+    assert benchmark.bench(quick=True, only=["inline-b1", "startup-spawn"], rounds=2) == 0
+    (default, default_pairs), (explicit, explicit_pairs) = seen
+    assert [item.batches for item in default] == [
+        spec.quick_batches for spec in select(["inline-b1", "startup-spawn"])
+    ]
+    assert default_pairs == benchmark.QUICK_ROUNDS and default[1].rounds == 1
+    assert explicit_pairs == 2 and [item.rounds for item in explicit] == [None, None]
+
+
+def test_bench_refuses_an_unknown_workload_or_too_few_batches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--only", "nope"]) == 2
+    assert "unknown workload(s) nope" in capsys.readouterr().err
+    assert main(["bench", "--batches", "1"]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--rounds", "0"])
+
+
+def test_bench_writes_the_json_and_the_png_it_was_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--only", "inline-b1", "--rounds", "1", "--batches", "4"]
+    assert main([*argv, "--json", str(json_path), "--plot", str(png_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "inline-b1" in printed and "ratio" in printed
+    report = read_json(json_path)
+    assert [item.name for item in report.results] == ["inline-b1"]
+    assert report.command.startswith("python -m statecore bench --only inline-b1")
+    assert png_path.read_bytes().startswith(PNG_MAGIC)
