@@ -94,7 +94,7 @@ class Driver:
             outcome = self._carry_out()
             if outcome is not None:
                 if type(outcome) is Deliver:
-                    return outcome.payload  # type: ignore[attr-defined]
+                    return outcome.payload
                 return self._hand_over(outcome)
             if self.sampler_error is not None:
                 self._raise_sampler_error()
@@ -170,7 +170,7 @@ class Driver:
 
     def _hand_over(self, outcome: Command) -> Any:
         if type(outcome) is Deliver:
-            return outcome.payload  # type: ignore[attr-defined]
+            return outcome.payload
         if type(outcome) is EndEpoch:
             raise StopIteration
         raise failure_exception(outcome.failure)  # type: ignore[attr-defined]

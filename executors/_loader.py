@@ -20,7 +20,7 @@ from typing import Any
 
 import multiprocess.context
 import torch.utils.data
-from torch.autograd import _profiler_enabled
+from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase
@@ -200,7 +200,7 @@ class _Iterator(_BaseDataLoaderIter):
             self._reset()  # type: ignore[call-arg]
         data = self._next_data()
         self._num_yielded += 1
-        promised = self._IterableDataset_len_called
+        promised: int | None = self._IterableDataset_len_called
         if promised is not None and self._num_yielded > promised and self._dataset_kind == _ITER:
             warnings.warn(_too_long(self, promised), stacklevel=2)
         return data

@@ -18,7 +18,15 @@ from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import Executor
 
-__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "PINNED", "available", "lookup", "resolve_executor"]
+__all__ = [
+    "BUILT_IN",
+    "ENTRY_POINT_GROUP",
+    "PINNED",
+    "available",
+    "loads_in_process",
+    "lookup",
+    "resolve_executor",
+]
 
 ENTRY_POINT_GROUP = "statecore.executors"
 # Not in BUILT_IN: whether it loads in the calling thread depends on what it wraps.
@@ -84,6 +92,23 @@ def lookup(name: str) -> tuple[ExecutorFactory, bool]:
             f"the executor {name!r} registered by {point.value!r} is not a callable factory"
         )
     return factory, bool(getattr(factory, "in_process", False))
+
+
+def loads_in_process(executor: str | ExecutorFactory | None) -> bool:
+    """Whether `executor` loads in the calling thread, so takes num_workers=0.
+
+    A name asks the registry ("pinned" wraps "mp" unless told otherwise); a factory answers with
+    its `in_process` attribute, and one without it starts workers.
+    """
+    if isinstance(executor, Pinned):
+        return executor.in_process or (
+            executor.inner is not None and loads_in_process(executor.inner)
+        )
+    if executor is None or executor == PINNED:
+        return False
+    if isinstance(executor, str):
+        return lookup(executor)[1]
+    return bool(getattr(executor, "in_process", False))
 
 
 def resolve_executor(

@@ -48,8 +48,7 @@ from hypothesis.stateful import (
 
 from statecore import violations
 from statecore.executors._launch import ExecutorFactory
-from statecore.executors._pinned import Pinned
-from statecore.executors._registry import PINNED, lookup
+from statecore.executors._registry import loads_in_process
 
 __all__ = [
     "ConformanceError",
@@ -297,23 +296,6 @@ def surviving_children(before: Iterable[int], timeout: float) -> dict[int, str]:
 
 
 # --- the machine --------------------------------------------------------------------------------
-
-
-def loads_in_process(executor: str | ExecutorFactory | None) -> bool:
-    """Whether `executor` loads in the calling thread, so takes num_workers=0.
-
-    A name asks the registry ("pinned" wraps "mp" unless told otherwise); a factory answers with
-    its `in_process` attribute, and one without it starts workers.
-    """
-    if isinstance(executor, Pinned):
-        return executor.in_process or (
-            executor.inner is not None and loads_in_process(executor.inner)
-        )
-    if executor is None or executor == PINNED:
-        return False
-    if isinstance(executor, str):
-        return lookup(executor)[1]
-    return bool(getattr(executor, "in_process", False))
 
 
 class ConformanceError(AssertionError):

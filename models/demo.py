@@ -191,10 +191,11 @@ def _groups(
     """torch's loader and statecore's with the same arguments, grouped by num_workers.
 
     Every available executor is in one group: one that loads in-process with num_workers=0,
-    any other with num_workers=`workers`.
+    any other with num_workers=`workers`. "pinned" runs only where there is an accelerator to
+    pin for; elsewhere it would hand over mp's batches again.
     """
     import statecore
-    from statecore.executors._registry import available, lookup
+    from statecore.executors._registry import PINNED, available, loads_in_process
 
     def arguments(num_workers: int) -> dict[str, Any]:
         return dict(
@@ -212,7 +213,9 @@ def _groups(
 
     executors: dict[int, list[Run]] = {}
     for name in available():
-        num_workers = 0 if lookup(name)[1] else workers
+        if name == PINNED and not torch.accelerator.is_available():
+            continue  # without an accelerator it hands over mp's batches, unpinned
+        num_workers = 0 if loads_in_process(name) else workers
         executors.setdefault(num_workers, []).append(
             Run(name, num_workers, statecore_loader(name, num_workers))
         )
