@@ -120,7 +120,8 @@ class Driver:
                     f"the scheduler waits in {self.state!r} but the executor owes nothing"
                 )
             event = TimedOut(self.timeout)
-        self._feed(event)
+        self.state, commands = step(self.state, event)  # _feed, inlined: once per batch
+        self.todo.extend(commands)
 
     def _carry_out(self) -> Command | None:
         """Carry out every pending command; return the one telling what the consumer gets."""
@@ -161,7 +162,8 @@ class Driver:
                 raise
             self.sampler_error = error
         else:
-            self._feed(IndexDrawn(index))
+            self.state, commands = step(self.state, IndexDrawn(index))
+            self.todo.extend(commands)
 
     def _raise_sampler_error(self) -> None:
         error, self.sampler_error = self.sampler_error, None
