@@ -10,9 +10,15 @@ What crosses process boundaries, and how:
   with dill, so lambdas, closures and classes defined in functions work. Under fork nothing
   is pickled, as in torch.
 - *Tasks* go through a `multiprocess` queue, whose feeder thread never blocks the parent.
-- *Results* come back pickled with the standard library's C pickler, into which torch registers
-  its reductions: tensors travel as shared-memory file descriptors, not as bytes through the
-  pipe. Only a batch the C pickler refuses falls back to dill (with torch's reductions too).
+- *Results* come back pickled with the standard library's C pickler. Large tensors travel in
+  shared-memory buffers that each worker reuses (see `_buffers`): default_collate writes the
+  batch straight into one, and the message says which. Other tensors travel as torch sends
+  them, each in a shared-memory segment of its own whose file descriptor crosses through the
+  resource sharer. Only a batch the C pickler refuses falls back to dill (with torch's
+  reductions).
+- *Buffers* cross once each: a notice carrying the file descriptor precedes the first message
+  that uses one. The main process gives a buffer back, once the consumer has freed the storage
+  built on it, with the next task it sends that worker.
 
 Both picklers share tensors through the standard library's resource sharer, which
 authenticates with `multiprocessing.current_process().authkey`. In a worker started by
@@ -25,10 +31,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing as stdlib_multiprocessing
+import multiprocessing.util as stdlib_util
 import os
 import pickle
 import queue
 import signal
+import struct
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler as StdlibPickler
@@ -47,6 +55,12 @@ from statecore import (
     TaskFailed,
     WorkerDied,
 )
+from statecore.executors._buffers import (
+    BufferClosed,
+    BufferOpened,
+    BufferReceiver,
+    BufferSender,
+)
 from statecore.executors._launch import Launch
 from statecore.executors._remote import RemoteError
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
@@ -63,9 +77,19 @@ STOP_CHECK_INTERVAL = 0.1
 SHUTDOWN_GRACE = 1.0
 # How long to wait for a process that has ended, or was terminated, to be reaped.
 JOIN_TIMEOUT = 5.0
+# Every result message starts with the task it answers and how many buffers it refers to,
+# followed by their numbers (int32 each).
+_HEADER = struct.Struct("<qi")
 # Answers to resumes carry no task number; this marks them on the wire.
 _NO_TASK = -1
-_HEADER = 8
+# A buffer notice is no answer at all.
+_NOTICE = -2
+# glibc's mallopt parameters (malloc.h), and the values its own adaptive thresholds end at on
+# 64-bit machines.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 64 << 20
 
 
 def _share_torch_reductions() -> None:
@@ -93,12 +117,35 @@ def resolve_context(spec: object) -> multiprocess.context.BaseContext:
     )
 
 
-def _encode(task: int, event: Event) -> bytes:
-    header = task.to_bytes(_HEADER, "little", signed=True)
+def _encode(task: int, event: Event, buffers: BufferSender) -> bytes:
     try:
-        return header + bytes(StdlibPickler.dumps(event))
+        payload, lent = buffers.dumps(event)
     except Exception:
-        return header + bytes(multiprocess.reduction.ForkingPickler.dumps(event))
+        buffers.abandon()
+        payload, lent = bytes(multiprocess.reduction.ForkingPickler.dumps(event)), ()
+    return _HEADER.pack(task, len(lent)) + struct.pack(f"<{len(lent)}i", *lent) + payload
+
+
+def _notice(notice: BufferOpened | BufferClosed) -> bytes:
+    return _HEADER.pack(_NOTICE, 0) + bytes(StdlibPickler.dumps(notice))
+
+
+def _reuse_freed_memory() -> None:
+    """Make the worker's malloc reuse freed blocks of up to 32 MiB, not map fresh pages.
+
+    glibc maps every allocation above a threshold afresh, and each page of a fresh mapping
+    faults when first written: for samples of a few megabytes, that costs more than moving the
+    batch. The threshold adapts to what the process has freed, so a forked worker inherits
+    whatever its parent's history left, and the same dataset ran at half speed or full speed
+    from one loader to the next. Fixed where glibc's adaptation would end (32 MiB; up to 64 MiB
+    kept free at the top of the heap), samples reuse memory in every worker.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except Exception:
+        return  # not glibc: its allocator has its own ways
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
 def _watch_parent(parent: int) -> None:
@@ -121,27 +168,42 @@ def _worker_main(
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
     # stops the workers itself, so a worker neither dies of it nor prints a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not isinstance(shipped, bytes):
+        # Forked by multiprocess, which runs its own after-fork hooks but not the standard
+        # library's: without them this worker would share tensors through its parent's
+        # resource sharer (whose listener is the parent's) and inherit torch's locks as held.
+        stdlib_util._run_after_forkers()  # type: ignore[attr-defined]
     stdlib_multiprocessing.current_process().authkey = authkey
     torch.set_num_threads(1)
+    _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
     threading.Thread(
         target=_watch_parent, args=(os.getppid(),), name="statecore-watchdog", daemon=True
     ).start()
     setup = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
+    buffers = BufferSender()
+    buffers.install()
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
     while True:
         try:
-            command = tasks.get(timeout=STOP_CHECK_INTERVAL)
+            message = tasks.get(timeout=STOP_CHECK_INTERVAL)
         except queue.Empty:
             if stopping.value:
                 return
             continue
-        if command is None:
+        if message is None:
             return
-        event = runtime.answer(command)
-        task = command.task if isinstance(command, SendTask) else _NO_TASK
+        command, returned = message
+        buffers.returned(returned)
+        task = _NO_TASK
+        if isinstance(command, SendTask):
+            task = command.task
+            buffers.begin()
+        with buffers.collating():
+            event = runtime.answer(command)
         try:
-            message = _encode(task, event)
+            answer = _encode(task, event, buffers)
         except Exception as error:
+            buffers.abandon()
             failure = RemoteError.capture(
                 error,
                 worker=worker_id,
@@ -149,12 +211,16 @@ def _worker_main(
                 index=getattr(command, "index", None),
                 where="while sending the batch back",
             )
-            message = _encode(task, TaskFailed(task, worker_id, failure))
+            answer = _encode(task, TaskFailed(task, worker_id, failure), buffers)
+        # Let go of the batch now: what it holds of the buffers keeps them from being reused.
         del event
         try:
-            results.send_bytes(message)
+            for notice in buffers.notices():
+                results.send_bytes(_notice(notice))
+            results.send_bytes(answer)
         except (BrokenPipeError, OSError):
             return  # the parent closed our pipe: it is shutting down
+        buffers.end()
 
 
 class MultiprocessExecutor:
@@ -170,6 +236,7 @@ class MultiprocessExecutor:
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
         self.gone: set[int] = set()
+        self.buffers = BufferReceiver()
         self.closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -204,10 +271,12 @@ class MultiprocessExecutor:
             raise
 
     def dispatch(self, command: SendTask) -> None:
-        self.tasks[command.worker].put(command)
+        worker = command.worker
+        self.tasks[worker].put((command, self.buffers.returns_for(worker)))
 
     def resume(self, command: ResumeWorker) -> None:
-        self.tasks[command.worker].put(command)
+        worker = command.worker
+        self.tasks[worker].put((command, self.buffers.returns_for(worker)))
 
     def stop_worker(self, worker: int) -> None:
         if worker not in self.stopping:
@@ -254,15 +323,24 @@ class MultiprocessExecutor:
             except (EOFError, OSError):
                 self._exited(worker)
             else:
-                self.ready.append(self._decode(worker, message))
+                self._receive(worker, message)
             return
         # The process ended: first take whatever it sent before ending.
         try:
             while reader.poll(0):
-                self.ready.append(self._decode(worker, reader.recv_bytes()))
+                self._receive(worker, reader.recv_bytes())
         except (EOFError, OSError):
             pass
         self._exited(worker)
+
+    def _receive(self, worker: int, message: bytes) -> None:
+        task, count = _HEADER.unpack_from(message)
+        lent = struct.unpack_from(f"<{count}i", message, _HEADER.size)
+        payload = memoryview(message)[_HEADER.size + 4 * count :]
+        if task == _NOTICE:
+            self.buffers.notice(worker, pickle.loads(payload))
+        else:
+            self.ready.append(self._decode(worker, task, lent, payload))
 
     def _exited(self, worker: int) -> None:
         if worker in self.gone:
@@ -273,10 +351,9 @@ class MultiprocessExecutor:
         if worker not in self.stopping:
             self.ready.append(WorkerDied(worker, process.pid, process.exitcode))
 
-    def _decode(self, worker: int, message: bytes) -> Event:
-        task = int.from_bytes(message[:_HEADER], "little", signed=True)
+    def _decode(self, worker: int, task: int, lent: tuple[int, ...], payload: memoryview) -> Event:
         try:
-            event = pickle.loads(message[_HEADER:])
+            event = self.buffers.loads(worker, lent, payload)
         except Exception as error:
             process = self.processes[worker]
             process.join(JOIN_TIMEOUT / 5)
@@ -309,9 +386,11 @@ class MultiprocessExecutor:
             self.stop_worker(worker)
         deadline = time.monotonic() + SHUTDOWN_GRACE
         running = {w for w, p in enumerate(self.processes) if p.is_alive()}
+        # A pipe at its end stays readable: watching it would spin while its worker exits.
+        ended: set[int] = set()
         while running and time.monotonic() < deadline:
             # A worker blocked on sending a batch nobody will read exits once we drain it.
-            handles = {self.readers[w]: w for w in running}
+            handles = {self.readers[w]: w for w in running - ended}
             handles.update({self.processes[w].sentinel: w for w in running})
             for handle in multiprocess.connection.wait(
                 list(handles), max(0.0, deadline - time.monotonic())
@@ -321,7 +400,7 @@ class MultiprocessExecutor:
                     while self.readers[worker].poll(0):
                         self.readers[worker].recv_bytes()
                 except (EOFError, OSError):
-                    pass
+                    ended.add(worker)
             running = {w for w in running if self.processes[w].is_alive()}
         for process in self.processes:
             if process.is_alive():
@@ -339,3 +418,4 @@ class MultiprocessExecutor:
         for reader in self.readers:
             reader.close()
         self.ready.clear()
+        self.buffers.close()
