@@ -14,9 +14,10 @@ there. The message carries only the buffer's number and the storage's size, and 
 process builds the storage on its own mapping of the buffer, so the consumer gets the
 worker's dtypes, offsets and strides, and views that still share their storage. What the pool
 cannot take (no buffer free, the pool full, autograd, subclasses, other devices or layouts)
-travels as torch sends it, so nothing ever waits for a buffer. In a batch with large storages
-the small ones travel in the message itself: a few bytes through the pipe cost far less than
-a segment of their own.
+travels as torch sends it, so nothing ever waits for a buffer. Small storages (under
+`MIN_BUFFER_BYTES`) travel in the message itself, in every batch: a few kilobytes through the
+pipe cost far less than a segment of their own, whose descriptor torch fetches through a socket
+connection of its own; for a batch of small tensors that fetch is most of the per-batch cost.
 
 Unlike torch's, those tensors are not `is_shared()`: their memory is the worker's to reuse,
 so it must not be handed to a third process. A consumer that sends such a tensor on (a
@@ -227,12 +228,11 @@ class _Batch:
 
     def __init__(self, inline: bool) -> None:
         self.inline = inline
-        """Small storages travel in the message: the worker expects large ones too."""
+        """Small storages travel in the message (False where there are no buffers at all)."""
         self.collating = False
         self.carved: dict[int, _Buffer] = {}
         self.placed: dict[tuple[int, int], _Shared | _Inline | None] = {}
         self.lent: list[_Buffer] = []
-        self.large = False
         self.buffered = 0
         """How many buffers this batch took."""
 
@@ -252,8 +252,6 @@ class BufferSender:
         self.pending: list[BufferOpened | BufferClosed] = []
         self.batch: _Batch | None = None
         self.batches = 0
-        self.large = False
-        """The last batch with tensors had a large storage: expect the next one to."""
         self.spare = _MIN_SPARE
         """How many free buffers the pool keeps: twice what the last batch took."""
 
@@ -302,7 +300,7 @@ class BufferSender:
         for buffer in free[: max(0, len(free) - self.spare)]:
             self._close(buffer)
         self.batches += 1
-        self.batch = _Batch(inline=self.enabled and self.large)
+        self.batch = _Batch(inline=self.enabled)
 
     @contextlib.contextmanager
     def collating(self) -> Iterator[None]:
@@ -346,7 +344,6 @@ class BufferSender:
         """The batch's message went out."""
         batch, self.batch = self.batch, None
         if batch is not None and batch.placed:  # a batch without tensors teaches nothing
-            self.large = batch.large
             self.spare = max(_MIN_SPARE, 2 * batch.buffered)
 
     # --- placing storages ----------------------------------------------------------------
@@ -381,7 +378,6 @@ class BufferSender:
             return batch.placed[key]
         place: _Shared | _Inline | None = None
         if nbytes >= MIN_BUFFER_BYTES:
-            batch.large = True
             buffer = self._buffer_for(batch, storage, address, nbytes)
             if buffer is not None:
                 buffer.lent = True
