@@ -2,16 +2,44 @@
 
 Installed as `statecore.executors`. Executors carry out the scheduler's commands and report
 what their workers did; they decide nothing.
+
+The names below load on first use: a worker process imports only the modules it runs (for a
+spawned worker, every module imported is start-up time), not the loader facade around them.
 """
 
-from statecore.executors._driver import Driver, failure_exception
-from statecore.executors._launch import ExecutorFactory, Launch
-from statecore.executors._loader import DataLoader
-from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
-from statecore.executors._protocol import Executor
-from statecore.executors._registry import ENTRY_POINT_GROUP, available
-from statecore.executors._remote import RemoteError
-from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from statecore.executors._driver import Driver, failure_exception
+    from statecore.executors._launch import ExecutorFactory, Launch
+    from statecore.executors._loader import DataLoader
+    from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
+    from statecore.executors._protocol import Executor
+    from statecore.executors._registry import ENTRY_POINT_GROUP, available
+    from statecore.executors._remote import RemoteError
+    from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
+
+_WHERE = {
+    "ENTRY_POINT_GROUP": "_registry",
+    "DataLoader": "_loader",
+    "Driver": "_driver",
+    "Executor": "_protocol",
+    "ExecutorFactory": "_launch",
+    "Launch": "_launch",
+    "Pinned": "_pinned",
+    "PinnedExecutor": "_pinned",
+    "RemoteError": "_remote",
+    "WorkerRuntime": "_worker",
+    "WorkerSetup": "_worker",
+    "as_worker": "_worker",
+    "available": "_registry",
+    "failure_exception": "_driver",
+    "get_worker_info": "_worker",
+    "pinned": "_pinned",
+}
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -31,3 +59,16 @@ __all__ = [
     "get_worker_info",
     "pinned",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statecore.executors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"statecore.executors.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
