@@ -70,6 +70,8 @@ class Driver:
         self.todo: deque[Command] = deque()
         self.sampler_failed = False
         self.sampler_error: Exception | None = None
+        self.broken: Exception | None = None
+        """The executor's own failure (its poll raised): every later request raises it."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
@@ -89,6 +91,8 @@ class Driver:
         if self.sampler_failed:
             self._raise_sampler_error()
             raise StopIteration  # as in torch, whose sampler iterator is spent once it raised
+        if self.broken is not None:
+            raise self.broken
         self._feed(_NEXT)
         while True:
             outcome = self._carry_out()
@@ -113,7 +117,15 @@ class Driver:
         self.todo.extend(commands)
 
     def _wait(self) -> None:
-        event = self.executor.poll(self.timeout)
+        try:
+            event = self.executor.poll(self.timeout)
+        except Exception as error:
+            # The executor itself broke: nothing it owes will come. Stop its workers, and give
+            # every later request the same error, as torch does once its pin thread is gone.
+            self.broken = error
+            self.todo.clear()
+            self.close()
+            raise
         if event is None:
             if self.timeout is None:
                 raise InternalError(

@@ -3,13 +3,14 @@
 `DataLoader(..., pin_memory=True)` wraps whatever executor loads the batches (inline, mp,
 thread or a plug-in) in this stage; `executor="pinned"` (or `pinned(...)`) names it outright.
 
-Over an executor with workers, the stage is one thread of the main process. It is the only
-caller of the inner executor's `poll`: it takes each answer as it arrives, pins a batch's
+Over an executor whose factory has a true `poll_from_any_thread` attribute (mp and thread do),
+the stage is one thread of the main process. It is the only caller of the inner executor's
+`poll`: it takes each answer as it arrives, pins a batch's
 tensors (torch's `pin_memory` semantics: tensors inside mappings, sequences, tuples and
 namedtuples; `.pin_memory()` on a custom batch type; strings and other objects unchanged), and
 queues the answer for the driver. Pinning thus overlaps with training, as torch's pin thread
-does. Over an in-process executor the batch is pinned in the calling thread, as torch does
-with `num_workers=0`.
+does. Over any other executor (in-process ones, and plug-ins that load when polled) the batch
+is pinned in the calling thread, as torch does with `num_workers=0`.
 
 The stage decides nothing. Answers keep the order each worker gave them, so a resume is still
 answered after every task sent before it; the core reorders batches as always. A batch that
@@ -18,7 +19,8 @@ shutdown the stage thread stops before the inner executor stops its workers, bec
 the stage that reads their answers.
 
 Beyond torch, `pinned(device="cuda")` also copies each pinned batch to the GPU on a side
-stream as soon as it is pinned, and records a CUDA event after the copy. Before the driver sees
+stream as soon as it is pinned (the tensors inside its mappings, lists and tuples; other
+objects stay in pinned host memory), and records a CUDA event after the copy. Before the driver sees
 the batch, the consumer's current stream is made to wait for that event, so the consumer can
 never read a tensor before its copy is done; and each tensor is marked as used on the
 consumer's stream, so the caching allocator does not hand its memory to the side stream while
@@ -29,6 +31,7 @@ workers prefetch.
 from __future__ import annotations
 
 import collections.abc
+import copy
 import functools
 import queue
 import threading
@@ -66,13 +69,22 @@ class DeviceCopy(Protocol):
 
 
 def _moved(data: Any, device: torch.device) -> Any:
-    """`data` with every tensor it holds copied to `device`, asynchronously."""
+    """`data` with every tensor it holds copied to `device`, asynchronously.
+
+    Only tensors inside mappings, lists and tuples (namedtuples too) move, because only those
+    can be found again to mark them used on the consumer's stream (`_tensors`); anything else,
+    a custom batch type included, is handed over as it is, in pinned host memory.
+    """
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=True)
-    if isinstance(data, str | bytes):
-        return data
     if isinstance(data, collections.abc.Mapping):
         items = {key: _moved(value, device) for key, value in data.items()}
+        if isinstance(data, collections.abc.MutableMapping):
+            # A copy keeps the mapping's type and whatever else it carries (a defaultdict's
+            # factory, say); only the values change.
+            clone = copy.copy(data)
+            clone.update(items)
+            return clone
         try:
             return type(data)(items)  # type: ignore[call-arg]
         except TypeError:
@@ -82,10 +94,6 @@ def _moved(data: Any, device: torch.device) -> Any:
         return type(data)(*values) if hasattr(data, "_fields") else type(data)(values)
     if isinstance(data, list):
         return [_moved(value, device) for value in data]
-    move = getattr(data, "to", None)
-    if callable(move):
-        # A custom batch type that knows how to move itself, as `.pin_memory()` for pinning.
-        return move(device, non_blocking=True)
     return data
 
 
@@ -153,6 +161,8 @@ class PinnedExecutor:
         self.answers: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+        """Why the stage thread ended early: every later poll raises it again."""
         self.closed = False
 
     def start(self) -> None:
@@ -180,11 +190,14 @@ class PinnedExecutor:
     def poll(self, timeout: float | None) -> Event | None:
         if not self.threaded:
             return self._claimed(self._pinned(self.inner.poll(timeout)))
+        if self.failed is not None:
+            raise self.failed  # the stage is gone: nothing will ever answer again
         try:
             answer = self.answers.get(timeout=timeout)
         except queue.Empty:
             return None
         if isinstance(answer, BaseException):
+            self.failed = answer
             raise answer
         return self._claimed(answer)
 
@@ -196,6 +209,12 @@ class PinnedExecutor:
         if self.thread is not None:
             # The stage reads the workers' answers: it must be gone before they are.
             self.thread.join(STAGE_JOIN_TIMEOUT)
+            if self.thread.is_alive():
+                warnings.warn(
+                    f"statecore's pin-memory stage did not finish pinning within "
+                    f"{STAGE_JOIN_TIMEOUT:.0f} s; stopping the workers under it",
+                    stacklevel=2,
+                )
             self.thread = None
         self.inner.shutdown()
         while not self.answers.empty():
@@ -278,7 +297,10 @@ class Pinned:
             if copy is None:
                 return inner
             pin = _unchanged
-        return PinnedExecutor(inner, pin, threaded=not self.in_process, copy=copy)
+        # A thread of our own may poll only an executor that says it can be polled from any
+        # thread while the driver's thread dispatches: most that load when polled cannot.
+        threaded = not self.in_process and bool(getattr(self.inner, "poll_from_any_thread", False))
+        return PinnedExecutor(inner, pin, threaded=threaded, copy=copy)
 
     def _device_copy(self) -> DeviceCopy | None:
         if self.device is None:

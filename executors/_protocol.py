@@ -11,6 +11,10 @@ What an executor promises, and the models assume:
 - a worker answers in the order it was given work, and answers a resume after every task sent
   before it (`WorkerResumed`);
 - a worker that ends without being stopped is reported once with `WorkerDied`.
+
+Every method is called from one thread, the driver's, unless the executor's factory has a
+true `poll_from_any_thread` attribute: then the pin-memory stage may call `poll` from a thread
+of its own while the driver's thread calls the others.
 """
 
 from __future__ import annotations

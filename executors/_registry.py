@@ -51,6 +51,12 @@ def _thread(launch: Launch) -> Executor:
     return ThreadExecutor(launch)
 
 
+# Their poll only reads pipes or a queue, safe beside dispatch from another thread: the pin
+# stage may poll them from a thread of its own.
+_mp.poll_from_any_thread = True  # type: ignore[attr-defined]
+_thread.poll_from_any_thread = True  # type: ignore[attr-defined]
+
+
 # name -> (factory, loads in the calling thread?)
 BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
     "inline": (_inline, True),

@@ -61,6 +61,9 @@ __all__ = [
     "child_processes",
     "executor_machine",
     "loads_in_process",
+    "rest_of_epoch",
+    "stop_torch_workers",
+    "take_outcome",
     "setups",
     "surviving_children",
 ]
@@ -222,15 +225,15 @@ def canonical(value: object) -> Hashable:
     return value
 
 
-def _rest(iterator: Iterator[Any]) -> list[Outcome]:
+def rest_of_epoch(iterator: Iterator[Any]) -> list[Outcome]:
     """Every outcome left in the epoch."""
     rest: list[Outcome] = []
-    while (outcome := _take(iterator)) is not None:
+    while (outcome := take_outcome(iterator)) is not None:
         rest.append(outcome)
     return rest
 
 
-def _take(iterator: Iterator[Any]) -> Outcome | None:
+def take_outcome(iterator: Iterator[Any]) -> Outcome | None:
     """The consumer's next `next()`: the outcome, or None at the end of the epoch.
 
     Only `InjectedFailure` counts as an outcome; any other exception fails the run.
@@ -244,7 +247,7 @@ def _take(iterator: Iterator[Any]) -> Outcome | None:
     return ("data", canonical(batch))
 
 
-def _stop_torch_workers(iterator: object) -> None:
+def stop_torch_workers(iterator: object) -> None:
     """Stop the workers of a torch iterator now, rather than whenever it is collected.
 
     Only statecore's loader is under test. Torch's iterator outlives its last reference once a
@@ -386,7 +389,7 @@ def executor_machine(
         def teardown(self) -> None:
             self._drop_epoch()
             # A persistent iterator lives in its loader: it goes with the loader.
-            _stop_torch_workers(getattr(self.torch_loader, "_iterator", None))
+            stop_torch_workers(getattr(self.torch_loader, "_iterator", None))
             self.ours_loader = self.torch_loader = None
             if sys.exc_info()[1] is not None:
                 # A check already failed: its traceback may hold the loaders; report that error.
@@ -408,13 +411,13 @@ def executor_machine(
         def _drop_epoch(self) -> None:
             # A persistent iterator serves the next epoch too: only a one-epoch one is stopped.
             if self.theirs is not getattr(self.torch_loader, "_iterator", None):
-                _stop_torch_workers(self.theirs)
+                stop_torch_workers(self.theirs)
             self.ours = self.theirs = None
 
         def _step(self) -> None:
             assert self.ours is not None and self.theirs is not None
-            mine = _take(self.ours)
-            theirs = _take(self.theirs)
+            mine = take_outcome(self.ours)
+            theirs = take_outcome(self.theirs)
             if mine is not None:
                 self.ours_got.append(mine)
             if theirs is not None:
@@ -422,9 +425,9 @@ def executor_machine(
             if mine is None or theirs is None:
                 # The epoch ended for one: run the other out, so the report shows both whole.
                 if mine is not None:
-                    self.ours_got.extend(_rest(self.ours))
+                    self.ours_got.extend(rest_of_epoch(self.ours))
                 if theirs is not None:
-                    self.torch_got.extend(_rest(self.theirs))
+                    self.torch_got.extend(rest_of_epoch(self.theirs))
                 self._compare(finished=True)
                 self._drop_epoch()
             else:

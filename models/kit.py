@@ -35,10 +35,10 @@ from statecore.models.conformance import (
     MapDataset,
     Outcome,
     ShardedIterable,
-    _stop_torch_workers,
-    _take,
     executor_machine,
     loads_in_process,
+    stop_torch_workers,
+    take_outcome,
 )
 
 __all__ = ["Case", "KitReport", "Records", "check_executor", "matrix", "run_case", "tagged"]
@@ -161,7 +161,8 @@ def matrix(in_process: bool, workers: int = 2) -> list[Case]:
         ),
         Case(
             "iterable, sharded by worker",
-            lambda: ShardedIterable((5, 3, 4) if in_process else (5, 3, 4)[:many]),
+            # shards of different lengths, one per worker (one in-process)
+            lambda: ShardedIterable(tuple(5 - w % 3 for w in range(max(1, many)))),
             _fixed(batch_size=2, num_workers=many),
         ),
         Case(
@@ -222,7 +223,7 @@ def _outcomes(iterator: Iterator[Any], limit: int | None) -> list[Outcome]:
     """The epoch's outcomes, or only its first `limit`."""
     got: list[Outcome] = []
     while limit is None or len(got) < limit:
-        outcome = _take(iterator)
+        outcome = take_outcome(iterator)
         if outcome is None:
             break
         got.append(outcome)
@@ -243,7 +244,7 @@ def run_case(executor: str | ExecutorFactory, case: Case) -> None:
             expected = _outcomes(torch_iterator, limit)
             del ours_iterator
             if torch_iterator is not getattr(theirs, "_iterator", None):
-                _stop_torch_workers(torch_iterator)
+                stop_torch_workers(torch_iterator)
             same = (
                 got == expected
                 if case.in_order
@@ -255,7 +256,7 @@ def run_case(executor: str | ExecutorFactory, case: Case) -> None:
                     f"handed over\n  {got}\nbut torch handed over\n  {expected}"
                 )
     finally:
-        _stop_torch_workers(getattr(theirs, "_iterator", None))
+        stop_torch_workers(getattr(theirs, "_iterator", None))
 
 
 @attrs.frozen
@@ -264,12 +265,13 @@ class KitReport:
 
     executor: str
     cases: tuple[str, ...]
-    examples: int
+    max_examples: int
+    """The machine's example budget (Hypothesis may stop sooner once it has seen enough)."""
 
     def describe(self) -> str:
         return (
             f"executor {self.executor}: {len(self.cases)} configurations matched torch's, "
-            f"and {self.examples} drawn runs of the conformance machine passed"
+            f"and the conformance machine passed (up to {self.max_examples} drawn runs)"
         )
 
 
@@ -301,5 +303,5 @@ def check_executor(
     return KitReport(
         executor=repr(executor),
         cases=tuple(case.name for case in chosen),
-        examples=machine_settings.max_examples,
+        max_examples=machine_settings.max_examples,
     )

@@ -29,8 +29,8 @@ def pinning_clones(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @MANY_WORKERS
 @pytest.mark.parametrize("name", ["inline", "mp", "thread"])
 def test_every_built_in_executor_passes_the_kit(name: str) -> None:
-    report = check_executor(name)
-    assert len(report.cases) == len(matrix(in_process=name == "inline"))
+    report = check_executor(name)  # raises ConformanceError on any difference from torch
+    assert repr(name) in report.describe()
 
 
 @pytest.mark.timeout(300)

@@ -230,6 +230,50 @@ def test_persistent_workers_keep_one_stage_across_epochs() -> None:
     assert stage_threads() == []
 
 
+@WORKERS
+def test_over_an_executor_not_known_to_be_thread_safe_batches_are_pinned_in_the_caller() -> None:
+    # A thread executor's own factory says it may be polled from any thread; a bare class
+    # (like most plug-ins, which load when polled) says nothing, so nothing polls it but the
+    # driver's thread.
+    got = batches(
+        statecore.DataLoader(range(4), num_workers=2, executor=pinned(ThreadExecutor, pin=mark))
+    )
+    assert {batch.thread for batch in got} == {threading.current_thread().name}
+    assert stage_threads() == []
+
+
+class BreaksOnce(ThreadExecutor):
+    """The thread executor, except that its poll raises the first time it is called."""
+
+    broke = False
+
+    def poll(self, timeout: float | None) -> Any:
+        if not BreaksOnce.broke:
+            BreaksOnce.broke = True
+            raise OSError("the result queue broke")
+        return super().poll(timeout)
+
+
+def breaks_once(launch: Launch) -> BreaksOnce:
+    return BreaksOnce(launch)
+
+
+breaks_once.poll_from_any_thread = True  # type: ignore[attr-defined]
+
+
+@WORKERS
+def test_once_the_stage_fails_every_later_batch_raises_its_error() -> None:
+    BreaksOnce.broke = False
+    iterator = iter(
+        statecore.DataLoader(range(8), num_workers=2, executor=pinned(breaks_once, pin=mark))
+    )
+    for _ in range(3):
+        with pytest.raises(OSError, match="the result queue broke"):
+            next(iterator)
+    del iterator
+    assert stage_threads() == []
+
+
 # --- shutdown ------------------------------------------------------------------------------------
 
 
@@ -260,11 +304,18 @@ class RecordingThreads(ThreadExecutor):
         super().shutdown()
 
 
+def recording_threads(launch: Launch) -> RecordingThreads:
+    return RecordingThreads(launch)
+
+
+recording_threads.poll_from_any_thread = True  # type: ignore[attr-defined]
+
+
 @WORKERS
 def test_the_stage_stops_before_the_workers_do() -> None:
     RecordingThreads.stage_at_shutdown.clear()
     loader = statecore.DataLoader(
-        range(10), batch_size=2, num_workers=2, executor=pinned(RecordingThreads, pin=mark)
+        range(10), batch_size=2, num_workers=2, executor=pinned(recording_threads, pin=mark)
     )
     iterator = iter(loader)
     next(iterator)
@@ -319,23 +370,25 @@ class RecordingCopy:
 
 
 @WORKERS
-def test_a_device_copy_starts_in_the_stage_and_is_claimed_by_the_consumer_in_order() -> None:
+def test_a_device_copy_starts_in_the_stage_and_is_claimed_before_its_batch_is_handed_over() -> None:
     copy = RecordingCopy()
 
     def factory(launch: Launch) -> PinnedExecutor:
         return PinnedExecutor(ThreadExecutor(launch), lambda batch: batch, threaded=True, copy=copy)
 
     loader = statecore.DataLoader(range(12), batch_size=3, num_workers=2, executor=factory)
-    got = [batch.tolist() for batch in loader]
+    got = []
+    for batch in loader:
+        claimed_so_far = [logged for kind, _, logged in copy.log if kind == "claim"]
+        assert batch.tolist() in claimed_so_far
+        got.append(batch.tolist())
     assert got == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     launched = [batch for kind, thread, batch in copy.log if kind == "launch" and thread == STAGE]
     claimed = [batch for kind, thread, batch in copy.log if kind == "claim"]
     assert sorted(launched) == got
     consumer = threading.current_thread().name
     assert {thread for kind, thread, _ in copy.log if kind == "claim"} == {consumer}
-    # Every batch is claimed before it is handed over: claims come in arrival order, which the
-    # core then reorders; each of them happened.
-    assert sorted(claimed) == got
+    assert sorted(claimed) == got  # claims come in arrival order; the core reorders
 
 
 def test_a_device_copy_to_the_cpu_is_refused_with_what_to_do() -> None:
@@ -355,7 +408,7 @@ def test_a_device_copy_without_cuda_says_so() -> None:
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the CPU-only behaviour")
-def test_without_an_accelerator_the_pinned_executor_warns_once_and_hands_batches_over() -> None:
+def test_without_an_accelerator_the_pinned_executor_warns_and_hands_batches_over() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loader = statecore.DataLoader(range(6), batch_size=2, num_workers=2, executor="pinned")
