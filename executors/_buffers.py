@@ -64,6 +64,7 @@ __all__ = [
     "AVAILABLE",
     "BUFFERS_PER_WORKER",
     "BYTES_PER_WORKER",
+    "buffers_per_worker",
     "MIN_BUFFER_BYTES",
     "BufferClosed",
     "BufferOpened",
@@ -78,6 +79,10 @@ MIN_BUFFER_BYTES = 64 << 10
 # prefetch_factor batches in flight, the consumer usually holds one more, and a buffer given
 # back reaches the worker only with its next task; a batch may hold several large storages.
 BUFFERS_PER_WORKER = 16
+# The main process keeps one file descriptor open per buffer it maps (Python's mmap holds a
+# duplicate). Buffers of all workers together may use at most this share of the process's
+# descriptor limit, so that many workers cannot exhaust it.
+_FD_SHARE = 4
 BYTES_PER_WORKER = 4 << 30
 # Buffer sizes: eight classes per power of two, so that batches varying a little in size
 # reuse the same buffers, and at most an eighth of a buffer goes unused.
@@ -92,6 +97,19 @@ AVAILABLE = hasattr(os, "memfd_create")
 
 # torch's own way to send a tensor, typed for this module.
 _torch_reduce_tensor: Callable[[torch.Tensor], Any] = reductions.reduce_tensor
+
+
+def buffers_per_worker(workers: int) -> int:
+    """The pool's size: BUFFERS_PER_WORKER, less where the descriptor limit is low."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return BUFFERS_PER_WORKER
+    if limit == resource.RLIM_INFINITY:
+        return BUFFERS_PER_WORKER
+    return max(0, min(BUFFERS_PER_WORKER, limit // _FD_SHARE // max(1, workers)))
 
 
 def _size_class(nbytes: int) -> int:
@@ -245,7 +263,7 @@ class BufferSender:
     batch; `end`.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, workers: int = 1) -> None:
         self.enabled = enabled and AVAILABLE
         self.buffers: dict[int, _Buffer] = {}
         self.next_ident = 0
@@ -254,6 +272,8 @@ class BufferSender:
         self.batches = 0
         self.spare = _MIN_SPARE
         """How many free buffers the pool keeps: twice what the last batch took."""
+        self.most = buffers_per_worker(workers)
+        """How many buffers the pool may hold at once."""
 
     def install(self) -> None:
         """Make torch's shared-memory allocator hand out buffers while collate runs.
@@ -432,7 +452,7 @@ class BufferSender:
 
         def full() -> bool:
             held = sum(b.capacity for b in self.buffers.values())
-            return len(self.buffers) >= BUFFERS_PER_WORKER or held + capacity > BYTES_PER_WORKER
+            return len(self.buffers) >= self.most or held + capacity > BYTES_PER_WORKER
 
         while free and full():
             self._close(free.pop(0))

@@ -213,7 +213,7 @@ def _worker_main(
         target=_watch_parent, args=(os.getppid(),), name="statecore-watchdog", daemon=True
     ).start()
     setup = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
-    buffers = BufferSender()
+    buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
     while True:

@@ -524,3 +524,18 @@ def test_a_lent_buffer_is_not_written_until_given_back(
     payload, reused = send(sender, receiver, torch.full((NUMEL,), 5.0))
     assert reused == lent
     assert torch.equal(receiver.loads(0, reused, payload), torch.full((NUMEL,), 5.0))
+
+
+@pytest.mark.parametrize(
+    ("limit", "workers", "expected"),
+    [(1 << 20, 4, 16), (1024, 8, 16), (1024, 64, 4), (256, 64, 1), (64, 64, 0)],
+)
+def test_the_pools_of_all_workers_use_at_most_a_quarter_of_the_descriptor_limit(
+    monkeypatch: pytest.MonkeyPatch, limit: int, workers: int, expected: int
+) -> None:
+    import resource
+
+    from statecore.executors._buffers import buffers_per_worker
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, limit))
+    assert buffers_per_worker(workers) == expected
