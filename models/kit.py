@@ -299,7 +299,7 @@ def check_executor(
         max_examples=10, stateful_step_count=6, deadline=None, derandomize=True
     )
     machine = executor_machine(executor, in_process=in_process, max_workers=workers)
-    run_state_machine_as_test(machine, settings=machine_settings)  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(machine, settings=machine_settings)  # type: ignore[no-untyped-call, unused-ignore]
     return KitReport(
         executor=repr(executor),
         cases=tuple(case.name for case in chosen),
