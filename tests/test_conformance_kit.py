@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import attrs
 import pytest
 import torch
+from _broken import Blanking
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from statecore import Event, TaskCompleted
 from statecore.executors import pinned
 from statecore.executors._inline import InlineExecutor
 from statecore.models.conformance import ConformanceError, loads_in_process
@@ -48,20 +47,10 @@ def test_the_kit_takes_a_bare_executor_factory() -> None:
     assert report.cases == tuple(case.name for case in matrix(in_process=True))
 
 
-class _Blanking(InlineExecutor):
-    """A broken executor: every batch it loads arrives as None."""
-
-    def poll(self, timeout: float | None) -> Event | None:
-        event = super().poll(timeout)
-        if isinstance(event, TaskCompleted):
-            return attrs.evolve(event, payload=None)
-        return event
-
-
 @pytest.mark.timeout(120)
 def test_the_kit_names_the_configuration_a_broken_executor_fails() -> None:
     with pytest.raises(ConformanceError, match="'sequential, batch 3', epoch 1"):
-        check_executor(_Blanking, in_process=True)
+        check_executor(Blanking, in_process=True)
 
 
 @pytest.mark.timeout(120)
@@ -69,7 +58,7 @@ def test_a_case_compares_every_epoch_with_torchs() -> None:
     case = Case("three epochs", lambda: list(range(6)), lambda: {"batch_size": 2}, epochs=3)
     run_case("inline", case)  # the real executor agrees
     with pytest.raises(ConformanceError, match="'three epochs', epoch 1"):
-        run_case(_Blanking, case)
+        run_case(Blanking, case)
 
 
 def test_the_matrix_uses_workers_only_for_executors_with_workers() -> None:

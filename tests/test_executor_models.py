@@ -9,16 +9,15 @@ import sys
 import weakref
 from typing import Any
 
-import attrs
 import pytest
 import torch
 import torch.utils.data
+from _broken import Blanking
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import statecore
-from statecore import Event, TaskCompleted
 from statecore.executors._inline import InlineExecutor
 from statecore.models.conformance import (
     ConformanceError,
@@ -49,20 +48,10 @@ def test_the_machine_takes_an_executor_factory() -> None:
 # --- the checks can fail --------------------------------------------------------------------------
 
 
-class _Blanking(InlineExecutor):
-    """A broken executor: every batch it loads arrives as None."""
-
-    def poll(self, timeout: float | None) -> Event | None:
-        event = super().poll(timeout)
-        if isinstance(event, TaskCompleted):
-            return attrs.evolve(event, payload=None)
-        return event
-
-
 @pytest.mark.timeout(300)
 def test_the_machine_catches_an_executor_that_corrupts_batches() -> None:
     machine = executor_machine(
-        _Blanking, in_process=True, setup_strategy=setups(in_process=True, shuffle=False)
+        Blanking, in_process=True, setup_strategy=setups(in_process=True, shuffle=False)
     )
     finding = settings(CHEAP, max_examples=50, phases=[Phase.explicit, Phase.generate])
     with pytest.raises(ConformanceError, match="differs from torch's"):
