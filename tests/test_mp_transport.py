@@ -238,12 +238,15 @@ def test_batches_received_by_a_pin_stage_thread_are_never_overwritten():
     # carry buffers back.
     staged = loader(Filled(120), executor=statecore.executors.pinned("mp", pin=unchanged))
     kept: dict[int, torch.Tensor] = {}
+    seen: set[str] = set()
     for index, batch in enumerate(staged):
         assert in_buffer(batch)
+        seen.add(origin(batch))
         if index % 6 == 0:
             kept[2 * index] = batch
         for first, held in kept.items():
             assert torch.equal(held, expected(first)), f"the batch from item {first} changed"
+    assert len(seen) < 60, "no buffer was reused: the test proves nothing"
 
 
 def keep_and_check(batches: Any, results: Any) -> None:
@@ -282,11 +285,14 @@ def test_a_batch_sent_on_to_another_process_is_moved_out_of_its_buffer_first():
 
 def test_a_numpy_array_alone_keeps_its_buffer():
     arrays: dict[int, Any] = {}
+    seen: set[str] = set()
     for index, batch in enumerate(loader(Filled(60))):
+        seen.add(origin(batch))
         if index % 5 == 0:
             arrays[2 * index] = batch.numpy()  # the tensor itself goes at the next step
         for first, array in arrays.items():
             assert torch.equal(torch.from_numpy(array), expected(first))
+    assert len(seen) < 30, "no buffer was reused: the test proves nothing"
 
 
 def test_a_consumer_keeping_more_batches_than_the_pool_holds_gets_torchs_segments():
