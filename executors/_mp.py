@@ -10,8 +10,9 @@ What crosses process boundaries, and how:
   with dill, so lambdas, closures and classes defined in functions work. Under fork nothing
   is pickled, as in torch. Under forkserver the server preloads this module, and so torch,
   before it forks any worker.
-- *Tasks* go through a `multiprocess` queue, whose feeder thread never blocks the parent,
-  already pickled by the C pickler (dill, the queue's own, only as a fallback).
+- *Tasks* go through a pipe per worker, pickled by the C pickler (dill only as a fallback).
+  The main thread writes them itself, and what the pipe has no room for is left to a flusher
+  thread (see `_channel`), so sending a task never blocks the main process.
 - *Results* come back pickled with the standard library's C pickler. Large tensors travel in
   shared-memory buffers that each worker reuses (see `_buffers`): default_collate writes the
   batch straight into one, and the message says which. Other tensors travel as torch sends
@@ -22,6 +23,10 @@ What crosses process boundaries, and how:
   that uses one. The main process gives a buffer back, once the consumer has freed the storage
   built on it, with the next task it sends that worker.
 
+Each worker is started when the scheduler first gives it something to do (or the main
+process first waits for answers), so the first worker loads its first batch while the others
+are still being started, instead of every worker waiting for the last one to be started.
+
 Both picklers share tensors through the standard library's resource sharer, which
 authenticates with `multiprocessing.current_process().authkey`. In a worker started by
 `multiprocess` that key is not the parent's, so each worker takes the parent's key before it
@@ -30,13 +35,13 @@ unpickles anything.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import multiprocessing as stdlib_multiprocessing
 import multiprocessing.util as stdlib_util
 import os
 import pickle
-import queue
 import signal
 import struct
 import threading
@@ -49,6 +54,7 @@ import multiprocess.connection
 import multiprocess.context
 import multiprocess.reduction
 import torch.multiprocessing  # registers torch's reductions with the stdlib pickler
+from torch.utils.data._utils import HAS_NUMPY
 
 from statecore import (
     Event,
@@ -63,9 +69,17 @@ from statecore.executors._buffers import (
     BufferReceiver,
     BufferSender,
 )
+from statecore.executors._channel import TaskWriter
 from statecore.executors._launch import Launch
 from statecore.executors._remote import RemoteError
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
+
+if HAS_NUMPY:
+    # Every worker seeds numpy's global generator, as torch's workers do, and a forked worker
+    # that must import numpy.random first spends over 10 ms on it before its first batch.
+    # Imported here, once, every worker forked from this process (or from the fork server,
+    # which imports this module) starts with it.
+    import numpy.random  # noqa: F401
 
 __all__ = ["MultiprocessExecutor", "resolve_context"]
 
@@ -129,12 +143,9 @@ def _encode(task: int, event: Event, buffers: BufferSender) -> bytes:
 
 
 def _task_message(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -> bytes:
-    """A task as bytes, pickled here with the C pickler.
-
-    The queue's feeder thread pickles what it is given with dill, which takes about 100 us for
-    a task: GIL time taken from the main process on every batch. Bytes cost dill almost
-    nothing. dill remains the fallback for an index the C pickler refuses.
-    """
+    """A task as bytes, pickled with the C pickler: dill takes about 100 us for a task, which is
+    GIL time taken from the main process on every batch. dill remains the fallback for an index
+    the C pickler refuses."""
     message = (command, returned)
     try:
         return bytes(StdlibPickler.dumps(message))
@@ -209,22 +220,24 @@ def _worker_main(
     stdlib_multiprocessing.current_process().authkey = authkey
     torch.set_num_threads(1)
     _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
-    threading.Thread(
-        target=_watch_parent, args=(os.getppid(),), name="statecore-watchdog", daemon=True
-    ).start()
+    # A bare thread: `threading.Thread.start` waits until the new thread has run, which costs
+    # a starting worker milliseconds on a busy machine.
+    _thread.start_new_thread(_watch_parent, (os.getppid(),))
     setup = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
     buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
     while True:
-        try:
-            message = tasks.get(timeout=STOP_CHECK_INTERVAL)
-        except queue.Empty:
+        if not tasks.poll(STOP_CHECK_INTERVAL):
             if stopping.value:
                 return
             continue
-        if message is None:
-            return
+        try:
+            message = tasks.recv_bytes()
+        except (EOFError, OSError):
+            return  # the parent closed our pipe: it is shutting down
+        if not message:
+            return  # the stop message
         command, returned = pickle.loads(message)
         buffers.returned(returned)
         task = _NO_TASK
@@ -262,9 +275,16 @@ class MultiprocessExecutor:
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
         self.context = resolve_context(launch.multiprocessing_context)
-        self.processes: list[Any] = []
-        self.tasks: list[Any] = []
-        self.readers: list[Any] = []
+        # Keyed by worker, for the workers started so far.
+        self.processes: dict[int, Any] = {}
+        self.tasks: dict[int, TaskWriter] = {}
+        self.readers: dict[int, Any] = {}
+        self.held: dict[int, list[bytes]] = {}
+        """Task messages for workers not started yet, written once each starts."""
+        # The pin stage polls from its own thread while the driver's thread dispatches.
+        self.launching = threading.Lock()
+        self.shipped: WorkerSetup | bytes | None = None
+        self.authkey = b""
         self.ready: list[Event] = []
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
@@ -275,75 +295,145 @@ class MultiprocessExecutor:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Get ready to start the workers: the first starts with its first task (`_send`)."""
         ctx = self.context
         if ctx.get_start_method() == "forkserver":
             _preload_in_forkserver()
         setup = self.launch.setup
-        shipped: WorkerSetup | bytes = setup
+        self.shipped = setup
         if ctx.get_start_method() != "fork":
-            shipped = bytes(multiprocess.reduction.ForkingPickler.dumps(setup))
-        authkey = bytes(stdlib_multiprocessing.current_process().authkey)
+            self.shipped = bytes(multiprocess.reduction.ForkingPickler.dumps(setup))
+        self.authkey = bytes(stdlib_multiprocessing.current_process().authkey)
         # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
         # killed while checking it, and shutdown would then block on it.
         self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
+
+    def _launch(self, worker: int) -> None:
+        """Start `worker`'s process, unless it runs, was stopped, or shutdown has begun."""
+        with self.launching:
+            if worker in self.processes or worker in self.stopping or self.closed:
+                return
+            try:
+                self._start_process(worker)
+            except BaseException as error:
+                failure = error
+            else:
+                return
+        self.shutdown()
+        raise failure
+
+    def _start_process(self, worker: int) -> None:
+        # Each worker's pipes are made just before it starts, and the ends it takes are closed
+        # here just after: a forked worker then holds no other worker's ends, and EOF on a
+        # result pipe means that its worker is gone.
+        ctx = self.context
+        task_reader, task_writer = ctx.Pipe(duplex=False)
+        reader, writer = ctx.Pipe(duplex=False)
         try:
-            for worker in range(self.launch.num_workers):
-                tasks = ctx.Queue()
-                reader, writer = ctx.Pipe(duplex=False)
-                process = ctx.Process(
-                    target=_worker_main,
-                    args=(shipped, worker, tasks, writer, authkey, self.shutting_down),
-                    name=f"statecore-worker-{worker}",
-                    daemon=True,
-                )
-                self.tasks.append(tasks)
-                self.readers.append(reader)
-                self.processes.append(process)
-                process.start()
-                writer.close()  # the worker holds the only writing end: EOF means it is gone
+            tasks = TaskWriter(os.dup(task_writer.fileno()), f"statecore-tasks-{worker}")
+        finally:
+            task_writer.close()
+        process = ctx.Process(
+            target=_worker_main,
+            args=(self.shipped, worker, task_reader, writer, self.authkey, self.shutting_down),
+            name=f"statecore-worker-{worker}",
+            daemon=True,
+        )
+        try:
+            process.start()
         except BaseException:
-            self.shutdown()
+            for end in (task_reader, writer, reader):
+                end.close()
+            tasks.close()
             raise
+        task_reader.close()
+        writer.close()
+        for message in self.held.pop(worker, ()):
+            tasks.put(message)
+        self.readers[worker], self.processes[worker] = reader, process
+        self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
+
+    def _next_to_launch(self) -> int | None:
+        if self.closed or len(self.processes) == self.launch.num_workers:
+            return None
+        for worker in range(self.launch.num_workers):
+            if worker not in self.processes and worker not in self.stopping:
+                return worker
+        return None
+
+    def _send(self, worker: int, command: SendTask | ResumeWorker) -> None:
+        message = _task_message(command, self.buffers.returns_for(worker))
+        tasks = self.tasks.get(worker)
+        if tasks is None:
+            with self.launching:
+                tasks = self.tasks.get(worker)
+                if tasks is None:
+                    if worker not in self.stopping and not self.closed:
+                        self.held.setdefault(worker, []).append(message)
+                    first = not self.processes
+            if tasks is None:
+                if first:
+                    # The first worker given a task starts at once; the others start while
+                    # the main process waits for answers (see `poll`).
+                    self._launch(worker)
+                return
+        tasks.put(message)
 
     def dispatch(self, command: SendTask) -> None:
-        worker = command.worker
-        self.tasks[worker].put(_task_message(command, self.buffers.returns_for(worker)))
+        self._send(command.worker, command)
 
     def resume(self, command: ResumeWorker) -> None:
-        worker = command.worker
-        self.tasks[worker].put(_task_message(command, self.buffers.returns_for(worker)))
+        self._send(command.worker, command)
 
     def stop_worker(self, worker: int) -> None:
-        if worker not in self.stopping:
-            self.stopping.add(worker)
-            if worker not in self.gone:
-                # At interpreter exit the queue may already be finalized; shutdown then
-                # terminates the worker instead.
-                with contextlib.suppress(ValueError, OSError):
-                    self.tasks[worker].put(None)
+        if worker in self.stopping:
+            return
+        with self.launching:
+            self.stopping.add(worker)  # a worker not started yet never will be
+            self.held.pop(worker, None)
+        if worker in self.processes and worker not in self.gone:
+            # At interpreter exit the pipe may already be closed; shutdown then terminates
+            # the worker instead.
+            with contextlib.suppress(ValueError, OSError):
+                self.tasks[worker].put(b"")  # the stop message
 
     # --- answers -----------------------------------------------------------------------------
 
     def poll(self, timeout: float | None) -> Event | None:
-        """The next answer from any worker, a death, or None once `timeout` seconds pass."""
+        """The next answer from any worker, a death, or None once `timeout` seconds pass.
+
+        Workers not started yet are started here, one at a time, and only while no answer is
+        waiting to be read: starting one takes milliseconds (fork copies the page tables of
+        the whole main process), which an answer already here should not wait for.
+        """
         if self.ready:
             return self.ready.pop(0)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None
         while not self.ready:
             watched = self._watched()
-            if not watched:
-                return None
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            fired = multiprocess.connection.wait(list(watched), left)
-            if not fired:
-                return None
+            starting = self._next_to_launch()
+            if starting is not None:
+                fired = multiprocess.connection.wait(list(watched), 0) if watched else []
+                if not fired:
+                    self._launch(starting)
+                    continue
+            else:
+                if not watched:
+                    return None
+                # The timeout counts from here: starting workers is not waiting for them.
+                if deadline is None and timeout is not None:
+                    deadline = time.monotonic() + timeout
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                fired = multiprocess.connection.wait(list(watched), left)
+                if not fired:
+                    return None
             for handle in fired:
                 self._collect(*watched[handle])
         return self.ready.pop(0)
 
     def _watched(self) -> dict[Any, tuple[str, int]]:
         watched: dict[Any, tuple[str, int]] = {}
-        for worker, process in enumerate(self.processes):
+        for worker, process in self.processes.items():
             if worker in self.gone:
                 continue
             watched[self.readers[worker]] = ("answer", worker)
@@ -417,10 +507,12 @@ class MultiprocessExecutor:
         self.closed = True
         if self.shutting_down is not None:
             self.shutting_down.value = True
-        for worker in range(len(self.processes)):
+        with self.launching:  # no worker starts from now on: `closed` is set
+            self.held.clear()
+        for worker in range(self.launch.num_workers):
             self.stop_worker(worker)
         deadline = time.monotonic() + SHUTDOWN_GRACE
-        running = {w for w, p in enumerate(self.processes) if p.is_alive()}
+        running = {w for w, p in self.processes.items() if p.is_alive()}
         # A pipe at its end stays readable: watching it would spin while its worker exits.
         ended: set[int] = set()
         while running and time.monotonic() < deadline:
@@ -437,7 +529,7 @@ class MultiprocessExecutor:
                 except (EOFError, OSError):
                     ended.add(worker)
             running = {w for w in running if self.processes[w].is_alive()}
-        for process in self.processes:
+        for process in self.processes.values():
             if process.is_alive():
                 process.terminate()
                 process.join(JOIN_TIMEOUT)
@@ -445,12 +537,9 @@ class MultiprocessExecutor:
                 process.kill()
             process.join()
             process.close()
-        for tasks in self.tasks:
-            # Task messages are small and the pipe has room for them, so the feeder thread
-            # flushes and ends even though nobody reads them any more.
+        for tasks in self.tasks.values():
             tasks.close()
-            tasks.join_thread()
-        for reader in self.readers:
+        for reader in self.readers.values():
             reader.close()
         self.ready.clear()
         self.buffers.close()

@@ -388,44 +388,42 @@ def test_worker_init_fn_exception_is_reraised_with_worker_and_traceback():
 
 
 def blocked_loader(**options: Any) -> tuple[Iterator[Any], set[int]]:
-    """An iterator whose workers block in __getitem__ from the first index, and their pids.
+    """An iterator whose workers block in __getitem__ from the first index, and the processes
+    that ran before it (the workers are the children started since).
 
-    Nothing is awaited while the workers start up, so the timeout cannot fire early on a
-    loaded machine. The event is never set: waiters terminated inside Event.wait would leave
-    its condition waiting for them to wake, and set() would block.
+    The event is never set: waiters terminated inside Event.wait would leave its condition
+    waiting for them to wake, and set() would block.
     """
     before = children()
-    iterator = iter(mp_loader(Blocking(16, block_from=0, release=FORK.Event()), **options))
-    workers = children() - before
-    assert len(workers) == options.get("num_workers", 2)
-    return iterator, workers
+    return iter(mp_loader(Blocking(16, block_from=0, release=FORK.Event()), **options)), before
 
 
 def test_timeout_raises_torch_message():
-    iterator, workers = blocked_loader(timeout=0.5)
+    iterator, before = blocked_loader(timeout=0.5)
     try:
         error = next_error(iterator)
         assert type(error) is statecore.LoaderTimeoutError
         assert isinstance(error, RuntimeError)
         assert str(error) == "DataLoader timed out after 0.5 seconds"
     finally:
-        kill_all(workers)
+        kill_all(children() - before)
 
 
 def test_timeout_leaves_no_worker_behind():
-    before = children()
-    iterator, workers = blocked_loader(timeout=0.5)
+    iterator, before = blocked_loader(timeout=0.5)
+    workers: set[int] = set()
     try:
         assert isinstance(next_error(iterator), statecore.LoaderTimeoutError)
+        workers = children() - before
         # The workers are still blocked in __getitem__: stopping them is the loader's job.
         assert not wait_gone(workers, REAPED_WITHIN)
         assert wait_until(lambda: children() <= before, REAPED_WITHIN), children() - before
     finally:
-        kill_all(workers)
+        kill_all(workers | (children() - before))
 
 
 def test_timeout_is_sticky():
-    iterator, workers = blocked_loader(timeout=0.5)
+    iterator, before = blocked_loader(timeout=0.5)
     try:
         first = next_error(iterator)
         assert isinstance(first, statecore.LoaderTimeoutError)
@@ -433,4 +431,4 @@ def test_timeout_is_sticky():
         assert type(again) is type(first)
         assert str(again) == str(first)
     finally:
-        kill_all(workers)
+        kill_all(children() - before)

@@ -10,6 +10,7 @@ import multiprocess.forkserver
 import pytest
 import torch
 import torch.utils.data
+from _processes import children
 
 import statecore
 
@@ -47,3 +48,40 @@ def test_forkserver_workers_are_forked_from_a_server_that_preloaded_torch() -> N
     assert list(loader) == [True]
     preload = multiprocess.forkserver._forkserver._preload_modules
     assert "__main__" in preload  # what the server preloaded by default is kept
+
+
+class WhoLoads(torch.utils.data.Dataset[int]):
+    """Item: the id of the worker that loaded it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        return info.id
+
+
+def test_a_worker_module_has_numpy_random_before_any_worker_seeds_it() -> None:
+    # Every worker seeds numpy's generator as torch's do; a forked worker that had to import
+    # numpy.random first would spend over 10 ms on it before its first batch.
+    code = "import sys, statecore.executors._mp\nprint('numpy.random' in sys.modules)"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert loaded.strip() == "True"
+
+
+@pytest.mark.timeout(120)
+def test_the_first_worker_starts_with_its_first_task_and_the_others_once_the_loader_waits() -> None:
+    before = children()
+    loader = statecore.DataLoader(WhoLoads(), batch_size=2, num_workers=2, executor="mp")
+    iterator = iter(loader)
+    try:
+        # Worker 0 has its tasks and is loading while the others have not been forked yet.
+        assert len(children() - before) == 1
+        batches = [batch.tolist() for batch in iterator]
+    finally:
+        del iterator
+    # In order, batch k is worker k % 2's, as in torch: every worker started and loaded.
+    assert batches == [[k % 2] * 2 for k in range(6)]
