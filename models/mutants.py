@@ -14,9 +14,13 @@ from contextlib import contextmanager
 import attrs
 
 from statecore import (
+    Command,
     Config,
+    EndEpoch,
     Event,
-    Pending,
+    Lifecycle,
+    Phase,
+    Slot,
     State,
     Transition,
     WorkerDied,
@@ -111,12 +115,42 @@ def _death_loses_tasks() -> dict[str, object]:
     return {"_on_died": on_died}
 
 
-def _ends_with_batches_buffered() -> dict[str, object]:
-    def epoch_over(window: tuple[object, ...], pulling_for: int | None) -> bool:
-        # Looks only for answers still owed and forgets answers not yet handed over.
-        return pulling_for is None and all(type(slot) is not Pending for slot in window)
+def _finishes_before_asked() -> dict[str, object]:
+    real = core._settle
 
-    return {"_epoch_over": epoch_over}
+    def settle(
+        config: Config,
+        life: Lifecycle,
+        rcvd_idx: int,
+        window: tuple[Slot, ...],
+        loads: tuple[int, ...],
+        cursor: int,
+        pulling_for: int | None,
+        waiting: bool,
+        out: list[Command],
+    ) -> Transition:
+        # Ends the epoch as soon as its last task is resolved, as if a consumer were asking:
+        # the shutdown then rides on the last batch, and the consumer is told the end later.
+        settled = real(config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting, out)
+        after = settled.state
+        over = core._epoch_over(after.window, after.pulling_for)
+        if after.phase is not Phase.DRAINING or not over:
+            return settled
+        early = real(
+            config,
+            after.life,
+            after.rcvd_idx,
+            after.window,
+            after.loads,
+            after.cursor,
+            after.pulling_for,
+            True,
+            list(settled.commands),
+        )
+        assert early.commands[-1] == EndEpoch()
+        return Transition(early.state, early.commands[:-1])  # no one asked, so no one is told
+
+    return {"_settle": settle}
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -146,8 +180,8 @@ MUTANTS: tuple[Mutant, ...] = (
         _death_loses_tasks,
     ),
     Mutant(
-        "ends-with-batches-buffered",
-        "the epoch ends while answered batches still wait to be handed over",
-        _ends_with_batches_buffered,
+        "finishes-before-asked",
+        "the epoch finishes, and stops workers that do not persist, with the last batch",
+        _finishes_before_asked,
     ),
 )

@@ -15,7 +15,8 @@ breaks its own invariants (`statecore.violations`), moves along an edge missing 
 transition table, or does something the consumer or the workers can see is wrong: a batch out
 of order or from an earlier epoch, a task for a dry worker, more tasks than the prefetch bound,
 a task before every resume was acknowledged, an epoch that does not match the reference model,
-work after shutdown, or a consumer left waiting with nothing that could answer it.
+an epoch finished (or its workers stopped) other than by the request told that it ended, work
+after shutdown, or a consumer left waiting with nothing that could answer it.
 """
 
 from __future__ import annotations
@@ -242,8 +243,8 @@ class World:
         """Every action the environment may take now."""
         n = self.scenario.config.num_workers
         if self.outcome is None:
-            if not self.awaiting and not self.ended:
-                yield Next()
+            if not self.awaiting:
+                yield Next()  # after the end too: asking again is told again, as in torch
             for w in range(n):
                 if self.alive[w] and self.queues[w]:
                     yield Work(w)
@@ -352,6 +353,9 @@ class _Sim:
         self.core = after
         for command in transition.commands:
             self.carry_out(command)
+        if after.phase is Phase.FINISHED and not self.ended:
+            # As in torch, an epoch ends only in the request that finds it over, and says so.
+            raise Violation(f"{event!r} finished the epoch without telling the consumer")
         return transition.commands
 
     def carry_out(self, command: Command) -> None:
@@ -375,6 +379,10 @@ class _Sim:
             self._enqueue(command.worker, (_RESUME, command.epoch))
             self.resumes_owed = self.resumes_owed | {command.worker}
         elif isinstance(command, StopWorker):
+            if self.core.phase is Phase.FINISHED and (self.open_tasks or not self.awaiting):
+                # A normal end stops the workers in the request it answers with EndEpoch, so
+                # never before the last batch was handed over, nor along with it.
+                raise Violation(f"{command!r} before the consumer asked past the last batch")
             self.alive = _replace(self.alive, command.worker, False)
             self.stopped = self.stopped | {command.worker}
             self.queues = _replace(self.queues, command.worker, ())
@@ -465,6 +473,8 @@ class _Sim:
     def _end_epoch(self) -> None:
         if not self.awaiting:
             raise Violation("the epoch was ended with no consumer waiting")
+        if self.core.phase is not Phase.FINISHED:
+            raise Violation(f"the epoch was ended while the scheduler is {self.core.phase.value}")
         if self.doomed:
             raise Violation("the epoch was ended normally after the loader should have failed")
         if self.open_tasks:

@@ -50,9 +50,11 @@ class Phase(enum.Enum):
     RUNNING = "running"
     """The sampler still yields indices; tasks are sent as workers have room for them."""
     DRAINING = "draining"
-    """Nothing more will be sent this epoch (sampler done or all workers dry); answers are due."""
+    """Nothing more will be sent this epoch (sampler done or all workers dry): answers may be
+    due, and once none is, the epoch ends with the consumer's next request."""
     FINISHED = "finished"
-    """Every task of the epoch is resolved. Persistent workers wait here for the next epoch."""
+    """Every task of the epoch is resolved and the consumer was told the epoch ended.
+    Persistent workers wait here for the next epoch."""
     FAILED = "failed"
     """A worker died or a wait timed out. Sticky: shutdown was emitted, the failure is re-raised."""
     CLOSED = "closed"

@@ -18,8 +18,9 @@ Answers arrive in any order. In order, an early answer waits in the window until
 before it is resolved; out of order, it goes to the consumer as soon as one waits. A worker
 whose iterable ran dry answers every task it holds as exhausted; those tasks are skipped. When
 the sampler ends or every worker is dry, nothing more is sent (DRAINING), and the epoch is
-FINISHED once every task is resolved. Without persistent workers, finishing also shuts the
-workers down.
+FINISHED by the first request made once every task is resolved, as torch's is: the last batch
+goes to the consumer before anything stops. Without persistent workers, finishing also shuts
+the workers down.
 
 A worker's exception for one task is delivered in that task's turn and the epoch goes on. A
 worker's death or a timeout is not recoverable: the scheduler emits the shutdown and moves to
@@ -154,7 +155,10 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             # Finishes when every worker ran dry during the draw: the index has nowhere to go.
             IndexDrawn: (DRAINING, FINISHED),
             SamplerExhausted: (DRAINING, FINISHED),
-            **{answer: (DRAINING, FINISHED) for answer in _ANSWERS},
+            # A batch or an error answers the waiting consumer; only a dry worker's answer ends it.
+            TaskCompleted: (DRAINING,),
+            TaskFailed: (DRAINING,),
+            WorkerExhausted: (DRAINING, FINISHED),
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
             ResetRequested: (RESUMING,),
@@ -353,13 +357,14 @@ def _settle(
             if w is not None:
                 pulling_for = w
                 out.append(PULL_INDEX)
-    elif phase is DRAINING and _epoch_over(window, pulling_for):
+    elif phase is DRAINING and waiting and _epoch_over(window, pulling_for):
+        # Only a request after the last batch finishes the epoch, as in torch: the last batch
+        # is handed over first, and stopping the workers is not charged to it.
         workers = life.workers
         if not config.persistent_workers:
             workers = _shutdown(workers, out)
-        if waiting:
-            out.append(END_EPOCH)  # after the shutdown, as with errors: clean up, then tell
-            waiting = False
+        out.append(END_EPOCH)  # after the shutdown, as with errors: clean up, then tell
+        waiting = False
         life = attrs.evolve(life, phase=FINISHED, workers=workers)
     # tuple.__new__ skips the NamedTuple constructor's Python frame: this runs on every event.
     state = _tuple_new(State, (config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting))

@@ -158,7 +158,7 @@ def test_a_raised_task_failure_frees_its_workers_room() -> None:
 
 
 def test_next_requested_after_the_epoch_finished_emits_end_epoch_again() -> None:
-    state, _ = start(config(), SamplerExhausted())
+    state, _ = start(config(), SamplerExhausted(), NextRequested())
     assert state.phase is Phase.FINISHED
     after, commands = feed(state, NextRequested())
     assert commands == [EndEpoch()]
@@ -217,6 +217,7 @@ def test_stats_count_every_task_of_a_finished_epoch() -> None:
         TaskCompleted(task=0, worker=0),
         NextRequested(),
         TaskCompleted(task=1, worker=1),
+        NextRequested(),
     )
     stats = state.stats()
     assert stats.phase is Phase.FINISHED

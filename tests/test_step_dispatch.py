@@ -5,6 +5,8 @@ from __future__ import annotations
 from _drive import config, feed, fill, only, start
 
 from statecore import (
+    CloseRequested,
+    Command,
     Deliver,
     EndEpoch,
     IndexDrawn,
@@ -12,9 +14,12 @@ from statecore import (
     Phase,
     PullIndex,
     RaiseError,
+    ResetRequested,
+    ResumeWorker,
     SamplerExhausted,
     SendTask,
     Shutdown,
+    State,
     StopWorker,
     TaskCompleted,
     TaskFailed,
@@ -152,13 +157,23 @@ def test_draining_sends_no_more_tasks_as_workers_get_room() -> None:
     assert only(commands, PullIndex) == []
 
 
-def test_draining_finishes_once_the_last_task_is_delivered() -> None:
+def test_draining_finishes_on_the_request_after_the_last_delivery() -> None:
     state, _ = start(config(), IndexDrawn("a"), SamplerExhausted())
     state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
-    assert state.phase is Phase.FINISHED
+    assert state.phase is Phase.DRAINING
     assert only(commands, EndEpoch) == []  # the consumer got a batch, not the end
-    _, commands = feed(state, NextRequested())
-    assert commands == [EndEpoch()]
+    state, commands = feed(state, NextRequested())
+    assert state.phase is Phase.FINISHED
+    assert commands[-1] == EndEpoch()
+
+
+def test_an_epoch_with_nothing_to_load_finishes_only_when_the_consumer_asks() -> None:
+    state, commands = start(config(), SamplerExhausted())
+    assert state.phase is Phase.DRAINING
+    assert only(commands, StopWorker) == []
+    state, commands = feed(state, NextRequested())
+    assert state.phase is Phase.FINISHED
+    assert commands[-1] == EndEpoch()
 
 
 def test_a_consumer_waiting_when_the_epoch_finishes_gets_end_epoch_after_the_shutdown() -> None:
@@ -170,15 +185,16 @@ def test_a_consumer_waiting_when_the_epoch_finishes_gets_end_epoch_after_the_shu
     assert not state.waiting
 
 
-def test_the_epoch_end_order_holds_when_the_last_answer_ends_a_draining_epoch() -> None:
+def test_a_failed_last_task_is_raised_alone_and_the_next_request_ends_the_epoch() -> None:
     state, _ = start(config(), IndexDrawn("a"), IndexDrawn("b"), SamplerExhausted())
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
     # The consumer waits for task 1; it fails instead, and is raised, not the end.
     state, commands = feed(state, NextRequested(), TaskFailed(task=1, worker=1))
-    assert [type(c) for c in commands] == [RaiseError, StopWorker, StopWorker, Shutdown]
+    assert [type(c) for c in commands] == [RaiseError]
+    assert state.phase is Phase.DRAINING
+    state, commands = feed(state, NextRequested())
+    assert commands == [StopWorker(0), StopWorker(1), Shutdown(), EndEpoch()]
     assert state.phase is Phase.FINISHED
-    _, commands = feed(state, NextRequested())
-    assert commands == [EndEpoch()]  # nothing to clean up twice
 
 
 def test_a_persistent_finish_tells_a_waiting_consumer_with_end_epoch_alone() -> None:
@@ -188,21 +204,56 @@ def test_a_persistent_finish_tells_a_waiting_consumer_with_end_epoch_alone() -> 
     assert commands == [EndEpoch()]
 
 
-def test_a_non_persistent_finish_stops_every_worker_then_shuts_down() -> None:
+def _delivered_the_last_batch(**flags: bool) -> tuple[State, list[Command]]:
+    """Three workers; the only task, 0, was just handed over and the sampler has run out."""
+    return start(
+        config(num_workers=3, **flags),
+        IndexDrawn("a"),
+        SamplerExhausted(),
+        NextRequested(),
+        TaskCompleted(task=0, worker=0),
+    )
+
+
+def test_the_last_delivery_of_a_non_persistent_epoch_comes_alone() -> None:
     state, _ = start(config(num_workers=3), IndexDrawn("a"), SamplerExhausted())
     state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
-    assert commands == [
-        Deliver(task=0, worker=0),
-        StopWorker(0),
-        StopWorker(1),
-        StopWorker(2),
-        Shutdown(),
-    ]
+    # Stopping the workers is left to the next request, so it cannot delay the last batch.
+    assert commands == [Deliver(task=0, worker=0)]
+    assert state.phase is Phase.DRAINING
+    assert state.life.workers == (WorkerStatus.ACTIVE,) * 3
+
+
+def test_a_non_persistent_finish_stops_every_worker_then_shuts_down() -> None:
+    state, _ = _delivered_the_last_batch()
+    state, commands = feed(state, NextRequested())
+    assert commands == [StopWorker(0), StopWorker(1), StopWorker(2), Shutdown(), EndEpoch()]
+    assert state.phase is Phase.FINISHED
     assert state.life.workers == (WorkerStatus.STOPPED,) * 3
 
 
+def test_a_close_right_after_the_last_delivery_shuts_the_workers_down_once() -> None:
+    # The consumer broke out of its loop after the last batch, before asking past it.
+    state, commands = _delivered_the_last_batch()
+    _, closing = feed(state, CloseRequested(), CloseRequested())
+    assert closing == [StopWorker(0), StopWorker(1), StopWorker(2), Shutdown()]
+    assert only(commands + closing, Shutdown) == [Shutdown()]
+
+
+def test_a_reset_right_after_the_last_delivery_starts_the_next_epoch() -> None:
+    # A persistent loader's next `iter()` may come without a request past the last batch.
+    state, _ = _delivered_the_last_batch(persistent_workers=True)
+    after, commands = feed(state, ResetRequested(seed=7))
+    assert commands == [ResumeWorker(0, 2, 7), ResumeWorker(1, 2, 7), ResumeWorker(2, 2, 7)]
+    assert after.phase is Phase.RESUMING
+    assert (after.life.stale, after.life.dropped) == (frozenset(), 0)  # nothing was abandoned
+    # Exactly as if the consumer had first been told the epoch ended.
+    finished, _ = feed(state, NextRequested())
+    assert feed(finished, ResetRequested(seed=7)) == (after, commands)
+
+
 def test_a_persistent_finish_keeps_the_workers() -> None:
-    state, commands = start(config(persistent_workers=True), SamplerExhausted())
+    state, commands = start(config(persistent_workers=True), SamplerExhausted(), NextRequested())
     assert state.phase is Phase.FINISHED
     assert only(commands, StopWorker) == []
     assert only(commands, Shutdown) == []

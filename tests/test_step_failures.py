@@ -84,14 +84,15 @@ def test_a_worker_death_while_idle_fails_the_loader() -> None:
 
 def test_a_worker_death_while_resuming_fails_the_loader() -> None:
     cfg = config(num_workers=2, prefetch_factor=1, persistent_workers=True)
-    state, _ = start(cfg, SamplerExhausted(), ResetRequested(), WorkerResumed(0), NextRequested())
+    finished, _ = start(cfg, SamplerExhausted(), NextRequested())
+    state, _ = feed(finished, ResetRequested(), WorkerResumed(0), NextRequested())
     state, commands = feed(state, WorkerDied(worker=1))
     assert state.phase is Phase.FAILED
     assert commands == [*SHUTDOWN_OF_TWO, RaiseError(WorkerDeath(worker=1))]
 
 
 def test_the_death_of_a_stopped_worker_is_ignored() -> None:
-    state, _ = start(config(), SamplerExhausted())
+    state, _ = start(config(), SamplerExhausted(), NextRequested())
     assert state.life.workers == (WorkerStatus.STOPPED,) * 2
     after, commands = feed(state, WorkerDied(worker=1, pid=3, exitcode=0))
     assert commands == []
@@ -100,7 +101,7 @@ def test_the_death_of_a_stopped_worker_is_ignored() -> None:
 
 
 def test_the_death_of_a_persistent_worker_between_epochs_fails_the_loader() -> None:
-    state, _ = start(config(persistent_workers=True), SamplerExhausted())
+    state, _ = start(config(persistent_workers=True), SamplerExhausted(), NextRequested())
     state, commands = feed(state, WorkerDied(worker=0))
     assert state.phase is Phase.FAILED
     assert commands == SHUTDOWN_OF_TWO
@@ -163,14 +164,14 @@ def test_close_before_any_epoch_shuts_the_workers_down() -> None:
 
 
 def test_close_after_a_non_persistent_epoch_emits_nothing_more() -> None:
-    state, _ = start(config(), SamplerExhausted())
+    state, _ = start(config(), SamplerExhausted(), NextRequested())
     state, commands = feed(state, CloseRequested())
     assert state.phase is Phase.CLOSED
     assert commands == []
 
 
 def test_close_after_a_persistent_epoch_shuts_the_workers_down() -> None:
-    state, _ = start(config(persistent_workers=True), SamplerExhausted())
+    state, _ = start(config(persistent_workers=True), SamplerExhausted(), NextRequested())
     _, commands = feed(state, CloseRequested())
     assert commands == SHUTDOWN_OF_TWO
 

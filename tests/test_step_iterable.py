@@ -137,7 +137,10 @@ def test_the_epoch_ends_with_a_buffered_answer_handed_over_first() -> None:
     )
     assert state.phase is Phase.DRAINING  # task 0 waits for the consumer
     state, commands = feed(state, NextRequested())
-    assert [d.task for d in only(commands, Deliver)] == [0]
+    assert commands == [Deliver(task=0, worker=0)]
+    assert state.phase is Phase.DRAINING
+    state, commands = feed(state, NextRequested())
+    assert commands[-1] == EndEpoch()
     assert state.phase is Phase.FINISHED
 
 
@@ -227,14 +230,20 @@ def _dry_while_drawing(waiting: bool) -> State:
     return state
 
 
-@pytest.mark.parametrize("waiting", [False, True], ids=["idle", "waiting"])
-def test_an_index_dropped_when_every_worker_is_dry_ends_the_epoch(waiting: bool) -> None:
-    state, commands = feed(_dry_while_drawing(waiting), IndexDrawn(None))
+def test_an_index_dropped_when_every_worker_is_dry_ends_the_epoch_of_a_waiting_consumer() -> None:
+    state, commands = feed(_dry_while_drawing(waiting=True), IndexDrawn(None))
     assert state.phase is Phase.FINISHED
-    stop = [StopWorker(0), StopWorker(1), Shutdown()]
-    assert commands == ([*stop, EndEpoch()] if waiting else stop)
+    assert commands == [StopWorker(0), StopWorker(1), Shutdown(), EndEpoch()]
     assert not state.waiting
     assert (state.stats().delivered, state.stats().skipped) == (1, 3)
+
+
+def test_an_index_dropped_when_every_worker_is_dry_leaves_the_end_to_the_next_request() -> None:
+    state, commands = feed(_dry_while_drawing(waiting=False), IndexDrawn(None))
+    assert (state.phase, state.pulling_for, commands) == (Phase.DRAINING, None, [])
+    state, commands = feed(state, NextRequested())
+    assert state.phase is Phase.FINISHED
+    assert commands == [StopWorker(0), StopWorker(1), Shutdown(), EndEpoch()]
 
 
 def test_the_transition_table_allows_an_index_drawn_to_finish_a_draining_epoch() -> None:

@@ -27,12 +27,16 @@ from statecore import (
 
 
 def _finished(num_workers: int = 2, **flags: bool) -> State:
-    """A persistent scheduler whose first epoch sent task w to worker w, one each, and finished."""
+    """A persistent scheduler whose first epoch sent task w to worker w, one each, and finished.
+
+    The consumer asked once more after the last batch: that request finishes the epoch.
+    """
     cfg = config(num_workers, prefetch_factor=1, persistent_workers=True, **flags)
     state, _ = fill(start(cfg)[0])
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0), SamplerExhausted())
     for w in range(1, num_workers):
         state, _ = feed(state, NextRequested(), TaskCompleted(task=w, worker=w))
+    state, _ = feed(state, NextRequested())
     assert state.phase is Phase.FINISHED
     return state
 
@@ -200,7 +204,7 @@ def test_a_stale_answer_does_not_free_room_in_the_new_epoch() -> None:
 
 
 def test_a_stale_answer_after_the_new_epoch_finished_is_dropped() -> None:
-    state, _ = feed(_resumed(_abandoned()), SamplerExhausted())
+    state, _ = feed(_resumed(_abandoned()), SamplerExhausted(), NextRequested())
     assert state.phase is Phase.FINISHED
     with pytest.raises(ExecutorError):
         feed(state, TaskCompleted(task=1, worker=0))
@@ -221,7 +225,7 @@ def test_stale_tasks_of_several_abandoned_epochs_are_all_remembered() -> None:
 
 
 def test_reset_on_a_non_persistent_scheduler_after_its_epoch_is_refused_with_misuse() -> None:
-    state, _ = start(config(), SamplerExhausted())
+    state, _ = start(config(), SamplerExhausted(), NextRequested())
     assert state.phase is Phase.FINISHED
     with pytest.raises(MisuseError, match="persistent"):
         feed(state, ResetRequested())

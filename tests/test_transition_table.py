@@ -38,7 +38,7 @@ def _idle() -> State:
 
 
 def _resuming() -> State:
-    return start(_CONFIG, SamplerExhausted(), ResetRequested())[0]
+    return start(_CONFIG, SamplerExhausted(), NextRequested(), ResetRequested())[0]
 
 
 def _running() -> State:
@@ -51,7 +51,8 @@ def _draining() -> State:
 
 
 def _finished() -> State:
-    return start(_CONFIG, SamplerExhausted())[0]
+    # The sampler had nothing; the consumer's first request finds the epoch over.
+    return start(_CONFIG, SamplerExhausted(), NextRequested())[0]
 
 
 def _failed() -> State:
