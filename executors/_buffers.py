@@ -274,6 +274,8 @@ class BufferSender:
         """How many free buffers the pool keeps: twice what the last batch took."""
         self.most = buffers_per_worker(workers)
         """How many buffers the pool may hold at once."""
+        self._table: dict[type, Any] | None = None
+        self._table_key = (0, 0)
 
     def install(self) -> None:
         """Make torch's shared-memory allocator hand out buffers while collate runs.
@@ -338,15 +340,23 @@ class BufferSender:
         """`obj` pickled with its tensors placed, and the buffers the message refers to."""
         stream = io.BytesIO()
         pickler = pickle.Pickler(stream, pickle.HIGHEST_PROTOCOL)
-        # Rebuilt per batch (a few microseconds): reducers that user code registers after the
-        # worker started, as torch's ForkingPickler would see them, apply here too.
-        table: dict[type, Any] = dict(copyreg.dispatch_table)
-        table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-        table[torch.Tensor] = self._reduce_tensor
-        pickler.dispatch_table = table
+        pickler.dispatch_table = self._dispatch_table()
         pickler.dump(obj)
         lent = () if self.batch is None else tuple(b.ident for b in self.batch.lent)
         return stream.getvalue(), lent
+
+    def _dispatch_table(self) -> dict[type, Any]:
+        # Rebuilt whenever a reducer is registered (which adds an entry) after the worker
+        # started, so that user code's reducers apply here as torch's ForkingPickler would
+        # apply them; rebuilding it for every batch cost more than pickling a small batch.
+        extra: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+        key = (len(copyreg.dispatch_table), len(extra))
+        if self._table is None or key != self._table_key:
+            table: dict[type, Any] = dict(copyreg.dispatch_table)
+            table.update(extra)
+            table[torch.Tensor] = self._reduce_tensor
+            self._table, self._table_key = table, key
+        return self._table
 
     def abandon(self) -> None:
         """The batch could not be pickled here: nothing placed in the pool will be sent."""

@@ -60,6 +60,7 @@ from statecore import (
     Event,
     ResumeWorker,
     SendTask,
+    TaskCompleted,
     TaskFailed,
     WorkerDied,
 )
@@ -93,9 +94,13 @@ STOP_CHECK_INTERVAL = 0.1
 SHUTDOWN_GRACE = 1.0
 # How long to wait for a process that has ended, or was terminated, to be reaped.
 JOIN_TIMEOUT = 5.0
-# Every result message starts with the task it answers and how many buffers it refers to,
-# followed by their numbers (int32 each).
-_HEADER = struct.Struct("<qi")
+# Every result message starts with the task it answers, how many buffers it refers to and
+# what its pickle holds, followed by the buffers' numbers (int32 each).
+_HEADER = struct.Struct("<qiB")
+# What a message's pickle holds: an event, or only the batch of a completed task (the header
+# and the pipe it came by say the rest, and pickling the event object costs every batch).
+_EVENT = 0
+_BATCH = 1
 # Answers to resumes carry no task number; this marks them on the wire.
 _NO_TASK = -1
 # A buffer notice is no answer at all.
@@ -134,12 +139,13 @@ def resolve_context(spec: object) -> multiprocess.context.BaseContext:
 
 
 def _encode(task: int, event: Event, buffers: BufferSender) -> bytes:
+    kind, content = (_BATCH, event.payload) if type(event) is TaskCompleted else (_EVENT, event)
     try:
-        payload, lent = buffers.dumps(event)
+        payload, lent = buffers.dumps(content)
     except Exception:
         buffers.abandon()
-        payload, lent = bytes(multiprocess.reduction.ForkingPickler.dumps(event)), ()
-    return _HEADER.pack(task, len(lent)) + struct.pack(f"<{len(lent)}i", *lent) + payload
+        payload, lent = bytes(multiprocess.reduction.ForkingPickler.dumps(content)), ()
+    return _HEADER.pack(task, len(lent), kind) + struct.pack(f"<{len(lent)}i", *lent) + payload
 
 
 def _task_message(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -> bytes:
@@ -154,7 +160,7 @@ def _task_message(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -
 
 
 def _notice(notice: BufferOpened | BufferClosed) -> bytes:
-    return _HEADER.pack(_NOTICE, 0) + bytes(StdlibPickler.dumps(notice))
+    return _HEADER.pack(_NOTICE, 0, _EVENT) + bytes(StdlibPickler.dumps(notice))
 
 
 def _reuse_freed_memory() -> None:
@@ -459,13 +465,13 @@ class MultiprocessExecutor:
         self._exited(worker)
 
     def _receive(self, worker: int, message: bytes) -> None:
-        task, count = _HEADER.unpack_from(message)
+        task, count, kind = _HEADER.unpack_from(message)
         lent = struct.unpack_from(f"<{count}i", message, _HEADER.size)
         payload = memoryview(message)[_HEADER.size + 4 * count :]
         if task == _NOTICE:
             self.buffers.notice(worker, pickle.loads(payload))
         else:
-            self.ready.append(self._decode(worker, task, lent, payload))
+            self.ready.append(self._decode(worker, task, lent, payload, kind))
 
     def _exited(self, worker: int) -> None:
         if worker in self.gone:
@@ -476,9 +482,11 @@ class MultiprocessExecutor:
         if worker not in self.stopping:
             self.ready.append(WorkerDied(worker, process.pid, process.exitcode))
 
-    def _decode(self, worker: int, task: int, lent: tuple[int, ...], payload: memoryview) -> Event:
+    def _decode(
+        self, worker: int, task: int, lent: tuple[int, ...], payload: memoryview, kind: int
+    ) -> Event:
         try:
-            event = self.buffers.loads(worker, lent, payload)
+            content = self.buffers.loads(worker, lent, payload)
         except Exception as error:
             process = self.processes[worker]
             process.join(JOIN_TIMEOUT / 5)
@@ -495,8 +503,10 @@ class MultiprocessExecutor:
                 where="while receiving a batch in the main process",
             )
             return TaskFailed(task, worker, failure)
-        assert isinstance(event, Event)
-        return event
+        if kind == _BATCH:
+            return TaskCompleted(task, worker, content)
+        assert isinstance(content, Event)
+        return content
 
     # --- shutdown ----------------------------------------------------------------------------
 
