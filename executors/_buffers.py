@@ -63,6 +63,7 @@ from torch.multiprocessing import reductions
 __all__ = [
     "AVAILABLE",
     "BUFFERS_PER_WORKER",
+    "Batch",
     "BYTES_PER_WORKER",
     "buffers_per_worker",
     "MIN_BUFFER_BYTES",
@@ -241,11 +242,13 @@ class _Buffer:
             self.memory.close()
 
 
-class _Batch:
+class Batch:
     """What the worker has placed so far for the batch it is making."""
 
-    def __init__(self, inline: bool) -> None:
+    def __init__(self, inline: bool, number: int = 0) -> None:
         self.inline = inline
+        self.number = number
+        """The sender's count of batches when this one began."""
         """Small storages travel in the message (False where there are no buffers at all)."""
         self.collating = False
         self.carved: dict[int, _Buffer] = {}
@@ -258,9 +261,11 @@ class _Batch:
 class BufferSender:
     """A worker's buffer pool, and the pickler that places batches in it.
 
-    Per task: `returned` with the buffers the task brought back; `begin`; fetch the batch
-    inside `collating()`; `dumps` it (`abandon` if that fails); send the `notices`, then the
-    batch; `end`.
+    Per task: `returned` with the buffers the task brought back; `batch = begin()`; fetch the
+    batch inside `collating(batch)`; `dumps(obj, batch)` (`abandon(batch)` if that fails); send
+    the `notices`, then the message; `end(batch)`. From `dumps` on, a batch may be handled on
+    another thread while the next one is fetched: the pool is shared under a lock, and each
+    step names the batch it is for.
     """
 
     def __init__(self, enabled: bool = True, workers: int = 1) -> None:
@@ -268,7 +273,10 @@ class BufferSender:
         self.buffers: dict[int, _Buffer] = {}
         self.next_ident = 0
         self.pending: list[BufferOpened | BufferClosed] = []
-        self.batch: _Batch | None = None
+        self.batch: Batch | None = None
+        """The batch being fetched: the one collate's allocations are for."""
+        self.encoding: Batch | None = None
+        """The batch being pickled, while `dumps` runs."""
         self.batches = 0
         self.spare = _MIN_SPARE
         """How many free buffers the pool keeps: twice what the last batch took."""
@@ -276,6 +284,7 @@ class BufferSender:
         """How many buffers the pool may hold at once."""
         self._table: dict[type, Any] | None = None
         self._table_key = (0, 0)
+        self.lock = threading.RLock()
 
     def install(self) -> None:
         """Make torch's shared-memory allocator hand out buffers while collate runs.
@@ -310,24 +319,28 @@ class BufferSender:
 
     def returned(self, idents: tuple[int, ...]) -> None:
         """The main process has let go of these buffers."""
-        for ident in idents:
-            buffer = self.buffers.get(ident)
-            if buffer is not None:
-                buffer.lent = False
+        with self.lock:
+            for ident in idents:
+                buffer = self.buffers.get(ident)
+                if buffer is not None:
+                    buffer.lent = False
 
-    def begin(self) -> None:
-        # Free buffers beyond what the next batches need are closed, least recently used first,
-        # so that a pool grown while the consumer kept many batches shrinks once it lets go.
-        free = self._free()
-        for buffer in free[: max(0, len(free) - self.spare)]:
-            self._close(buffer)
-        self.batches += 1
-        self.batch = _Batch(inline=self.enabled)
+    def begin(self) -> Batch:
+        """A new batch, about to be fetched."""
+        with self.lock:
+            # Free buffers beyond what the next batches need are closed, least recently used
+            # first, so that a pool grown while the consumer kept many batches shrinks once it
+            # lets go.
+            free = self._free()
+            for buffer in free[: max(0, len(free) - self.spare)]:
+                self._close(buffer)
+            self.batches += 1
+            self.batch = Batch(inline=self.enabled, number=self.batches)
+            return self.batch
 
     @contextlib.contextmanager
-    def collating(self) -> Iterator[None]:
+    def collating(self, batch: Batch | None) -> Iterator[None]:
         """Within the block, collate's shared-memory allocations come from the pool."""
-        batch = self.batch
         if batch is not None:
             batch.collating = True
         try:
@@ -336,13 +349,22 @@ class BufferSender:
             if batch is not None:
                 batch.collating = False
 
-    def dumps(self, obj: object) -> tuple[bytes, tuple[int, ...]]:
-        """`obj` pickled with its tensors placed, and the buffers the message refers to."""
+    def dumps(self, obj: object, batch: Batch | None = None) -> tuple[bytes, tuple[int, ...]]:
+        """`obj` pickled with the tensors of `batch` placed, and the buffers it refers to.
+
+        Without a batch, tensors go as torch sends them (an answer that is not a batch).
+        """
         stream = io.BytesIO()
         pickler = pickle.Pickler(stream, pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = self._dispatch_table()
-        pickler.dump(obj)
-        lent = () if self.batch is None else tuple(b.ident for b in self.batch.lent)
+        # Only placing a storage takes the pool's lock: the rest of pickling (user reducers
+        # included) must not hold up the next batch, which may be fetched meanwhile.
+        self.encoding = batch
+        try:
+            pickler.dump(obj)
+        finally:
+            self.encoding = None
+        lent = () if batch is None else tuple(b.ident for b in batch.lent)
         return stream.getvalue(), lent
 
     def _dispatch_table(self) -> dict[type, Any]:
@@ -358,51 +380,58 @@ class BufferSender:
             self._table, self._table_key = table, key
         return self._table
 
-    def abandon(self) -> None:
+    def abandon(self, batch: Batch | None) -> None:
         """The batch could not be pickled here: nothing placed in the pool will be sent."""
-        batch = self.batch
         if batch is not None:
-            for buffer in batch.lent:
-                buffer.lent = False
-            batch.lent.clear()
-            batch.placed.clear()
+            with self.lock:
+                for buffer in batch.lent:
+                    buffer.lent = False
+                batch.lent.clear()
+                batch.placed.clear()
 
     def notices(self) -> list[BufferOpened | BufferClosed]:
         """What the main process must learn about the pool before the next message."""
-        pending, self.pending = self.pending, []
+        with self.lock:
+            pending, self.pending = self.pending, []
         return pending
 
-    def end(self) -> None:
+    def end(self, batch: Batch | None) -> None:
         """The batch's message went out."""
-        batch, self.batch = self.batch, None
-        if batch is not None and batch.placed:  # a batch without tensors teaches nothing
-            self.spare = max(_MIN_SPARE, 2 * batch.buffered)
+        if batch is None:
+            return
+        with self.lock:
+            if self.batch is batch:
+                self.batch = None
+            if batch.placed:  # a batch without tensors teaches nothing
+                self.spare = max(_MIN_SPARE, 2 * batch.buffered)
 
     # --- placing storages ----------------------------------------------------------------
 
-    def _carve(self, batch: _Batch, nbytes: int) -> torch.UntypedStorage | None:
+    def _carve(self, batch: Batch, nbytes: int) -> torch.UntypedStorage | None:
         if nbytes < MIN_BUFFER_BYTES:
             # It will travel in the message, so it needs no shared memory at all.
             if batch.inline and nbytes > 0:
                 return torch.empty((nbytes,), dtype=torch.uint8).untyped_storage()
             return None
-        buffer = self._acquire(nbytes)
-        if buffer is None:
-            return None
-        batch.carved[buffer.address] = buffer
-        return buffer.writable(nbytes).untyped_storage()
+        with self.lock:
+            buffer = self._acquire(batch, nbytes)
+            if buffer is None:
+                return None
+            batch.carved[buffer.address] = buffer
+            return buffer.writable(nbytes).untyped_storage()
 
     def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
-        batch = self.batch
+        batch = self.encoding
         if batch is None or not _plain(tensor):
             return _torch_reduce_tensor(tensor)
-        place = self._place(batch, tensor.untyped_storage())
+        with self.lock:
+            place = self._place(batch, tensor.untyped_storage())
         if place is None:
             return _torch_reduce_tensor(tensor)
         geometry = (tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
         return (_tensor, (place, tensor.dtype, *geometry))
 
-    def _place(self, batch: _Batch, storage: torch.UntypedStorage) -> _Shared | _Inline | None:
+    def _place(self, batch: Batch, storage: torch.UntypedStorage) -> _Shared | _Inline | None:
         """Where `storage` travels: in a buffer, in the message, or (None) torch's way."""
         address, nbytes = storage.data_ptr(), storage.nbytes()
         key = (address, nbytes)
@@ -421,7 +450,7 @@ class BufferSender:
         return place
 
     def _buffer_for(
-        self, batch: _Batch, storage: torch.UntypedStorage, address: int, nbytes: int
+        self, batch: Batch, storage: torch.UntypedStorage, address: int, nbytes: int
     ) -> _Buffer | None:
         carved = batch.carved.get(address)
         # A storage starting at a buffer carved for this batch is that carving: the buffer's
@@ -429,21 +458,21 @@ class BufferSender:
         # kept the buffer from being carved again.
         if carved is not None and not carved.lent and nbytes <= carved.capacity:
             return carved
-        buffer = self._acquire(nbytes)
+        buffer = self._acquire(batch, nbytes)
         if buffer is not None:
             source = torch.empty((0,), dtype=torch.uint8).set_(storage)
             buffer.writable(nbytes).copy_(source)
         return buffer
 
-    def _acquire(self, nbytes: int) -> _Buffer | None:
-        """A free buffer of at least `nbytes`, made if need be; None if the pool is spent."""
+    def _acquire(self, batch: Batch, nbytes: int) -> _Buffer | None:
+        """A free buffer of at least `nbytes` for `batch`, made if need be; None if the pool is
+        spent. With the lock held."""
         if not self.enabled:
             return None
         buffer = self._reuse(nbytes) or self._make(nbytes)
         if buffer is not None:
-            buffer.last_used = self.batches
-            if self.batch is not None:
-                self.batch.buffered += 1
+            buffer.last_used = batch.number
+            batch.buffered += 1
         return buffer
 
     def _free(self) -> list[_Buffer]:

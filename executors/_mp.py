@@ -36,6 +36,7 @@ unpickles anything.
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import ctypes
 import multiprocessing as stdlib_multiprocessing
@@ -65,6 +66,7 @@ from statecore import (
     WorkerDied,
 )
 from statecore.executors._buffers import (
+    Batch,
     BufferClosed,
     BufferOpened,
     BufferReceiver,
@@ -138,12 +140,12 @@ def resolve_context(spec: object) -> multiprocess.context.BaseContext:
     )
 
 
-def _encode(task: int, event: Event, buffers: BufferSender) -> bytes:
+def _encode(task: int, event: Event, buffers: BufferSender, batch: Batch | None = None) -> bytes:
     kind, content = (_BATCH, event.payload) if type(event) is TaskCompleted else (_EVENT, event)
     try:
-        payload, lent = buffers.dumps(content)
+        payload, lent = buffers.dumps(content, batch)
     except Exception:
-        buffers.abandon()
+        buffers.abandon(batch)
         payload, lent = bytes(multiprocess.reduction.ForkingPickler.dumps(content)), ()
     return _HEADER.pack(task, len(lent), kind) + struct.pack(f"<{len(lent)}i", *lent) + payload
 
@@ -233,46 +235,123 @@ def _worker_main(
     buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
-    while True:
-        if not tasks.poll(STOP_CHECK_INTERVAL):
-            if stopping.value:
-                return
-            continue
-        try:
-            message = tasks.recv_bytes()
-        except (EOFError, OSError):
-            return  # the parent closed our pipe: it is shutting down
+    answers = _Answers(worker_id, results, buffers)
+    try:
+        _serve(tasks, stopping, runtime, buffers, answers)
+    finally:
+        answers.close()
+
+
+def _serve(
+    tasks: Any, stopping: Any, runtime: WorkerRuntime, buffers: BufferSender, answers: _Answers
+) -> None:
+    """Answer tasks until the stop message, shutdown, or the parent closing a pipe."""
+    message: bytes | None = None
+    while not answers.broken:
+        if message is None:
+            if not tasks.poll(STOP_CHECK_INTERVAL):
+                if stopping.value:
+                    return
+                continue
+            message = _receive_task(tasks)
         if not message:
-            return  # the stop message
+            return  # the stop message, or the parent closed our pipe
         command, returned = pickle.loads(message)
         buffers.returned(returned)
-        task = _NO_TASK
+        task, batch = _NO_TASK, None
         if isinstance(command, SendTask):
-            task = command.task
-            buffers.begin()
-        with buffers.collating():
+            task, batch = command.task, buffers.begin()
+        with buffers.collating(batch):
             event = runtime.answer(command)
+        # The next task, if it is here already, is read before this answer is handed on, so
+        # that the sending thread wakes while this one loads, not while it reads the pipe.
+        message = _receive_task(tasks) if tasks.poll(0) else None
+        answers.put(task, getattr(command, "index", None), event, batch)
+        del event  # the sending thread holds the batch (and what it holds of the buffers)
+
+
+def _receive_task(tasks: Any) -> bytes:
+    try:
+        return bytes(tasks.recv_bytes())
+    except (EOFError, OSError):
+        return b""  # the parent closed our pipe: it is shutting down
+
+
+class _Answers:
+    """A worker's answers on their way to the main process, encoded and sent by a thread.
+
+    Right after a sample that waited (I/O, a sleep) the worker's caches are cold, and encoding
+    and writing a batch of small tensors then takes it a few hundred microseconds. On this
+    thread that overlaps the next batch's loading whenever the dataset releases the GIL, as
+    torch's queue feeder thread does; on CPU-bound samples the GIL serializes them as before.
+    Answers go out in the order they were put.
+    """
+
+    def __init__(self, worker: int, results: Any, buffers: BufferSender) -> None:
+        self.worker = worker
+        self.results = results
+        self.buffers = buffers
+        self.queue: collections.deque[tuple[int, object, Event, Batch | None] | None] = (
+            collections.deque()
+        )
+        self.more = threading.Condition(threading.Lock())
+        self.done = threading.Event()
+        self.broken = False
+        """The main process closed the result pipe: it is shutting down."""
+        # A bare thread, as for the watchdog: starting it costs no wait.
+        _thread.start_new_thread(self._run, ())
+
+    def put(self, task: int, index: object, event: Event, batch: Batch | None) -> None:
+        with self.more:
+            self.queue.append((task, index, event, batch))
+            self.more.notify()
+
+    def close(self) -> None:
+        """Send every answer put so far (unless the pipe is closed), then stop the thread."""
+        with self.more:
+            self.queue.append(None)
+            self.more.notify()
+        self.done.wait()
+
+    def _run(self) -> None:
         try:
-            answer = _encode(task, event, buffers)
+            while True:
+                with self.more:
+                    while not self.queue:
+                        self.more.wait()
+                    item = self.queue.popleft()
+                if item is None:
+                    return
+                if not self._send(*item):
+                    self.broken = True
+                    return
+        finally:
+            self.done.set()
+
+    def _send(self, task: int, index: object, event: Event, batch: Batch | None) -> bool:
+        buffers = self.buffers
+        try:
+            answer = _encode(task, event, buffers, batch)
         except Exception as error:
-            buffers.abandon()
+            buffers.abandon(batch)
             failure = RemoteError.capture(
                 error,
-                worker=worker_id,
+                worker=self.worker,
                 pid=os.getpid(),
-                index=getattr(command, "index", None),
+                index=index,
                 where="while sending the batch back",
             )
-            answer = _encode(task, TaskFailed(task, worker_id, failure), buffers)
+            answer = _encode(task, TaskFailed(task, self.worker, failure), buffers, batch)
         # Let go of the batch now: what it holds of the buffers keeps them from being reused.
         del event
         try:
             for notice in buffers.notices():
-                results.send_bytes(_notice(notice))
-            results.send_bytes(answer)
+                self.results.send_bytes(_notice(notice))
+            self.results.send_bytes(answer)
         except (BrokenPipeError, OSError):
-            return  # the parent closed our pipe: it is shutting down
-        buffers.end()
+            return False
+        buffers.end(batch)
+        return True
 
 
 class MultiprocessExecutor:

@@ -14,6 +14,7 @@ Where a tensor's memory lives is read from /proc/self/maps: a worker's buffer sh
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -457,11 +458,11 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BufferSender, Buffer
 
 def send(sender: BufferSender, receiver: BufferReceiver, batch: Any) -> tuple[bytes, Any]:
     """Place `batch` as a worker does; announce its buffers to the receiver."""
-    sender.begin()
-    payload, lent = sender.dumps(batch)
+    placing = sender.begin()
+    payload, lent = sender.dumps(batch, placing)
     for notice in sender.notices():
         receiver.notice(0, notice)
-    sender.end()
+    sender.end(placing)
     return payload, lent
 
 
@@ -545,3 +546,54 @@ def test_the_pools_of_all_workers_use_at_most_a_quarter_of_the_descriptor_limit(
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, limit))
     assert buffers_per_worker(workers) == expected
+
+
+# --- sending -----------------------------------------------------------------------------------
+
+
+class Gate:
+    """Pickles only once `opened` is set: stands for an answer that is slow to send."""
+
+    def __init__(self, opened: threading.Event) -> None:
+        self.opened = opened
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        if not self.opened.wait(GONE_WITHIN):
+            raise RuntimeError("the next batch was not loaded while this one was being sent")
+        return (str, ("sent",))
+
+
+class GatedFilled(Dataset):  # type: ignore[type-arg]
+    """Large samples; batch 0 carries a Gate that loading item `opener` opens."""
+
+    def __init__(self, size: int, opener: int) -> None:
+        self.size = size
+        self.opener = opener
+        self.opened = threading.Event()  # the worker's own copy, under fork
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.opener:
+            self.opened.set()
+        gate = Gate(self.opened) if index == 0 else None
+        return {"tensor": torch.full((NUMEL,), float(index)), "gate": gate}
+
+
+def collate_gated(items: list[dict[str, Any]]) -> dict[str, Any]:
+    tensors = torch.utils.data.default_collate([item["tensor"] for item in items])
+    return {"tensor": tensors, "gate": items[0]["gate"]}
+
+
+def test_a_worker_loads_its_next_batch_while_the_last_one_is_being_sent():
+    # One worker: batch 0 can only be pickled once batch 1 is being loaded. A worker that
+    # sent each batch before loading the next would wait in vain, and batch 0 would fail.
+    dataset = GatedFilled(4, opener=2)
+    batches = list(loader(dataset, num_workers=1, collate_fn=collate_gated, timeout=60))
+    assert [batch["gate"] for batch in batches] == ["sent", None]
+    # Batch 1 was collated into a buffer while batch 0 still held its own: neither was
+    # written over by the other.
+    assert torch.equal(batches[0]["tensor"], expected(0))
+    assert torch.equal(batches[1]["tensor"], expected(2))
+    assert all(in_buffer(batch["tensor"]) for batch in batches)
