@@ -246,9 +246,9 @@ class Batch:
     """What the worker has placed so far for the batch it is making."""
 
     def __init__(self, inline: bool, number: int = 0) -> None:
-        self.inline = inline
         self.number = number
         """The sender's count of batches when this one began."""
+        self.inline = inline
         """Small storages travel in the message (False where there are no buffers at all)."""
         self.collating = False
         self.carved: dict[int, _Buffer] = {}
@@ -455,8 +455,16 @@ class BufferSender:
         carved = batch.carved.get(address)
         # A storage starting at a buffer carved for this batch is that carving: the buffer's
         # mapping owns those addresses, and a carving kept from an earlier batch would have
-        # kept the buffer from being carved again.
-        if carved is not None and not carved.lent and nbytes <= carved.capacity:
+        # kept the buffer from being carved again. Unless the buffer was closed since (its
+        # carving died and the pool needed room), and the address reused by other memory.
+        if (
+            carved is not None
+            and self.buffers.get(carved.ident) is carved
+            and carved.view is not None
+            and carved.view() is not None
+            and not carved.lent
+            and nbytes <= carved.capacity
+        ):
             return carved
         buffer = self._acquire(batch, nbytes)
         if buffer is not None:

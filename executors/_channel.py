@@ -53,6 +53,8 @@ class TaskWriter:
         self._flusher: threading.Thread | None = None
         self._closed = False
         self._broken = False
+        self._room = select.poll()
+        self._room.register(fd, select.POLLOUT)
 
     @property
     def backlog(self) -> int:
@@ -102,6 +104,17 @@ class TaskWriter:
             return len(data)
 
     def _flush(self) -> None:
+        try:
+            self._flush_backlog()
+        except BaseException:
+            # Nothing more will be written: later messages are dropped rather than left
+            # waiting behind a backlog nobody flushes. The worker's death or a timeout tells.
+            with self._lock:
+                self._broken = True
+                self._backlog.clear()
+            raise
+
+    def _flush_backlog(self) -> None:
         while True:
             with self._lock:
                 while not self._backlog and not self._closed:
@@ -110,7 +123,8 @@ class TaskWriter:
                     self._backlog.clear()
                     return
             # Wait for room without the lock, so that `put` and `close` never wait on a worker.
-            select.select([], [self.fd], [], _FLUSH_POLL)
+            # poll, not select: select refuses descriptors numbered 1024 and above.
+            self._room.poll(_FLUSH_POLL * 1000)
             with self._lock:
                 while self._backlog and not self._closed:
                     head = self._backlog[0]

@@ -21,6 +21,13 @@ class Launch:
     """Workers the scheduler addresses: the loader's num_workers, or 1 to load in-process."""
     multiprocessing_context: object = None
     """A start method name or a context object (stdlib or multiprocess), for process executors."""
+    start_all_at_once: bool = False
+    """Whether every worker must be started by the time `start()` returns.
+
+    Executors may otherwise start workers as they are needed, from the thread that polls. A
+    pin stage asks for this: its own thread polls, and starting (forking) workers there would
+    fork while the training loop runs, holding locks the children would inherit as held.
+    """
 
 
 ExecutorFactory = Callable[[Launch], Executor]

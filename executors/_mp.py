@@ -1,6 +1,6 @@
 """The multiprocessing executor: worker processes from the `multiprocess` package.
 
-Each worker has its own task queue and its own result pipe. The parent waits on every result
+Each worker has its own task pipe and its own result pipe. The parent waits on every result
 pipe and every worker's process sentinel at once (`multiprocess.connection.wait`), so a worker
 that dies is noticed the moment it dies, not after a polling interval.
 
@@ -89,7 +89,7 @@ __all__ = ["MultiprocessExecutor", "resolve_context"]
 # How often an idle worker checks that its parent is still there.
 WATCHDOG_INTERVAL = 1.0
 # How often an idle worker checks whether shutdown has begun. The stop message normally wakes
-# it at once, but a loader reclaimed by the garbage collector may have lost its queues first.
+# it at once, but a loader reclaimed by the garbage collector may have lost its pipes first.
 STOP_CHECK_INTERVAL = 0.1
 # How long shutdown lets workers exit by themselves before terminating them. An idle worker
 # exits at once; one still busy with a batch nobody will read is simply terminated.
@@ -240,6 +240,10 @@ def _worker_main(
         _serve(tasks, stopping, runtime, buffers, answers)
     finally:
         answers.close()
+    if answers.failed is not None:
+        # The sending thread itself broke: end this worker with its error (exit code 1), so
+        # that the main process reports the death instead of waiting for answers for ever.
+        raise answers.failed
 
 
 def _serve(
@@ -297,7 +301,10 @@ class _Answers:
         self.more = threading.Condition(threading.Lock())
         self.done = threading.Event()
         self.broken = False
-        """The main process closed the result pipe: it is shutting down."""
+        """Nothing more will be sent: the main process closed the result pipe (it is shutting
+        down), or the thread failed."""
+        self.failed: BaseException | None = None
+        """What ended the thread, if it was not the main process closing the pipe."""
         # A bare thread, as for the watchdog: starting it costs no wait.
         _thread.start_new_thread(self._run, ())
 
@@ -322,10 +329,15 @@ class _Answers:
                     item = self.queue.popleft()
                 if item is None:
                     return
-                if not self._send(*item):
-                    self.broken = True
+                task, index, event, batch = item
+                del item  # while idle, hold no batch: it would keep its buffers from reuse
+                if not self._send(task, index, event, batch):
                     return
+                del event
+        except BaseException as error:
+            self.failed = error
         finally:
+            self.broken = True
             self.done.set()
 
     def _send(self, task: int, index: object, event: Event, batch: Batch | None) -> bool:
@@ -342,8 +354,6 @@ class _Answers:
                 where="while sending the batch back",
             )
             answer = _encode(task, TaskFailed(task, self.worker, failure), buffers, batch)
-        # Let go of the batch now: what it holds of the buffers keeps them from being reused.
-        del event
         try:
             for notice in buffers.notices():
                 self.results.send_bytes(_notice(notice))
@@ -364,6 +374,7 @@ class MultiprocessExecutor:
         self.processes: dict[int, Any] = {}
         self.tasks: dict[int, TaskWriter] = {}
         self.readers: dict[int, Any] = {}
+        self.task_readers: dict[int, Any] = {}
         self.held: dict[int, list[bytes]] = {}
         """Task messages for workers not started yet, written once each starts."""
         # The pin stage polls from its own thread while the driver's thread dispatches.
@@ -392,6 +403,9 @@ class MultiprocessExecutor:
         # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
         # killed while checking it, and shutdown would then block on it.
         self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
+        if self.launch.start_all_at_once:
+            for worker in range(self.launch.num_workers):
+                self._launch(worker)
 
     def _launch(self, worker: int) -> None:
         """Start `worker`'s process, unless it runs, was stopped, or shutdown has begun."""
@@ -408,9 +422,10 @@ class MultiprocessExecutor:
         raise failure
 
     def _start_process(self, worker: int) -> None:
-        # Each worker's pipes are made just before it starts, and the ends it takes are closed
-        # here just after: a forked worker then holds no other worker's ends, and EOF on a
-        # result pipe means that its worker is gone.
+        # Each worker's pipes are made just before it starts, and the writing end of its
+        # result pipe is closed here just after: a worker started earlier does not hold it, so
+        # EOF on a result pipe means that its worker is gone. (A worker forked later does
+        # inherit this process's ends of earlier workers' pipes, and never uses them.)
         ctx = self.context
         task_reader, task_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
@@ -431,7 +446,11 @@ class MultiprocessExecutor:
                 end.close()
             tasks.close()
             raise
-        task_reader.close()
+        # This process keeps its copy of the task pipe's reading end: writing to the pipe of a
+        # worker that died then fills the pipe rather than raising SIGPIPE, which would kill a
+        # main process that restored the signal's default. The death is reported by its
+        # sentinel.
+        self.task_readers[worker] = task_reader
         writer.close()
         for message in self.held.pop(worker, ()):
             tasks.put(message)
@@ -518,7 +537,8 @@ class MultiprocessExecutor:
 
     def _watched(self) -> dict[Any, tuple[str, int]]:
         watched: dict[Any, tuple[str, int]] = {}
-        for worker, process in self.processes.items():
+        # A snapshot: another thread may start a worker meanwhile.
+        for worker, process in tuple(self.processes.items()):
             if worker in self.gone:
                 continue
             watched[self.readers[worker]] = ("answer", worker)
@@ -628,7 +648,7 @@ class MultiprocessExecutor:
             process.close()
         for tasks in self.tasks.values():
             tasks.close()
-        for reader in self.readers.values():
+        for reader in (*self.readers.values(), *self.task_readers.values()):
             reader.close()
         self.ready.clear()
         self.buffers.close()

@@ -285,7 +285,6 @@ class Pinned:
                 f"the pinned executor's inner executor {self.inner!r} is not resolved yet; "
                 "pass it to statecore.DataLoader(executor=...), which resolves it"
             )
-        inner = self.inner(launch)
         pin = self.pin if self.pin is not None else default_pin()
         copy = self._device_copy()
         if pin is None:
@@ -295,12 +294,14 @@ class Pinned:
                 stacklevel=2,
             )
             if copy is None:
-                return inner
+                return self.inner(launch)
             pin = _unchanged
         # A thread of our own may poll only an executor that says it can be polled from any
         # thread while the driver's thread dispatches: most that load when polled cannot.
         threaded = not self.in_process and bool(getattr(self.inner, "poll_from_any_thread", False))
-        return PinnedExecutor(inner, pin, threaded=threaded, copy=copy)
+        if threaded:
+            launch = attrs.evolve(launch, start_all_at_once=True)
+        return PinnedExecutor(self.inner(launch), pin, threaded=threaded, copy=copy)
 
     def _device_copy(self) -> DeviceCopy | None:
         if self.device is None:

@@ -2,7 +2,7 @@
 
 `WorkerSetup` is everything a worker needs, shipped to it once. `WorkerRuntime` lives inside
 the worker and turns each command (`SendTask`, `ResumeWorker`) into the event that answers it.
-The multiprocessing executor runs one runtime per process; the loop around it, the queues and
+The multiprocessing executor runs one runtime per process; the loop around it, the pipes and
 the watchdog are that executor's business.
 """
 

@@ -7,6 +7,7 @@ fitted in the pipe at once, and must frame them so that the worker's `Connection
 from __future__ import annotations
 
 import os
+import resource
 import threading
 from collections.abc import Iterator
 
@@ -97,3 +98,27 @@ def test_put_after_close_is_refused(pipe) -> None:
     writer.close()
     with pytest.raises(ValueError, match="test-tasks is closed"):
         writer.put(b"late")
+
+
+def test_a_writer_on_a_descriptor_above_1024_still_flushes_its_backlog() -> None:
+    # select() refuses descriptors from 1024 up; a busy main process easily has that many.
+    high = 1500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= high:
+        if hard != resource.RLIM_INFINITY and hard <= high:
+            pytest.skip(f"the descriptor limit ({hard}) is too low for this test")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (high + 1, hard))
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, high)
+    os.close(write_end)
+    reader = multiprocess.connection.Connection(read_end, writable=False)
+    writer = TaskWriter(high, "high-tasks")
+    try:
+        big = b"x" * 200_000  # more than the pipe holds: the flusher must wait for room
+        for _ in range(3):
+            writer.put(big)
+        assert _read(reader, 3) == [big] * 3
+    finally:
+        writer.close()
+        reader.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -432,3 +434,94 @@ def test_timeout_is_sticky():
         assert str(again) == str(first)
     finally:
         kill_all(children() - before)
+
+
+# --- sending answers ---------------------------------------------------------------------------
+
+
+class CannotPickle(Exception):
+    """Raised by a batch that refuses to be pickled."""
+
+
+class Unsendable:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error
+
+
+class UnsendableAt(Dataset):  # type: ignore[type-arg]
+    """Item k is k, but item `at` cannot be pickled: pickling it raises `error`."""
+
+    def __init__(self, size: int, at: int, error: BaseException) -> None:
+        self.size, self.at, self.error = size, at, error
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Any:
+        return Unsendable(self.error) if index == self.at else index
+
+
+def test_a_batch_the_worker_cannot_send_raises_in_its_turn_and_the_epoch_goes_on() -> None:
+    loader = mp_loader(UnsendableAt(4, at=1, error=CannotPickle("no")), batch_size=None)
+    iterator = iter(loader)
+    assert next(iterator) == 0
+    error = next_error(iterator)
+    assert type(error) is CannotPickle
+    assert "while sending the batch back" in str(error)
+    assert list(iterator) == [2, 3]
+
+
+class Unprintable(Exception):
+    """An error that cannot even be described: reporting it as the batch's failure fails too."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this error cannot be described")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_cannot_even_report_a_send_failure_is_reported_dead() -> None:
+    # The worker's sending thread breaks: the worker must end, so that its death is reported,
+    # rather than live on answering nothing (the timeout only bounds a regression).
+    loader = mp_loader(UnsendableAt(4, at=1, error=Unprintable()), batch_size=None, timeout=60)
+    iterator = iter(loader)
+    assert next(iterator) == 0
+    error = next_error(iterator)
+    assert type(error) is WorkerDiedError
+    assert error.exitcode == 1
+
+
+SIGPIPE_SCRIPT = """
+import os, signal, time
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools piping to `head` do
+import torch
+import statecore
+from statecore import SendTask
+
+loader = statecore.DataLoader(
+    list(range(8)), batch_size=None, num_workers=1, multiprocessing_context="fork"
+)
+iterator = iter(loader)
+executor = iterator._driver.executor
+(process,) = executor.processes.values()
+os.kill(process.pid, signal.SIGKILL)
+process.join(30)
+# What the driver does when an answer and the death arrive together: it dispatches again.
+executor.dispatch(SendTask(0, 99, 0))
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_task_sent_to_a_worker_that_just_died_does_not_kill_the_main_process(
+    tmp_path: Any,
+) -> None:
+    script = tmp_path / "sigpipe.py"
+    script.write_text(SIGPIPE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "survived" in done.stdout

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import multiprocess
 import pytest
 import torch
 import torch.utils.data
-from _processes import Snapshot, wait_gone, wait_no_leaks
+from _processes import Snapshot, wait_gone, wait_no_leaks, wait_until
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
 from statecore.executors import _buffers
 from statecore.executors._buffers import BUFFERS_PER_WORKER, BufferReceiver, BufferSender
+from statecore.executors._mp import _Answers
 
 # Most tests here start worker processes; none may hang the suite.
 pytestmark = pytest.mark.timeout(120)
@@ -597,3 +600,30 @@ def test_a_worker_loads_its_next_batch_while_the_last_one_is_being_sent():
     assert torch.equal(batches[0]["tensor"], expected(0))
     assert torch.equal(batches[1]["tensor"], expected(2))
     assert all(in_buffer(batch["tensor"]) for batch in batches)
+
+
+class Tracked:
+    """A payload whose lifetime the test can see."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (str, ("tracked",))
+
+
+def test_an_idle_sending_thread_holds_no_batch() -> None:
+    # A batch kept alive in the worker keeps the buffers it was collated into from reuse, so
+    # once its answer is sent the thread must let go of it, even with nothing more to send.
+    reader, writer = multiprocess.Pipe(duplex=False)
+    buffers = BufferSender(workers=1)
+    answers = _Answers(0, writer, buffers)
+    try:
+        payload = Tracked()
+        alive = weakref.ref(payload)
+        answers.put(5, 0, statecore.TaskCompleted(5, 0, payload), buffers.begin())
+        del payload
+        assert reader.poll(GONE_WITHIN)
+        reader.recv_bytes()
+        assert wait_until(lambda: alive() is None, GONE_WITHIN)
+    finally:
+        answers.close()
+        reader.close()
+        writer.close()

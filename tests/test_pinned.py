@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.utils.data
 from _datasets import BlocksAt, ExitsAt
+from _processes import children
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 import statecore
@@ -90,6 +91,19 @@ def test_every_batch_is_pinned_and_handed_over_in_torchs_order(inner: str, worke
     got = batches(loader)
     assert all(isinstance(batch, Marked) for batch in got)
     assert [batch.batch.tolist() for batch in got] == [batch.tolist() for batch in expected]
+
+
+@WORKERS
+def test_under_a_stage_every_worker_process_is_started_before_iter_returns() -> None:
+    # The stage's thread polls, and starting a worker from it would fork while the training
+    # loop runs; so the workers all start in the caller's thread, as torch's do.
+    before = children()
+    loader = statecore.DataLoader(range(8), num_workers=3, executor=pinned("mp", pin=mark))
+    iterator = iter(loader)
+    try:
+        assert len(children() - before) == 3
+    finally:
+        del iterator
 
 
 @WORKERS
