@@ -137,6 +137,18 @@ class Driver:
 
     def _carry_out(self) -> Command | None:
         """Carry out every pending command; return the one telling what the consumer gets."""
+        try:
+            return self._carry_out_all()
+        except Exception as error:
+            # The executor failed to carry out a command (a worker that could not be started,
+            # say): what the scheduler asked next can no longer be done. Stop what runs, and
+            # give every later request the same error.
+            self.broken = error
+            self.todo.clear()
+            self.close()
+            raise
+
+    def _carry_out_all(self) -> Command | None:
         outcome: Command | None = None
         todo, executor = self.todo, self.executor
         while todo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 from collections.abc import Iterator
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 import statecore
+from statecore import SendTask
 from statecore.executors import ENTRY_POINT_GROUP, available
+from statecore.executors._thread import ThreadExecutor
 from statecore.models.kit import check_executor, matrix
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "executors.md"
@@ -63,3 +66,32 @@ def test_a_misspelt_name_lists_the_registered_executors_too(acme: str) -> None:
 def test_the_conformance_kit_passes_a_registered_executor(acme: str) -> None:
     report = check_executor(acme)
     assert len(report.cases) == len(matrix(in_process=False))
+
+
+class FailsToDispatch(ThreadExecutor):
+    """The thread executor, except that it cannot give out a second task (a worker that cannot
+    be started, say)."""
+
+    shutdowns = 0
+
+    def dispatch(self, command: SendTask) -> None:
+        if command.task == 1:
+            raise OSError("worker 1 could not be started")
+        super().dispatch(command)
+
+    def shutdown(self) -> None:
+        FailsToDispatch.shutdowns += 1
+        super().shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_executor_that_cannot_carry_out_a_command_fails_the_loader_cleanly() -> None:
+    FailsToDispatch.shutdowns = 0
+    loader = statecore.DataLoader(range(8), num_workers=2, executor=FailsToDispatch)
+    with pytest.raises(OSError, match="worker 1 could not be started"):
+        iter(loader)
+    # What was already running was stopped, and nothing the scheduler asked after the failure
+    # (the next draw, the next task) was carried out: closing later finds nothing to do.
+    assert FailsToDispatch.shutdowns == 1
+    gc.collect()
+    assert FailsToDispatch.shutdowns == 1
