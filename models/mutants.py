@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import attrs
 
 from statecore import (
-    Command,
     Config,
     EndEpoch,
     Event,
-    Lifecycle,
     Phase,
-    Slot,
     State,
     Transition,
     WorkerDied,
@@ -118,35 +116,16 @@ def _death_loses_tasks() -> dict[str, object]:
 def _finishes_before_asked() -> dict[str, object]:
     real = core._settle
 
-    def settle(
-        config: Config,
-        life: Lifecycle,
-        rcvd_idx: int,
-        window: tuple[Slot, ...],
-        loads: tuple[int, ...],
-        cursor: int,
-        pulling_for: int | None,
-        waiting: bool,
-        out: list[Command],
-    ) -> Transition:
+    def settle(*arguments: Any) -> Transition:
         # Ends the epoch as soon as its last task is resolved, as if a consumer were asking:
         # the shutdown then rides on the last batch, and the consumer is told the end later.
-        settled = real(config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting, out)
+        settled: Transition = real(*arguments)
         after = settled.state
         over = core._epoch_over(after.window, after.pulling_for)
         if after.phase is not Phase.DRAINING or not over:
             return settled
-        early = real(
-            config,
-            after.life,
-            after.rcvd_idx,
-            after.window,
-            after.loads,
-            after.cursor,
-            after.pulling_for,
-            True,
-            list(settled.commands),
-        )
+        again = (after.config, after.life, after.rcvd_idx, after.window, after.loads, after.cursor)
+        early = real(*again, after.pulling_for, True, list(settled.commands))
         assert early.commands[-1] == EndEpoch()
         return Transition(early.state, early.commands[:-1])  # no one asked, so no one is told
 
