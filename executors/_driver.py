@@ -4,6 +4,13 @@ This is the only place where the pure core meets the world. The loop decides not
 carries out commands in the order given, draws an index when told, waits on the executor only
 when the scheduler has nothing to hand over, and turns the scheduler's failures into the
 exceptions a torch user expects.
+
+An interrupt (Ctrl-C's KeyboardInterrupt, or whatever a Python signal handler raises, such as a
+SIGALRM time limit) may arrive anywhere. Arriving in a wait, it is told to the scheduler
+(`Interrupted`), which keeps everything owed; arriving while commands are carried out, the
+command it cut short is carried out again on the next call (a draw from the sampler is
+abandoned instead), and a batch already handed over is kept for the next request. Either way
+the next `next()` goes on with the epoch and the next `iter()` starts a new one, as in torch.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from statecore import (
     Failure,
     IndexDrawn,
     InternalError,
+    Interrupted,
     LoaderCancelledError,
     LoaderTimeoutError,
     NextRequested,
@@ -49,11 +57,12 @@ from statecore import (
 from statecore.executors._protocol import Executor
 from statecore.executors._remote import RemoteError
 
-__all__ = ["Driver", "failure_exception"]
+__all__ = ["Driver", "death_message", "failure_exception", "is_interrupt"]
 
 _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
+_INTERRUPTED = Interrupted()
 
 
 class Driver:
@@ -69,17 +78,20 @@ class Driver:
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
         self.sampler_failed = False
-        self.sampler_error: Exception | None = None
-        self.broken: Exception | None = None
+        self.sampler_error: BaseException | None = None
+        self.broken: BaseException | None = None
         """The executor's own failure (its poll raised): every later request raises it."""
+        self.handed: Command | None = None
+        """What the scheduler gave the consumer in a call that an interrupt then cut short."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
     def start_epoch(self, seed: int | None = None) -> None:
         """Start an epoch; for a later epoch, return once every worker has resumed (as torch)."""
+        self.handed = None  # a batch of the epoch being left behind
         self._feed(ResetRequested(seed))
         outcome = self._carry_out()
-        while self.state.phase is Phase.RESUMING:
+        while self.state.life.resetting:
             self._wait()
             outcome = self._carry_out() or outcome
         self._raise_sampler_error()  # priming the workers read the sampler, as torch's does
@@ -93,6 +105,14 @@ class Driver:
             raise StopIteration  # as in torch, whose sampler iterator is spent once it raised
         if self.broken is not None:
             raise self.broken
+        if self.handed is not None:
+            handed, self.handed = self.handed, None
+            return self._hand_over(handed)
+        if self.todo:
+            # Left by an interrupt: carried out before anything new is asked.
+            self.handed = self._carry_out()
+            if self.handed is not None:
+                return self.next()
         self._feed(_NEXT)
         while True:
             outcome = self._carry_out()
@@ -119,7 +139,10 @@ class Driver:
     def _wait(self) -> None:
         try:
             event = self.executor.poll(self.timeout)
-        except Exception as error:
+        except BaseException as error:
+            if is_interrupt(error):
+                self._interrupted()
+                raise
             # The executor itself broke: nothing it owes will come. Stop its workers, and give
             # every later request the same error, as torch does once its pin thread is gone.
             self.broken = error
@@ -135,11 +158,20 @@ class Driver:
         self.state, commands = step(self.state, event)  # _feed, inlined: once per batch
         self.todo.extend(commands)
 
+    def _interrupted(self) -> None:
+        """Tell the scheduler that the consumer's wait ended without an answer."""
+        state = self.state
+        if state.waiting or state.life.resetting or state.pulling_for is not None:
+            self._feed(_INTERRUPTED)
+
     def _carry_out(self) -> Command | None:
         """Carry out every pending command; return the one telling what the consumer gets."""
         try:
             return self._carry_out_all()
-        except Exception as error:
+        except BaseException as error:
+            if is_interrupt(error):
+                self._interrupted()
+                raise
             # The executor failed to carry out a command (a worker that could not be started,
             # say): what the scheduler asked next can no longer be done. Stop what runs, and
             # give every later request the same error.
@@ -151,23 +183,32 @@ class Driver:
     def _carry_out_all(self) -> Command | None:
         outcome: Command | None = None
         todo, executor = self.todo, self.executor
-        while todo:
-            command = todo.popleft()
-            kind = type(command)
-            if kind is SendTask:
-                executor.dispatch(command)  # type: ignore[arg-type]
-            elif kind is PullIndex:
-                self._pull()
-            elif kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                outcome = command
-            elif kind is ResumeWorker:
-                executor.resume(command)  # type: ignore[arg-type]
-            elif kind is StopWorker:
-                executor.stop_worker(command.worker)  # type: ignore[attr-defined]
-            elif kind is Shutdown:
-                executor.shutdown()
-            else:  # pragma: no cover - the core emits no other command
-                raise InternalError(f"the driver cannot carry out {command!r}")
+        try:
+            while todo:
+                # Taken off only once carried out: an interrupt leaves it to be done again.
+                command = todo[0]
+                kind = type(command)
+                if kind is SendTask:
+                    executor.dispatch(command)  # type: ignore[arg-type]
+                elif kind is PullIndex:
+                    todo.popleft()  # an interrupted draw is abandoned, not repeated
+                    self._pull()
+                    continue
+                elif kind is Deliver or kind is RaiseError or kind is EndEpoch:
+                    outcome = command
+                elif kind is ResumeWorker:
+                    executor.resume(command)  # type: ignore[arg-type]
+                elif kind is StopWorker:
+                    executor.stop_worker(command.worker)  # type: ignore[attr-defined]
+                elif kind is Shutdown:
+                    executor.shutdown()
+                else:  # pragma: no cover - the core emits no other command
+                    raise InternalError(f"the driver cannot carry out {command!r}")
+                todo.popleft()
+        except BaseException as error:
+            if outcome is not None and is_interrupt(error):
+                self.handed = outcome  # the consumer gets it with its next request
+            raise
         return outcome
 
     def _pull(self) -> None:
@@ -176,14 +217,14 @@ class Driver:
         except StopIteration:
             self._feed(_SAMPLER_EXHAUSTED)
         except BaseException as error:
+            if is_interrupt(error):
+                raise  # `_carry_out` abandons the draw
             # The sampler itself failed: nothing sensible can follow, so leave nothing behind.
             # A batch handed over in this same round still reaches the consumer first, and the
             # sampler's error comes with the next request, in the order torch raises them.
             self.todo.clear()
             self.sampler_failed = True
             self.close()
-            if not isinstance(error, Exception):
-                raise
             self.sampler_error = error
         else:
             self.state, commands = step(self.state, IndexDrawn(index))
@@ -212,19 +253,71 @@ def failure_exception(failure: Failure) -> BaseException:
             return error
         return RuntimeError(f"worker {failure.worker} failed on task {failure.task}: {error!r}")
     if isinstance(failure, WorkerDeath):
-        message = failure.describe()
-        if failure.exitcode is not None and failure.exitcode < 0:
-            with contextlib.suppress(ValueError):
-                message += f" ({signal.Signals(-failure.exitcode).name})"
         return WorkerDiedError(
-            message + ". It may have run out of memory or crashed in native code; "
-            "if this repeats, try num_workers=0 to see the error in the main process.",
-            failure.worker,
-            failure.pid,
-            failure.exitcode,
+            death_message(failure), failure.worker, failure.pid, failure.exitcode
         )
     if isinstance(failure, Timeout):
         return LoaderTimeoutError(failure.describe())
     if isinstance(failure, Cancelled):
         return LoaderCancelledError(failure.describe())
     raise InternalError(f"unknown failure {failure!r}")  # pragma: no cover
+
+
+def death_message(death: WorkerDeath) -> str:
+    """torch's sentence for a dead worker, which logs and alert rules match, then our detail."""
+    who = f"pid {death.pid}" if death.pid is not None else f"thread {death.worker}"
+    code = death.exitcode
+    if code is not None and code < 0:
+        number = -code
+        name = signal.strsignal(number) or f"Unknown signal {number}"
+        message = f"DataLoader worker ({who}) is killed by signal: {name}. "
+        detail = f"It was statecore worker {death.worker}, ended by signal {number}"
+        with contextlib.suppress(ValueError):
+            detail += f" ({signal.Signals(number).name})"
+        detail += ". "
+        if number == signal.SIGBUS:
+            detail += (
+                "It is possible that the workers are out of shared memory: raise the shared "
+                "memory limit (/dev/shm, docker's --shm-size). "
+            )
+        elif number == signal.SIGKILL:
+            detail += "A SIGKILL is most often the kernel's out-of-memory killer. "
+        else:
+            detail += "It may have crashed in native code. "
+    elif code is not None:
+        message = f"DataLoader worker ({who}) exited unexpectedly with exit code {code}. "
+        detail = f"It was statecore worker {death.worker}. "
+    else:
+        message = f"DataLoader worker ({who}) exited unexpectedly. "
+        detail = f"It was statecore worker {death.worker}. "
+    return (
+        message + detail + "If this repeats, run with num_workers=0 to see the error in the "
+        "main process."
+    )
+
+
+def is_interrupt(error: BaseException) -> bool:
+    """Whether `error` interrupted the consumer rather than reporting a failure.
+
+    KeyboardInterrupt (and any other exception that is not an `Exception`) is one; so is any
+    exception raised by a Python signal handler, such as a SIGALRM-based time limit raising
+    TimeoutError, which the handler's frame in the traceback gives away. Looked at only when
+    something was raised, so it costs nothing per batch.
+    """
+    if not isinstance(error, Exception):
+        return True
+    handlers = set()
+    for number in signal.valid_signals():
+        try:
+            handler = signal.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code in handlers:
+            return True
+        trace = trace.tb_next
+    return False

@@ -38,7 +38,11 @@ class InlineExecutor:
     def poll(self, timeout: float | None) -> Event | None:
         if not self.queue or self.runtime is None:
             return None
-        return self.runtime.answer(self.queue.popleft())
+        # Taken off the queue only once answered: Ctrl-C inside the dataset leaves the task to
+        # be loaded again by the next request, where torch would skip that batch.
+        event = self.runtime.answer(self.queue[0])
+        self.queue.popleft()
+        return event
 
     def stop_worker(self, worker: int) -> None:
         self.queue.clear()

@@ -187,7 +187,7 @@ class WorkerRuntime:
         self.exhausted = False
         if self.init_error is None:
             self._restart("while restarting the dataset for a new epoch")
-        return WorkerResumed(self.worker_id)
+        return WorkerResumed(self.worker_id, command.epoch)
 
     def _capture(
         self, error: BaseException, index: object, where: str = "while loading"

@@ -2,16 +2,17 @@
 
 Where the Hypothesis machines sample runs, the explorer visits every world reachable from the
 start of a scenario: every order in which workers answer, every moment at which the consumer
-asks, a worker dies, a wait times out, the consumer closes or starts another epoch. Every world
+asks, a worker dies, a wait times out or is interrupted, the consumer closes or starts another
+epoch. Every world
 is checked as it is reached (all the checks of `World.apply`), and two more are made here:
 
 - no world is stuck: a waiting consumer always has some worker that owes it an answer;
 - a world from which nothing more can happen has reached an end (an epoch completed, or an
   error raised or a close).
 
-Task numbers only grow and every budget (deaths, closes, epochs) only shrinks, so the space is
-finite and a breadth-first search ends. Exploring breadth first means the first violation found
-comes with one of the shortest traces that reach it.
+Task numbers only grow and every budget (deaths, closes, interrupts, epochs) only shrinks, so
+the space is finite and a breadth-first search ends. Exploring breadth first means the first
+violation found comes with one of the shortest traces that reach it.
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ def _shard_lengths(workers: int, total: int) -> tuple[int, ...]:
 def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     """Every combination of workers, prefetch, dataset kind, order and persistence in `bounds`.
 
-    Each scenario allows one worker death, timeouts and closes at any moment; persistent
-    scenarios run a second epoch on the same workers. One task in each dataset raises.
+    Each scenario allows one worker death, one interrupted wait, timeouts and closes at any
+    moment; persistent scenarios run a second epoch on the same workers. One task in each dataset
+    raises. Persistent scenarios of one or two workers and prefetch 1 also get a third epoch,
+    so that an `iter()` interrupted while workers resume is followed by another `iter()`.
     """
     combos = itertools.product(
         bounds.workers, bounds.prefetch, (False, True), (True, False), (False, True)
@@ -151,10 +154,19 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
             dataset = IterableSpec(_shard_lengths(workers, total - 1), frozenset({(0, 1)}))
         else:
             dataset = MapSpec(total, frozenset({1}))
-        yield Scenario(config, dataset, epochs=2 if persistent else 1)
+        yield Scenario(config, dataset, epochs=2 if persistent else 1, interrupts=1)
+        if persistent and workers <= 2 and prefetch == 1:
+            yield Scenario(config, _short(dataset), epochs=3, deaths=0, interrupts=1)
         if workers == 1 and prefetch == 1 and not persistent:
             # Loading in the calling thread: one worker, reading the sampler only on demand.
-            yield Scenario(attrs.evolve(config, lazy=True), dataset)
+            yield Scenario(attrs.evolve(config, lazy=True), dataset, interrupts=1)
+
+
+def _short(dataset: MapSpec | IterableSpec) -> MapSpec | IterableSpec:
+    """A dataset of two batches in all, for scenarios that run more epochs."""
+    if isinstance(dataset, MapSpec):
+        return MapSpec(2, frozenset({1}))
+    return IterableSpec(_shard_lengths(len(dataset.lengths), 1), frozenset())
 
 
 def _explore_one(args: tuple[Scenario, StepFunction]) -> Report:

@@ -28,6 +28,7 @@ from statecore.models.world import (
     Action,
     Close,
     Expire,
+    Interrupt,
     Kill,
     Next,
     Restart,
@@ -81,6 +82,7 @@ def scenarios(
         deaths=draw(st.integers(0, 1), label="deaths"),
         timeouts=draw(st.booleans(), label="timeouts"),
         closes=draw(st.booleans(), label="closes"),
+        interrupts=draw(st.integers(0, 2), label="interrupts"),
     )
 
 
@@ -129,6 +131,19 @@ def scheduler_machine(
         @rule()
         def wait_times_out(self) -> None:
             self._apply(Expire())
+
+        @precondition(lambda self: bool(self._enabled(Interrupt)))
+        @rule()
+        def consumer_is_interrupted(self) -> None:
+            self._apply(Interrupt())
+
+        @precondition(lambda self: bool(self._enabled(Interrupt)))
+        @rule()
+        def consumer_interrupts_and_starts_over(self) -> None:
+            # The notebook user's habit: Ctrl-C in a cell, then run the cell again.
+            self._apply(Interrupt())
+            if self._enabled(Restart):
+                self._apply(Restart())
 
         @precondition(lambda self: bool(self._enabled(Close)))
         @rule()

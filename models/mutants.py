@@ -18,10 +18,12 @@ from statecore import (
     Config,
     EndEpoch,
     Event,
+    Interrupted,
     Phase,
     State,
     Transition,
     WorkerDied,
+    WorkerResumed,
     WorkerStatus,
 )
 from statecore import _step as core
@@ -132,6 +134,35 @@ def _finishes_before_asked() -> dict[str, object]:
     return {"_settle": settle}
 
 
+def _interrupt_skips_the_batch() -> dict[str, object]:
+    real = core._on_interrupted
+
+    def on_interrupted(state: State, event: Event) -> Transition:
+        # Gives up on the batch the consumer was waiting for, as torch does without workers
+        # when Ctrl-C lands in the dataset: the batch is never handed over.
+        assert isinstance(event, Interrupted)
+        if state.waiting and state.window and state.config.in_order:
+            slot = state.window[0]
+            rcvd_idx, window = core._resolve(state.rcvd_idx, state.window, 0)
+            loads = core._add(state.loads, slot.worker, -1)  # type: ignore[union-attr]
+            state = state._replace(rcvd_idx=rcvd_idx, window=window, loads=loads)
+        return real(state, event)
+
+    return {"_on_interrupted": on_interrupted}
+
+
+def _abandoned_acknowledgements_count() -> dict[str, object]:
+    real = core._on_resumed
+
+    def on_resumed(state: State, event: Event) -> Transition:
+        # Takes every acknowledgement for one of the current epoch, including those answering
+        # a reset the consumer abandoned by interrupting iter().
+        assert isinstance(event, WorkerResumed)
+        return real(state, attrs.evolve(event, epoch=state.life.epoch))
+
+    return {"_on_resumed": on_resumed}
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch-off-by-one",
@@ -162,5 +193,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "finishes-before-asked",
         "the epoch finishes, and stops workers that do not persist, with the last batch",
         _finishes_before_asked,
+    ),
+    Mutant(
+        "interrupt-skips-the-batch",
+        "an interrupted next() gives up the batch it waited for",
+        _interrupt_skips_the_batch,
+    ),
+    Mutant(
+        "abandoned-acknowledgements-count",
+        "after an interrupted iter(), acknowledgements of the abandoned reset count for the new",
+        _abandoned_acknowledgements_count,
     ),
 )

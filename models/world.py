@@ -2,9 +2,10 @@
 
 The world drives the core exactly as a driver loop would (it answers `PullIndex` at once, queues
 tasks per worker, hands batches to the consumer) but lets the caller choose what happens next:
-which worker answers, when the consumer asks, when a worker dies, when a wait times out, when
-the consumer closes or starts a new epoch. The Hypothesis machines pick those choices at random
-(`statecore.models.machines`); the explorer tries every one (`statecore.models.explorer`).
+which worker answers, when the consumer asks, when a worker dies, when a wait times out or is
+interrupted (Ctrl-C), when the consumer closes or starts a new epoch. The Hypothesis machines
+pick those choices at random (`statecore.models.machines`); the explorer tries every one
+(`statecore.models.explorer`).
 
 Workers behave like our executors promise: each answers its tasks first in, first out, answers
 every task exactly once (a dry iterable worker answers "exhausted"), and answers a resume after
@@ -35,6 +36,7 @@ from statecore import (
     EndEpoch,
     Event,
     IndexDrawn,
+    Interrupted,
     NextRequested,
     Phase,
     ProtocolError,
@@ -74,6 +76,7 @@ __all__ = [
     "Action",
     "Close",
     "Expire",
+    "Interrupt",
     "Kill",
     "Next",
     "Restart",
@@ -106,6 +109,8 @@ class Scenario:
     """Workers that may die during a run."""
     timeouts: bool = True
     closes: bool = True
+    interrupts: int = 0
+    """Waits (in `next()` or `iter()`) that may be interrupted during a run."""
 
     def __attrs_post_init__(self) -> None:
         if self.config.iterable != isinstance(self.dataset, IterableSpec):
@@ -146,6 +151,11 @@ class Expire:
 
 
 @attrs.frozen
+class Interrupt:
+    """The consumer's wait, in `next()` or in `iter()`, is cut short (Ctrl-C)."""
+
+
+@attrs.frozen
 class Close:
     """The consumer closes the iterator."""
 
@@ -155,7 +165,7 @@ class Restart:
     """The consumer starts the next epoch on the same (persistent) workers."""
 
 
-Action = Next | Work | Kill | Expire | Close | Restart
+Action = Next | Work | Kill | Expire | Interrupt | Close | Restart
 
 _TASK = "task"
 _RESUME = "resume"
@@ -185,12 +195,15 @@ class World:
     dry: frozenset[int]
     """Workers that answered "exhausted" this epoch."""
     awaiting: bool
+    resetting: bool
+    """The consumer is inside `iter()`, which returns once every worker resumed."""
     delivered: tuple[Outcome, ...]
     last_task: int
     """In order: the last task handed over, or the last task of earlier epochs."""
     sent_max: int
     """The highest task number sent so far, in any epoch."""
     resumes_owed: frozenset[int]
+    """Workers that have not acknowledged the resume of the current epoch."""
     outcome: str | None
     """None while in use, then "failed" or "closed"."""
     doomed: bool
@@ -199,6 +212,7 @@ class World:
     shut: bool
     deaths_left: int
     closes_left: int
+    interrupts_left: int
 
     @classmethod
     def start(
@@ -224,6 +238,7 @@ class World:
             skipped=frozenset(),
             dry=frozenset(),
             awaiting=False,
+            resetting=False,
             delivered=(),
             last_task=-1,
             sent_max=-1,
@@ -234,6 +249,7 @@ class World:
             shut=False,
             deaths_left=scenario.deaths,
             closes_left=2 if scenario.closes else 0,
+            interrupts_left=scenario.interrupts,
         )
         sim = _Sim(world, step, on_edge)
         sim.feed(ResetRequested())
@@ -242,8 +258,9 @@ class World:
     def actions(self) -> Iterator[Action]:
         """Every action the environment may take now."""
         n = self.scenario.config.num_workers
+        blocked = self.awaiting or self.resetting
         if self.outcome is None:
-            if not self.awaiting:
+            if not blocked:
                 yield Next()  # after the end too: asking again is told again, as in torch
             for w in range(n):
                 if self.alive[w] and self.queues[w]:
@@ -252,11 +269,13 @@ class World:
                 for w in range(n):
                     if self.alive[w]:
                         yield Kill(w)
-            if self.awaiting and self.scenario.timeouts:
+            if blocked and self.scenario.timeouts:
                 yield Expire()
-            # Drivers wait for every resume acknowledgement before iter() returns, as torch
-            # does, so a consumer never starts an epoch while the last start is unacknowledged.
-            restartable = not (self.awaiting or self.doomed or self.resumes_owed)
+            if blocked and self.interrupts_left:
+                yield Interrupt()
+            # iter() returns once every worker acknowledged the resume, as torch's does; only
+            # an interrupted iter() leaves a reset unacknowledged when the next one comes.
+            restartable = not (blocked or self.doomed)
             if restartable and self.epoch < self.scenario.epochs:
                 yield Restart()
         if self.deaths_left:
@@ -277,7 +296,7 @@ class World:
     def stuck(self) -> bool:
         """A consumer waits and no worker has anything to answer: it would wait forever."""
         owed = any(a and q for a, q in zip(self.alive, self.queues, strict=True))
-        return self.outcome is None and self.awaiting and not owed
+        return self.outcome is None and (self.awaiting or self.resetting) and not owed
 
     def finished(self) -> bool:
         """The run reached an end: an epoch completed, or an error reached the consumer."""
@@ -317,6 +336,7 @@ class _Sim:
     skipped: frozenset[int]
     dry: frozenset[int]
     awaiting: bool
+    resetting: bool
     delivered: tuple[Outcome, ...]
     last_task: int
     """In order: the last task handed over, or the last task of earlier epochs."""
@@ -329,6 +349,7 @@ class _Sim:
     shut: bool
     deaths_left: int
     closes_left: int
+    interrupts_left: int
 
     # --- feeding the core ----------------------------------------------------------------------
 
@@ -356,6 +377,15 @@ class _Sim:
         if after.phase is Phase.FINISHED and not self.ended:
             # As in torch, an epoch ends only in the request that finds it over, and says so.
             raise Violation(f"{event!r} finished the epoch without telling the consumer")
+        if self.resetting and self.outcome is None and not self.doomed:
+            # iter() returns exactly when the last worker has acknowledged this epoch's resume.
+            if after.life.resetting != bool(self.resumes_owed):
+                raise Violation(
+                    f"after {event!r} iter() would {'wait' if after.life.resetting else 'return'}"
+                    f" with workers {sorted(self.resumes_owed)} still owing their resume"
+                )
+            if not after.life.resetting:
+                self.resetting = False
         return transition.commands
 
     def carry_out(self, command: Command) -> None:
@@ -460,13 +490,14 @@ class _Sim:
         if isinstance(failure, TaskFailure):
             self._hand_over(failure.task, failure.worker, ("error", failure.error))
             return
-        if not self.awaiting:
+        if not (self.awaiting or self.resetting):
             raise Violation(f"{command!r} with no consumer waiting")
         if isinstance(failure, (WorkerDeath, Timeout)) and not self.doomed:
             raise Violation(f"{command!r} although nothing died or timed out")
         if isinstance(failure, Cancelled) and self.core.phase is not Phase.CLOSED:
             raise Violation(f"{command!r} although the loader was not closed")
         self.awaiting = False
+        self.resetting = False
         self.doomed = False
         self.outcome = self.outcome or "failed"
 
@@ -514,13 +545,15 @@ class _Sim:
             self.deaths_left -= 1
             self.doomed = True
             self.feed(WorkerDied(action.worker, pid=None, exitcode=-9))
-            if self.awaiting:
+            if self.awaiting or self.resetting:
                 raise Violation(f"the consumer still waits after worker {action.worker} died")
         elif isinstance(action, Expire):
             self.doomed = True
             self.feed(TimedOut(5.0))
-            if self.awaiting:
+            if self.awaiting or self.resetting:
                 raise Violation("the consumer still waits after its timeout ran out")
+        elif isinstance(action, Interrupt):
+            self._interrupt()
         elif isinstance(action, Close):
             self._close()
         elif isinstance(action, Restart):
@@ -537,8 +570,9 @@ class _Sim:
             epoch = head[1]
             assert isinstance(epoch, int)
             self.shards = _replace(self.shards, w, (epoch, 0))
-            self.resumes_owed = self.resumes_owed - {w}
-            self.feed(WorkerResumed(w))
+            if epoch == self.epoch:  # not the answer to a reset abandoned since
+                self.resumes_owed = self.resumes_owed - {w}
+            self.feed(WorkerResumed(w, epoch))
             return
         _, task, index = head
         assert isinstance(task, int)
@@ -573,7 +607,7 @@ class _Sim:
             raise Violation(f"a second close emitted {commands!r}")
         if not self.shut:
             raise Violation("close did not shut the workers down")
-        if self.awaiting:
+        if self.awaiting or self.resetting:
             raise Violation("the consumer still waits after close")
         self.outcome = "closed"
         self.doomed = False
@@ -589,10 +623,21 @@ class _Sim:
         self.delivered = ()
         self.last_task = self.sent_max
         self.ended = False
+        self.resetting = True
         commands = self.feed(ResetRequested(seed=self.epoch))
         resumed = sorted(c.worker for c in commands if isinstance(c, ResumeWorker))
         if resumed != list(range(self.scenario.config.num_workers)):
             raise Violation(f"a new epoch resumed workers {resumed}, not every worker")
+
+    def _interrupt(self) -> None:
+        # The consumer is back in its own code: in the middle of the epoch, or before it, if
+        # iter() was interrupted; either way it may ask again, or start the next epoch.
+        self.interrupts_left -= 1
+        self.awaiting = False
+        self.resetting = False
+        commands = self.feed(Interrupted())
+        if commands:
+            raise Violation(f"an interrupted wait emitted {commands!r}")
 
 
 def _replace(values: tuple, index: int, value: object) -> tuple:  # type: ignore[type-arg]

@@ -3,7 +3,8 @@
 Three kinds of source feed the scheduler, and the kind decides who is blamed when an event is
 impossible in the current state (see `statecore._errors`):
 
-- the consumer (the training loop): `ResetRequested`, `NextRequested`, `CloseRequested`;
+- the consumer (the training loop): `ResetRequested`, `NextRequested`, `Interrupted`,
+  `CloseRequested`;
 - the driver, on the consumer's behalf: `IndexDrawn`, `SamplerExhausted`, `TimedOut`;
 - the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
   `WorkerResumed`, `WorkerDied`.
@@ -17,6 +18,7 @@ __all__ = [
     "CloseRequested",
     "Event",
     "IndexDrawn",
+    "Interrupted",
     "NextRequested",
     "ResetRequested",
     "SamplerExhausted",
@@ -48,6 +50,16 @@ class ResetRequested(Event):
 @attrs.frozen
 class NextRequested(Event):
     """The consumer asked for the next batch (`next(iterator)`)."""
+
+
+@attrs.frozen
+class Interrupted(Event):
+    """The consumer stopped waiting: an exception (Ctrl-C's KeyboardInterrupt, or one raised by
+    a signal handler such as a SIGALRM time limit) left `next()` or `iter()` while it waited.
+
+    Nothing is lost: tasks in flight stay in flight and their answers are kept, so the next
+    `next()` goes on with the epoch, and the next `iter()` starts a new one.
+    """
 
 
 @attrs.frozen
@@ -109,9 +121,14 @@ class WorkerExhausted(Event):
 
 @attrs.frozen
 class WorkerResumed(Event):
-    """`worker` acknowledged `ResumeWorker` and is ready for tasks of the new epoch."""
+    """`worker` acknowledged the `ResumeWorker` of `epoch` and is ready for that epoch's tasks.
+
+    The epoch tells an acknowledgement of an abandoned reset (the consumer interrupted `iter()`
+    and then called it again) from the one the scheduler waits for.
+    """
 
     worker: int
+    epoch: int
 
 
 @attrs.frozen
@@ -123,4 +140,6 @@ class WorkerDied(Event):
     exitcode: int | None = None
 
 
-CONSUMER_EVENTS: frozenset[type[Event]] = frozenset({ResetRequested, NextRequested, CloseRequested})
+CONSUMER_EVENTS: frozenset[type[Event]] = frozenset(
+    {ResetRequested, NextRequested, Interrupted, CloseRequested}
+)

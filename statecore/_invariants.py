@@ -63,6 +63,11 @@ def violations(state: State) -> list[str]:
         if not (state.outstanding or state.pulling_for is not None or resuming):
             found.append("a consumer waits but nothing is outstanding: it would wait forever")
 
+    if life.resetting:
+        if phase is not Phase.RESUMING:
+            found.append(f"iter() waits for workers to resume while the loader is {phase.value}")
+        if state.waiting:
+            found.append("a batch is awaited while iter() still waits for workers to resume")
     if phase is Phase.RESUMING and (window or state.pulling_for is not None):
         found.append("tasks exist before every worker acknowledged the resume")
     if phase is Phase.FINISHED and (window or state.waiting):

@@ -232,6 +232,9 @@ class Lifecycle:
     dropped: int
     """Tasks of this epoch abandoned unresolved when the loader failed or was closed."""
     failure: Failure | None
+    resetting: bool = False
+    """The consumer waits in `iter()` for every worker to acknowledge the new epoch (RESUMING
+    only): torch's `iter()` returns once its persistent workers have reset, and so does ours."""
 
 
 class State(NamedTuple):

@@ -6,6 +6,7 @@ A loader iterator lives through phases (see `Phase`). `ResetRequested` starts an
 IDLE the workers are fresh and the scheduler goes straight to RUNNING; later epochs exist only
 with persistent workers, which must first acknowledge a `ResumeWorker` each (RESUMING), because
 a task sent before a worker has reset its dataset iterator would be answered from the old epoch.
+The consumer's `iter()` waits for those acknowledgements (`resetting`), as torch's does.
 
 While RUNNING the scheduler keeps workers busy up to the prefetch bound. It draws one index at a
 time (`PullIndex` -> `IndexDrawn`), choosing the worker *before* the draw so that a drawn index
@@ -21,6 +22,12 @@ the sampler ends or every worker is dry, nothing more is sent (DRAINING), and th
 FINISHED by the first request made once every task is resolved, as torch's is: the last batch
 goes to the consumer before anything stops. Without persistent workers, finishing also shuts
 the workers down.
+
+A consumer may stop waiting without the loader failing (`Interrupted`: Ctrl-C, a signal handler
+raising): whatever it waited for stays owed, answers keep arriving into the window, and the
+next request picks up where it left off. An `iter()` interrupted while workers resume leaves
+the reset half done; the next `iter()` starts it over with fresh `ResumeWorker`s, and the
+acknowledgements of the abandoned round, which name their epoch, are dropped on arrival.
 
 A worker's exception for one task is delivered in that task's turn and the epoch goes on. A
 worker's death or a timeout is not recoverable: the scheduler emits the shutdown and moves to
@@ -55,6 +62,7 @@ from statecore._events import (
     CloseRequested,
     Event,
     IndexDrawn,
+    Interrupted,
     NextRequested,
     ResetRequested,
     SamplerExhausted,
@@ -127,7 +135,10 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
     ),
     RESUMING: _table(
         {
+            # Only after an interrupted iter(): a batch is asked for, or the reset starts over.
             NextRequested: (RESUMING,),
+            ResetRequested: (RESUMING,),
+            Interrupted: (RESUMING,),
             WorkerResumed: (RESUMING, RUNNING),
             **{answer: (RESUMING,) for answer in _ANSWERS},  # stale answers only
             WorkerDied: (FAILED,),
@@ -145,6 +156,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             WorkerExhausted: (RUNNING, DRAINING, FINISHED),
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
+            Interrupted: (RUNNING,),
             ResetRequested: (RESUMING,),
             CloseRequested: (CLOSED,),
         }
@@ -161,6 +173,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             WorkerExhausted: (DRAINING, FINISHED),
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
+            Interrupted: (DRAINING,),
             ResetRequested: (RESUMING,),
             CloseRequested: (CLOSED,),
         }
@@ -223,8 +236,8 @@ def _why_not(state: State, event: Event) -> str:
         )
     if phase is IDLE and isinstance(event, NextRequested):
         return "no epoch has started; start one with iter(loader) first"
-    if phase is RESUMING and isinstance(event, ResetRequested):
-        return "the previous reset is still waiting for its workers to acknowledge"
+    if isinstance(event, Interrupted):
+        return "the consumer was not waiting, so there was no wait to interrupt"
     if isinstance(event, WorkerResumed):
         return "no worker was asked to resume"
     if isinstance(event, (IndexDrawn, SamplerExhausted)):
@@ -395,7 +408,7 @@ def _abandon(
     out: list[Command] = []
     life = state.life
     workers = _shutdown(life.workers, out)
-    if state.waiting and raised is not None:
+    if (state.waiting or life.resetting) and raised is not None:
         out.append(RaiseError(raised))
     unresolved = sum(1 for slot in state.window if slot is not RESOLVED)
     life = attrs.evolve(
@@ -405,6 +418,7 @@ def _abandon(
         stale=frozenset(),
         failure=failure,
         dropped=life.dropped + unresolved,
+        resetting=False,
     )
     n = state.config.num_workers
     new = State(state.config, life, state.send_idx, (), (0,) * n, state.cursor, None, False)
@@ -447,6 +461,8 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         raise _refuse(state, event, "a batch is still awaited")
     if state.pulling_for is not None:
         raise _refuse(state, event, "an index is still being drawn from the previous sampler")
+    if life.resetting:
+        raise _refuse(state, event, "the previous reset still waits for its workers to resume")
     out: list[Command] = []
     if life.phase is IDLE:
         life = attrs.evolve(life, phase=RUNNING, epoch=1, base=state.rcvd_idx)
@@ -473,6 +489,7 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         skipped=0,
         dropped=0,
         failure=None,
+        resetting=True,
     )
     new = State(config, life, send_idx, (), (0,) * n, 0, None, False)
     return Transition(new, tuple(out))
@@ -481,6 +498,8 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
 def _on_next(state: State, event: NextRequested) -> Transition:
     if state.waiting:
         raise _refuse(state, event, "a batch is already awaited")
+    if state.life.resetting:
+        raise _refuse(state, event, "iter() has not returned: the workers are still resuming")
     phase = state.life.phase
     if phase is FINISHED:
         return Transition(state, (END_EPOCH,))
@@ -596,11 +615,23 @@ def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
 def _on_resumed(state: State, event: WorkerResumed) -> Transition:
     life = state.life
     w = event.worker
-    if not 0 <= w < len(life.workers) or life.workers[w] is not WorkerStatus.RESUMING:
-        raise _refuse(state, event, f"worker {w} was not asked to resume, or already answered")
+    if not 0 <= w < len(life.workers):
+        raise _refuse(state, event, f"there is no worker {w}")
+    if event.epoch < life.epoch:
+        # The answer to a reset the consumer abandoned (an interrupted iter()): the worker
+        # answers this epoch's resume next, since it answers in the order it was asked.
+        return Transition(state, ())
+    if event.epoch > life.epoch or life.workers[w] is not WorkerStatus.RESUMING:
+        raise _refuse(
+            state,
+            event,
+            f"worker {w} was not asked to resume for epoch {event.epoch}, or already answered",
+        )
     workers = life.workers[:w] + (ACTIVE,) + life.workers[w + 1 :]
-    phase = RUNNING if _resume_complete(workers) else RESUMING
-    life = attrs.evolve(life, phase=phase, workers=workers)
+    if _resume_complete(workers):
+        life = attrs.evolve(life, phase=RUNNING, workers=workers, resetting=False)
+    else:
+        life = attrs.evolve(life, workers=workers)
     return _settle_same(state, life, state.pulling_for, state.waiting)
 
 
@@ -614,9 +645,23 @@ def _on_died(state: State, event: WorkerDied) -> Transition:
 
 
 def _on_timeout(state: State, event: TimedOut) -> Transition:
-    if not state.waiting:
+    if not (state.waiting or state.life.resetting):
         raise _refuse(state, event, "no consumer is waiting, so nothing can time out")
     return _fail(state, Timeout(event.seconds))
+
+
+def _on_interrupted(state: State, event: Interrupted) -> Transition:
+    life = state.life
+    if state.pulling_for is not None:
+        # The sampler was cut short mid-draw: whatever it yields next goes to a later request.
+        state = state._replace(pulling_for=None)
+    elif not (state.waiting or life.resetting):
+        raise _refuse(state, event, "the consumer was not waiting: there was no wait to interrupt")
+    # A half-done reset stays half done, and the next iter() starts it over (see `_on_reset`);
+    # what a request waited for stays owed and arrives into the window for the next request.
+    if life.resetting:
+        state = state._replace(life=attrs.evolve(life, resetting=False))
+    return Transition(state._replace(waiting=False), ())
 
 
 _CANCELLED = Cancelled()
@@ -636,6 +681,7 @@ _HANDLERS: dict[type[Event], Callable[[State, Event], Transition]] = {
     IndexDrawn: _on_index,  # type: ignore[dict-item]
     SamplerExhausted: _on_sampler_exhausted,  # type: ignore[dict-item]
     TimedOut: _on_timeout,  # type: ignore[dict-item]
+    Interrupted: _on_interrupted,  # type: ignore[dict-item]
     TaskCompleted: _on_completed,  # type: ignore[dict-item]
     TaskFailed: _on_failed,  # type: ignore[dict-item]
     WorkerExhausted: _on_exhausted,  # type: ignore[dict-item]

@@ -17,6 +17,7 @@ from statecore import (
     Config,
     Event,
     IndexDrawn,
+    Interrupted,
     NextRequested,
     ResetRequested,
     SamplerExhausted,
@@ -88,7 +89,8 @@ ONE_OF_EACH: tuple[Event, ...] = (
     TaskCompleted(task=0, worker=0),
     TaskFailed(task=0, worker=0),
     WorkerExhausted(task=0, worker=0),
-    WorkerResumed(worker=0),
+    WorkerResumed(worker=0, epoch=1),
+    Interrupted(),
     WorkerDied(worker=0),
 )
 """One representative event of every event type."""

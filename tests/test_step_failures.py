@@ -85,7 +85,7 @@ def test_a_worker_death_while_idle_fails_the_loader() -> None:
 def test_a_worker_death_while_resuming_fails_the_loader() -> None:
     cfg = config(num_workers=2, prefetch_factor=1, persistent_workers=True)
     finished, _ = start(cfg, SamplerExhausted(), NextRequested())
-    state, _ = feed(finished, ResetRequested(), WorkerResumed(0), NextRequested())
+    state, _ = feed(finished, ResetRequested(), WorkerResumed(0, 2))
     state, commands = feed(state, WorkerDied(worker=1))
     assert state.phase is Phase.FAILED
     assert commands == [*SHUTDOWN_OF_TWO, RaiseError(WorkerDeath(worker=1))]
@@ -124,9 +124,9 @@ def test_after_a_timeout_the_next_request_gets_the_timeout_again() -> None:
     assert commands == [RaiseError(Timeout(5.0))]
 
 
-def test_a_timeout_while_workers_resume_fails_the_loader() -> None:
+def test_a_timeout_while_iter_waits_for_workers_to_resume_fails_the_loader() -> None:
     cfg = config(num_workers=2, prefetch_factor=1, persistent_workers=True)
-    state, _ = start(cfg, SamplerExhausted(), ResetRequested(), NextRequested())
+    state, _ = start(cfg, SamplerExhausted(), ResetRequested())
     state, commands = feed(state, TimedOut(seconds=1.5))
     assert state.phase is Phase.FAILED
     assert commands == [*SHUTDOWN_OF_TWO, RaiseError(Timeout(1.5))]

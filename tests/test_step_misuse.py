@@ -15,6 +15,7 @@ from statecore import (
     ExecutorError,
     IndexDrawn,
     InternalError,
+    Interrupted,
     LoaderCancelledError,
     LoaderTimeoutError,
     MisuseError,
@@ -73,7 +74,7 @@ def _full() -> State:
 
 def _resuming() -> State:
     cfg = config(persistent_workers=True)
-    return start(cfg, SamplerExhausted(), ResetRequested(), WorkerResumed(0))[0]
+    return start(cfg, SamplerExhausted(), ResetRequested(), WorkerResumed(0, epoch=2))[0]
 
 
 def _closed() -> State:
@@ -156,20 +157,20 @@ def test_sampler_exhausted_without_pull_index_is_an_executor_error() -> None:
 
 
 def test_worker_resumed_when_not_resuming_is_an_executor_error() -> None:
-    state, error = _refused(_full, WorkerResumed(worker=0), ExecutorError)
+    state, error = _refused(_full, WorkerResumed(worker=0, epoch=1), ExecutorError)
     assert "no worker was asked to resume" in error.reason
     assert feed(state, TaskCompleted(task=0, worker=0))[0].buffered == 1
 
 
 def test_worker_resumed_twice_by_one_worker_is_an_executor_error() -> None:
-    state, error = _refused(_resuming, WorkerResumed(worker=0), ExecutorError)
+    state, error = _refused(_resuming, WorkerResumed(worker=0, epoch=2), ExecutorError)
     assert "worker 0" in error.reason
-    assert feed(state, WorkerResumed(worker=1))[0].phase is Phase.RUNNING
+    assert feed(state, WorkerResumed(worker=1, epoch=2))[0].phase is Phase.RUNNING
 
 
 def test_worker_resumed_by_a_worker_that_does_not_exist_is_an_executor_error() -> None:
-    state, _ = _refused(_resuming, WorkerResumed(worker=5), ExecutorError)
-    assert feed(state, WorkerResumed(worker=1))[0].phase is Phase.RUNNING
+    state, _ = _refused(_resuming, WorkerResumed(worker=5, epoch=2), ExecutorError)
+    assert feed(state, WorkerResumed(worker=1, epoch=2))[0].phase is Phase.RUNNING
 
 
 def test_timed_out_with_nobody_waiting_is_an_executor_error() -> None:
@@ -197,7 +198,7 @@ _EXECUTOR_AFTER_CLOSE = [
 def test_the_after_close_lists_cover_every_event_type_but_close_and_worker_death() -> None:
     covered = {type(e) for e in _CONSUMER_AFTER_CLOSE + _EXECUTOR_AFTER_CLOSE}
     assert covered == {type(e) for e in ONE_OF_EACH} - {CloseRequested, WorkerDied}
-    assert {type(e) for e in _CONSUMER_AFTER_CLOSE} == {ResetRequested, NextRequested}
+    assert {type(e) for e in _CONSUMER_AFTER_CLOSE} == {ResetRequested, NextRequested, Interrupted}
 
 
 @pytest.mark.parametrize("event", _CONSUMER_AFTER_CLOSE, ids=lambda e: type(e).__name__)

@@ -9,6 +9,7 @@ from statecore import (
     Deliver,
     ExecutorError,
     IndexDrawn,
+    Interrupted,
     MisuseError,
     NextRequested,
     Phase,
@@ -50,7 +51,9 @@ def _abandoned(**flags: bool) -> State:
 
 
 def _resumed(state: State) -> State:
-    state, _ = feed(state, *[WorkerResumed(w) for w in range(state.config.num_workers)])
+    state, _ = feed(
+        state, *[WorkerResumed(w, state.life.epoch) for w in range(state.config.num_workers)]
+    )
     return state
 
 
@@ -73,19 +76,21 @@ def test_reset_after_a_finished_epoch_resumes_every_worker_with_the_new_epoch_an
 
 def test_no_index_is_pulled_until_every_worker_has_resumed() -> None:
     state, _ = feed(_finished(num_workers=3), ResetRequested(seed=7))
-    state, commands = feed(state, WorkerResumed(2), NextRequested(), WorkerResumed(0))
+    state, commands = feed(
+        state, WorkerResumed(2, 2), Interrupted(), NextRequested(), WorkerResumed(0, 2)
+    )
     assert commands == []
     assert state.phase is Phase.RESUMING
     assert state.pulling_for is None
-    state, commands = feed(state, WorkerResumed(1))
+    state, commands = feed(state, WorkerResumed(1, 2))
     assert commands == [PullIndex()]
     assert state.phase is Phase.RUNNING
 
 
-def test_a_consumer_may_wait_while_workers_resume() -> None:
-    state, _ = feed(_finished(), ResetRequested(), NextRequested())
+def test_after_an_interrupted_iter_a_consumer_may_wait_while_workers_resume() -> None:
+    state, _ = feed(_finished(), ResetRequested(), Interrupted(), NextRequested())
     assert state.waiting
-    state, _ = feed(state, WorkerResumed(0), WorkerResumed(1))
+    state, _ = feed(state, WorkerResumed(0, 2), WorkerResumed(1, 2))
     state, _ = feed(state, IndexDrawn("a"))
     _, commands = feed(state, TaskCompleted(task=2, worker=0, payload="new"))
     assert only(commands, Deliver) == [Deliver(task=2, worker=0)]
@@ -245,5 +250,5 @@ def test_reset_while_an_index_is_being_drawn_is_refused_with_misuse() -> None:
 
 def test_reset_while_workers_are_still_resuming_is_refused_with_misuse() -> None:
     state, _ = feed(_finished(), ResetRequested())
-    with pytest.raises(MisuseError, match="acknowledge"):
+    with pytest.raises(MisuseError, match="still waits for its workers"):
         feed(state, ResetRequested())

@@ -1,0 +1,72 @@
+"""A dead worker is reported with torch's own sentence first, then statecore's detail.
+
+Logs, alerting rules and torch's own tests match torch's words, so ours start with them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+from torch.utils.data import Dataset
+
+from statecore import DataLoader, WorkerDeath, WorkerDiedError
+from statecore.executors._driver import death_message
+
+TORCH_SIGNAL = re.compile(r"^DataLoader worker \(pid \d+\) is killed by signal: ")
+TORCH_EXIT = re.compile(r"^DataLoader worker \(pid \d+\) exited unexpectedly with exit code \d+")
+
+
+def test_a_signal_death_starts_with_torchs_sentence() -> None:
+    message = death_message(WorkerDeath(worker=1, pid=4321, exitcode=-signal.SIGSEGV))
+    assert message.startswith(
+        "DataLoader worker (pid 4321) is killed by signal: Segmentation fault. "
+    )
+
+
+def test_a_signal_death_names_the_worker_and_the_signal() -> None:
+    message = death_message(WorkerDeath(worker=1, pid=4321, exitcode=-signal.SIGSEGV))
+    assert "worker 1" in message
+    assert "SIGSEGV" in message
+
+
+def test_a_bus_error_points_at_shared_memory() -> None:
+    message = death_message(WorkerDeath(worker=0, pid=7, exitcode=-signal.SIGBUS))
+    assert "shared memory" in message
+
+
+def test_a_sigkill_points_at_the_out_of_memory_killer() -> None:
+    message = death_message(WorkerDeath(worker=0, pid=7, exitcode=-signal.SIGKILL))
+    assert "out-of-memory" in message
+
+
+def test_an_exit_code_starts_with_torchs_sentence() -> None:
+    message = death_message(WorkerDeath(worker=2, pid=99, exitcode=3))
+    assert TORCH_EXIT.match(message)
+    assert "worker 2" in message
+
+
+def test_a_death_without_a_pid_names_the_worker_thread() -> None:
+    message = death_message(WorkerDeath(worker=2, pid=None, exitcode=None))
+    assert message.startswith("DataLoader worker (thread 2) exited unexpectedly.")
+
+
+class Segfaults(Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return index
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_by_a_signal_raises_torchs_sentence() -> None:
+    loader = DataLoader(Segfaults(), batch_size=None, num_workers=1)
+    with pytest.raises(WorkerDiedError) as raised:
+        list(loader)
+    assert TORCH_SIGNAL.match(str(raised.value)), str(raised.value)
+    assert raised.value.exitcode == -signal.SIGSEGV
