@@ -4,6 +4,13 @@
 the worker and turns each command (`SendTask`, `ResumeWorker`) into the event that answers it.
 The multiprocessing executor runs one runtime per process; the loop around it, the pipes and
 the watchdog are that executor's business.
+
+Datapipes get what torch's workers give them: each worker reseeds its datapipe with the
+loader's shared seed (again at every resume) and shards it with `apply_sharding` as instance
+`worker_id * world_size + rank` of `num_workers * world_size`, before `worker_init_fn`. Loading
+in the main process shards it as instance `rank` of `world_size`, as torch's single-process
+iterator does. The sharding is state inside the datapipe's graph, so every worker needs a
+datapipe of its own: a process has its copy; the thread executor makes one per thread.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import IterDataPipe
+from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data._utils import HAS_NUMPY
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
@@ -31,7 +38,23 @@ from statecore import (
 )
 from statecore.executors._remote import RemoteError
 
-__all__ = ["WorkerRuntime", "WorkerSetup", "as_worker", "get_worker_info", "seed_worker"]
+__all__ = [
+    "WorkerRuntime",
+    "WorkerSetup",
+    "as_worker",
+    "get_worker_info",
+    "prepare_dataset",
+    "seed_worker",
+]
+
+
+def _distributed_settings() -> tuple[int, int]:
+    """torch.distributed's (world size, rank) in this process; (1, 0) outside a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 @attrs.frozen
@@ -47,6 +70,9 @@ class WorkerSetup:
     num_workers: int
     worker_init_fn: Callable[[int], None] | None = attrs.field(default=None, eq=False)
     shared_seed: int | None = None
+    distributed: tuple[int, int] = attrs.field(factory=_distributed_settings)
+    """(world size, rank) of torch.distributed, read in the main process when the setup is made
+    (once per loader iterator, as torch reads them); a datapipe is sharded across both."""
 
     @property
     def iterable(self) -> bool:
@@ -83,6 +109,29 @@ def as_worker(setup: WorkerSetup, worker_id: int) -> Iterator[None]:
         torch_worker._worker_info = saved
 
 
+def prepare_dataset(setup: WorkerSetup, worker_id: int, dataset: Any) -> Any:
+    """`dataset` made ready for worker `worker_id`, as torch's workers make it: a datapipe is
+    reseeded with the loader's shared seed and sharded for this worker, in place.
+
+    Call it in the worker, on the worker's own copy, before `worker_init_fn`. Anything else is
+    returned as it is.
+    """
+    if isinstance(dataset, IterDataPipe) and setup.shared_seed is not None:
+        dataset = _reseed_datapipe(dataset, setup.shared_seed)
+    _shard_datapipe(setup, worker_id, dataset)
+    return dataset
+
+
+def _shard_datapipe(setup: WorkerSetup, worker_id: int, dataset: Any) -> None:
+    if isinstance(dataset, IterDataPipe | MapDataPipe):
+        from torch.utils.data.graph_settings import apply_sharding
+
+        # Distributed ranks first, then the workers of each rank: torch's order, so that every
+        # rank gets an even share.
+        world_size, rank = setup.distributed
+        apply_sharding(dataset, setup.num_workers * world_size, worker_id * world_size + rank)
+
+
 def seed_worker(base_seed: int, worker_id: int) -> int:
     """Seed `random`, torch and numpy as torch seeds its workers; return the worker's seed."""
     seed = base_seed + worker_id
@@ -100,7 +149,10 @@ class WorkerRuntime:
 
     Build it with `WorkerRuntime.in_worker` inside a worker (seeded, with worker info, after
     `worker_init_fn`), or directly for loading in the main process, where torch neither seeds
-    nor sets worker info.
+    nor sets worker info. Given no `dataset`, the runtime loads `setup.dataset` itself and, if
+    it is a datapipe, shards it for worker `worker_id` first (in the main process: instance
+    `rank` of `world_size`, as torch's single-process iterator does). Given a `dataset`, the
+    caller has prepared it (`prepare_dataset`).
     """
 
     def __init__(
@@ -118,10 +170,17 @@ class WorkerRuntime:
         self.worker_id = worker_id
         self.pid = pid
         self.note = note
-        self.dataset = setup.dataset if dataset is None else dataset
         self.exhausted = False
         self.init_error = init_error
-        if init_error is None:
+        if dataset is None:
+            dataset = setup.dataset
+            if init_error is None:
+                try:
+                    _shard_datapipe(setup, worker_id, dataset)
+                except Exception as error:
+                    self.init_error = self._capture(error, None, "while sharding the datapipe")
+        self.dataset = dataset
+        if self.init_error is None:
             self._restart("while creating the dataset fetcher")
 
     @classmethod
@@ -129,19 +188,23 @@ class WorkerRuntime:
         """Prepare this process or thread as worker `worker_id`, the way torch's workers are."""
         seed = seed_worker(setup.base_seed, worker_id)
         dataset = setup.dataset
-        if isinstance(dataset, IterDataPipe) and setup.shared_seed is not None:
-            dataset = _reseed_datapipe(dataset, setup.shared_seed)
+        init_error = None
+        try:
+            dataset = prepare_dataset(setup, worker_id, dataset)
+        except Exception as error:
+            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
+            init_error = RemoteError.capture(
+                error, worker=worker_id, pid=pid, index=None, where="while sharding the datapipe"
+            )
         # torch's own global, so that torch.utils.data.get_worker_info() sees this worker, and
         # default_collate builds batches straight in shared memory as it does in torch's workers.
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=setup.num_workers, seed=seed, dataset=dataset
         )
-        init_error = None
         try:
-            if setup.worker_init_fn is not None:
+            if init_error is None and setup.worker_init_fn is not None:
                 setup.worker_init_fn(worker_id)
         except Exception as error:
-            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
             init_error = RemoteError.capture(
                 error, worker=worker_id, pid=pid, index=None, where="in worker_init_fn"
             )
@@ -159,6 +222,12 @@ class WorkerRuntime:
             )
         except Exception as error:
             self.init_error = self._capture(error, None, where)
+
+    def fail_every_task(self, error: BaseException | RemoteError) -> None:
+        """From now on answer every task with `error`, and run none of the dataset's code: for a
+        worker that must not go on (its thread was ended by SystemExit, say). Resumes are still
+        acknowledged, so that nothing waits for this worker."""
+        self.init_error = error
 
     def answer(self, command: SendTask | ResumeWorker) -> Event:
         """The event that answers `command`: every task gets exactly one answer."""
@@ -182,8 +251,9 @@ class WorkerRuntime:
 
     def resume(self, command: ResumeWorker) -> Event:
         """Start a new epoch: a fresh dataset iterator, as torch's workers do on resume."""
-        if command.seed is not None and isinstance(self.setup.dataset, IterDataPipe):
-            self.dataset = _reseed_datapipe(self.setup.dataset, command.seed)
+        if command.seed is not None and isinstance(self.dataset, IterDataPipe):
+            # This worker's own datapipe, whose sharding stays as it was set at the start.
+            self.dataset = _reseed_datapipe(self.dataset, command.seed)
         self.exhausted = False
         if self.init_error is None:
             self._restart("while restarting the dataset for a new epoch")
