@@ -69,7 +69,9 @@ ROUNDS = 5
 """Pairs of runs per workload by default."""
 QUICK_ROUNDS = 3
 """Pairs of runs per workload under `--quick`."""
-INSTALL_HINT = "pip install 'statecore[bench]'"
+# statecore is installed from its checkout (README, "Run it"), not from an index: a bare
+# `pip install 'statecore[bench]'` would look for it on PyPI.
+INSTALL_HINT = "pip install -e '.[bench]' in the statecore checkout"
 
 
 class Side(enum.Enum):
@@ -530,6 +532,37 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
 # --- the command --------------------------------------------------------------------------------
 
 
+def _unwritable(path: str | os.PathLike[str]) -> str | None:
+    """None if a file can be written at `path`; else why not, in words.
+
+    Checked before the benchmark runs, so that a typo in a path costs a second, not the run.
+    """
+    target = Path(path)
+    if target.is_dir():
+        return "it is a folder"
+    if target.exists():
+        return None if os.access(target, os.W_OK) else "the file is not writable"
+    folder = target.parent
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None
+
+
+def _output_problem(json_path: str | None, plot_path: str | None) -> str | None:
+    outputs = (("--json", json_path), ("--plot", plot_path))
+    asked = [(option, path) for option, path in outputs if path is not None]
+    if len(asked) == 2 and Path(asked[0][1]).resolve() == Path(asked[1][1]).resolve():
+        return f"--json and --plot name the same file, {asked[0][1]}: give each its own"
+    for option, path in asked:
+        if (why := _unwritable(path)) is not None:
+            return f"cannot write {option} {path}: {why}"
+    return None
+
+
 def bench(
     quick: bool = False,
     only: Sequence[str] | None = None,
@@ -542,9 +575,11 @@ def bench(
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
 
-    Returns 0; 1 if a workload failed (its row says why, the others are complete); 2 on misuse.
+    Returns 0; 1 if a workload failed (its row says why, the others are complete); 2 on misuse
+    or when an output asked for cannot be written.
 
-    A missing optional package is reported before anything runs, not after ten minutes.
+    A missing optional package, or a path that cannot be written, is reported before anything
+    runs, not after ten minutes.
     """
     out = sys.stdout if stream is None else stream
 
@@ -559,6 +594,9 @@ def bench(
     missing = missing_dependencies(workloads, plot=plot_path is not None)
     if missing is not None:
         print(f"bench: {missing}", file=sys.stderr)
+        return 2
+    if (problem := _output_problem(json_path, plot_path)) is not None:
+        print(f"bench: {problem}", file=sys.stderr)
         return 2
     if quick:
         workloads = tuple(workload.quick() for workload in workloads)
@@ -576,14 +614,29 @@ def bench(
     report = attrs.evolve(run_benchmark(workloads, pairs, progress=progress), command=command)
     print(f"$ {command}", file=out)
     print(report.table(), file=out, flush=True)
+
+    def write(
+        option: str, path: str, writer: Callable[[BenchReport, str], None], what: str
+    ) -> bool:
+        try:
+            writer(report, path)
+        except OSError as error:  # checked before the run, but the disk may have changed since
+            reason = error.strerror or str(error)
+            print(
+                f"bench: cannot write {option} {path}: {reason}; the table above has the figures",
+                file=sys.stderr,
+            )
+            return False
+        print(f"{what} written to {path}", file=out)
+        return True
+
+    written = True
     if json_path is not None:
-        write_json(report, json_path)
-        print(f"figures written to {json_path}", file=out)
+        written = write("--json", json_path, write_json, "figures") and written
     if plot_path is not None:
-        plot(report, plot_path)
-        print(f"plot written to {plot_path}", file=out)
+        written = write("--plot", plot_path, plot, "plot") and written
     failed = [result.name for result in report.results if not result.ok]
     if failed:
         print(f"bench: {len(failed)} workload(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if written else 2

@@ -10,19 +10,52 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from statecore.models.explorer import Bounds, Report, default_scenarios, explore_all
+import attrs
 
-__all__ = ["main"]
+from statecore import Config
+from statecore.models.explorer import Bounds, default_scenarios, explore_all
+from statecore.models.world import Scenario
+
+__all__ = ["main", "scenario_label"]
 
 
-def _config_label(report: Report) -> str:
-    config = report.scenario.config
+def _config_label(config: Config) -> str:
+    """Every field of `config`, in words: no two configurations share a label."""
     kind = "iterable" if config.iterable else "map"
     order = "in-order" if config.in_order else "any-order"
     persistent = "persistent" if config.persistent_workers else "one-epoch"
+    # lazy: the sampler is read only when the consumer waits, as by a loader without workers
+    sampler = "sampler=on-demand" if config.lazy else "sampler=ahead"
     return (
         f"workers={config.num_workers} prefetch={config.prefetch_factor} "
-        f"{kind:8} {order:9} {persistent:10}"
+        f"{kind:8} {order:9} {persistent:10} {sampler:17}"
+    )
+
+
+def _words(value: object) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, tuple):
+        return ":".join(_words(item) for item in value) if value else "-"
+    if isinstance(value, frozenset):
+        return ",".join(sorted(_words(item) for item in value)) if value else "-"
+    return str(value)
+
+
+def _fields(value: attrs.AttrsInstance, skip: tuple[str, ...] = ()) -> str:
+    # Every field, named: a field added later shows up without touching this function.
+    return " ".join(
+        f"{field.name}={_words(getattr(value, field.name))}"
+        for field in attrs.fields(type(value))
+        if field.name not in skip
+    )
+
+
+def scenario_label(scenario: Scenario) -> str:
+    """Every field of `scenario`, its config and dataset included: no two share a label."""
+    return (
+        f"{_config_label(scenario.config)} {_fields(scenario.dataset):24} "
+        f"{_fields(scenario, skip=('config', 'dataset'))}"
     )
 
 
@@ -32,17 +65,20 @@ def check(processes: int, bench: bool, verbose: bool) -> int:
     print(
         f"exploring {len(scenarios)} configurations exhaustively "
         f"(workers 1-3, prefetch 1-2, up to {Bounds().batches} batches, map and iterable, "
-        "in order and not, persistent and not; with worker deaths, timeouts and closes) ...",
+        "in order and not, persistent and not, the sampler read ahead and on demand; with worker "
+        "deaths, timeouts and closes) ...",
         flush=True,
     )
     started = time.perf_counter()
     reports = explore_all(scenarios, processes=processes)
     elapsed = time.perf_counter() - started
     if verbose:
-        print(f"  {'configuration':58} {'worlds':>8} {'states':>7} {'transitions':>11}")
-        for report in reports:
+        labels = [scenario_label(report.scenario) for report in reports]
+        width = max([len("configuration"), *map(len, labels)])
+        print(f"  {'configuration':{width}} {'worlds':>8} {'states':>7} {'transitions':>11}")
+        for label, report in zip(labels, reports, strict=True):
             print(
-                f"  {_config_label(report):58} {report.worlds:8d} {len(report.states):7d} "
+                f"  {label:{width}} {report.worlds:8d} {len(report.states):7d} "
                 f"{report.transitions:11d}"
             )
     worlds = sum(report.worlds for report in reports)

@@ -357,7 +357,7 @@ def test_plotting_without_matplotlib_names_the_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingDependency, match=r"pip install 'statecore\[bench\]'"):
+    with pytest.raises(MissingDependency, match=r"pip install -e '\.\[bench\]'"):
         plot(made_up_report(), "never-written.png")
 
 
@@ -441,6 +441,73 @@ def test_bench_refuses_an_unknown_workload_or_too_few_batches(
     assert main(["bench", "--batches", "1"]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--rounds", "0"])
+
+
+def _must_not_run(*args: Any, **kwargs: Any) -> BenchReport:
+    raise AssertionError("the benchmark ran although its output cannot be written")
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_refuses_a_path_in_a_missing_folder_before_running_anything(
+    option: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    path = tmp_path / "no" / "such" / "out.file"
+    assert main(["bench", "--only", "inline-b1", option, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"bench: cannot write {option} {path}: the folder {path.parent} does not exist"
+    ]
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_refuses_a_path_that_is_a_folder_or_under_a_file_before_running_anything(
+    option: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    assert main(["bench", "--only", "inline-b1", option, str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"bench: cannot write {option} {tmp_path}: it is a folder"
+    ]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert main(["bench", "--only", "inline-b1", option, str(a_file / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"bench: cannot write {option} {a_file / 'out'}: {a_file} is not a folder"
+    ]
+
+
+def test_bench_refuses_json_and_plot_to_the_same_file_before_running_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    path = str(tmp_path / "out")
+    assert main(["bench", "--only", "inline-b1", "--json", path, "--plot", path]) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err
+
+
+def test_an_output_that_fails_after_the_run_is_one_line_and_the_table_is_kept(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    def disk_full(report: BenchReport, path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args, **kwargs: made_up_report())
+    monkeypatch.setattr(benchmark, "write_json", disk_full)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--only", "inline-b1", "--json", str(path)]) == 2
+    printed = capsys.readouterr()
+    assert "inline-b1" in printed.out
+    assert printed.err.splitlines() == [
+        f"bench: cannot write --json {path}: No space left on device; "
+        "the table above has the figures"
+    ]
 
 
 def test_bench_writes_the_json_and_the_png_it_was_asked_for(

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import statecore
 from statecore import Command, Event, Phase
+from statecore.models.bench import BenchResult
 from statecore.models.diagram import mermaid
+from statecore.models.explorer import Bounds, default_scenarios
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -32,3 +38,37 @@ def test_every_phase_event_and_command_is_documented() -> None:
         and getattr(statecore, name) not in (Event, Command)
     ]
     assert [name for name in names if f"`{name}" not in text] == []
+
+
+@pytest.mark.timeout(120)
+def test_the_embedding_guide_runs_as_written_and_prints_what_it_fetched(tmp_path: Path) -> None:
+    # Every Python block of the guide, in order, as one program run as a script.
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "embedding.md").read_text(), re.S)
+    assert blocks, "the embedding guide has no Python code"
+    program = tmp_path / "embedding_example.py"
+    program.write_text("\n\n".join(blocks))
+    done = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(index) for index in range(10)], done.stdout
+
+
+def test_the_step_bench_output_in_the_docs_is_what_the_command_prints_for_its_figures() -> None:
+    text = (DOCS / "performance.md").read_text()
+    block = re.search(r"```\n(step benchmark: .*?)```", text, re.S)
+    assert block is not None, "docs/performance.md shows no output of check --bench"
+    shown = block.group(1)
+    header = re.search(r"(\d+) events, median of (\d+) rounds", shown)
+    assert header is not None
+    events, rounds = header.groups()
+    core, baseline = re.findall(r"([\d.]+) us/event", shown)
+    result = BenchResult(int(events), int(rounds), float(core), float(baseline))
+    assert shown == result.describe() + "\n"
+
+
+def test_the_readme_counts_the_configurations_check_explores() -> None:
+    readme = (DOCS.parent / "README.md").read_text()
+    said = re.search(r"explores every reachable state of the scheduler in (\d+) small", readme)
+    assert said is not None
+    assert int(said.group(1)) == len(list(default_scenarios(Bounds())))
