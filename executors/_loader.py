@@ -16,8 +16,9 @@ import atexit
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import attrs
 import multiprocess.context
 import torch.utils.data
 from torch._C._autograd import _profiler_enabled
@@ -25,7 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase
 from statecore.executors._driver import Driver
-from statecore.executors._launch import Launch
+from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import Executor
 from statecore.executors._registry import resolve_executor
@@ -35,6 +36,10 @@ __all__ = ["DataLoader"]
 
 _LIVE: weakref.WeakSet[_Iterator] = weakref.WeakSet()
 _ITER = _DatasetKind.Iterable
+# The arguments that choose the executor: changing either after construction resolves it again.
+_CHOOSE_EXECUTOR = frozenset({"executor", "num_workers"})
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 @atexit.register
@@ -44,13 +49,18 @@ def _close_live_iterators() -> None:
         iterator._shutdown()
 
 
-class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """`torch.utils.data.DataLoader`, plus `executor=`: a registered name or a factory.
 
     Left out, `executor` follows torch: `num_workers=0` loads in the calling thread,
     `num_workers>0` in worker processes. Built-in names: "inline", "mp", "thread" and
     "pinned"; `pin_memory=True` puts the pin-memory stage over whichever executor loads.
     `multiprocessing_context` also takes a context of the `multiprocess` package.
+
+    Like torch's, the class is generic in what it yields: `statecore.DataLoader[Batch]`.
+    Every argument is kept as the public attribute of the same name (`executor` as given),
+    so frameworks that rebuild a loader from its attributes (Lightning adding a distributed
+    sampler) rebuild it with the same executor.
     """
 
     def __init__(
@@ -78,26 +88,42 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
             multiprocessing_context = multiprocessing_context.get_start_method()
+        # Keywords only: a framework that records the arguments of torch's __init__ (Lightning,
+        # when this class did not exist yet as it patched torch's) then rebuilds this class
+        # from names, and a sampler it injects cannot collide with a positional one.
         super().__init__(
-            dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
+            dataset=dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        self.executor = executor
         self.executor_factory, self.loads_in_process = resolve_executor(executor, num_workers)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
+            # Resolved before anything changes: a refused value leaves the loader as it was.
+            executor = value if name == "executor" else self.executor
+            workers = value if name == "num_workers" else self.num_workers
+            chosen = resolve_executor(executor, workers)
+            super().__setattr__(name, value)
+            super().__setattr__("executor_factory", chosen[0])
+            super().__setattr__("loads_in_process", chosen[1])
+            return
+        super().__setattr__(name, value)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if not self.loads_in_process:
@@ -139,16 +165,63 @@ def _drawer(iterator: _Iterator) -> Callable[[], Any]:
     return draw
 
 
+_EXECUTOR_METHODS = ("start", "dispatch", "resume", "poll", "stop_worker", "shutdown")
+
+
+@attrs.frozen
+class _Checked:
+    """An executor factory whose result is checked to be an executor before anything uses it.
+
+    Without the check, a factory returning None (a forgotten `return`) fails later as
+    "'NoneType' object has no attribute 'start'", naming neither the factory nor the fix.
+    """
+
+    factory: ExecutorFactory
+
+    @property
+    def poll_from_any_thread(self) -> bool:
+        # The pin stage asks the factory it wraps; the answer is the checked factory's.
+        return bool(getattr(self.factory, "poll_from_any_thread", False))
+
+    def __call__(self, launch: Launch) -> Executor:
+        executor = self.factory(launch)
+        missing = [name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, 0))]
+        if missing:
+            name = getattr(self.factory, "__qualname__", None) or repr(self.factory)
+            raise TypeError(
+                f"the executor factory {name} returned {executor!r}, which is not an executor: it "
+                f"has no {', '.join(missing)}. A factory takes a Launch and returns an object "
+                f"with the methods {', '.join(_EXECUTOR_METHODS)} (see docs/executors.md)"
+            )
+        return executor
+
+
+def _checked(factory: ExecutorFactory) -> ExecutorFactory:
+    """`factory`, and for a pin stage the factory it wraps, checked to return executors."""
+    if isinstance(factory, Pinned):
+        assert callable(factory.inner)  # resolved by the DataLoader
+        return attrs.evolve(factory, inner=_Checked(factory.inner))
+    return _Checked(factory)
+
+
 class _Iterator(_BaseDataLoaderIter):
     """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader[Any]) -> None:
         super().__init__(loader)
         self._driver: Driver | None = None
         in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
-        workers = 1 if in_process else loader.num_workers
+        # int(): torch takes num_workers=True as one worker, since True > 0 and range(True).
+        workers = 1 if in_process else int(loader.num_workers)
+        prefetch = loader.prefetch_factor
+        if not in_process and prefetch is not None and prefetch <= 0:
+            # torch accepts 0 when built and refuses it here, when workers would start.
+            raise AssertionError(
+                f"prefetch_factor must be greater than 0 for loading in workers, as torch's "
+                f"MultiProcessingDataLoaderIter requires, but got prefetch_factor={prefetch}"
+            )
         setup = WorkerSetup(
             dataset=self._dataset,
             dataset_kind=self._dataset_kind,
@@ -162,7 +235,7 @@ class _Iterator(_BaseDataLoaderIter):
         )
         config = Config(
             num_workers=workers,
-            prefetch_factor=1 if in_process else (loader.prefetch_factor or 2),
+            prefetch_factor=1 if in_process else (2 if prefetch is None else prefetch),
             in_order=loader.in_order,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             persistent_workers=self._persistent_workers and not in_process,
@@ -179,7 +252,7 @@ class _Iterator(_BaseDataLoaderIter):
         elif self._pin_memory:
             # torch's base iterator says whether to pin: an accelerator is there, and not MPS.
             factory = Pinned(factory, in_process=in_process)
-        executor = factory(Launch(setup, workers, loader.multiprocessing_context))
+        executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
         self._driver = Driver(config, executor, _drawer(self), self._timeout)
         _LIVE.add(self)

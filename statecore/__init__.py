@@ -49,6 +49,7 @@ from statecore._events import (
     WorkerExhausted,
     WorkerResumed,
 )
+from statecore._frameworks import build_before_a_census as _build_before_a_census
 from statecore._invariants import violations
 from statecore._state import (
     RESOLVED,
@@ -88,8 +89,8 @@ __all__ = [
     "Failure",
     "IndexDrawn",
     "InternalError",
-    "Lifecycle",
     "Interrupted",
+    "Lifecycle",
     "LoaderCancelledError",
     "LoaderTimeoutError",
     "MisuseError",
@@ -136,3 +137,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(executors, name)
     raise AttributeError(f"module 'statecore' has no attribute {name!r}")
+
+
+def _build_data_loader() -> object:
+    from statecore import executors
+
+    return executors.DataLoader
+
+
+# Lightning patches only the DataLoader classes that exist when it asks for a loader: build ours
+# before it can ask (statecore/_frameworks.py says why, and why not on importing torch).
+_build_before_a_census(_build_data_loader)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import re
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,15 @@ import multiprocess
 import pytest
 import torch
 import torch.utils.data
-from _datasets import GrowingBatches, Numbers, ShardedRange, SizedIterable, WorkerInfoProbe
+from _datasets import (
+    GrowingBatches,
+    Numbers,
+    ShardedRange,
+    SizedIterable,
+    WorkerInfoProbe,
+    record_init_draws,
+    sum_and_items,
+)
 
 import statecore
 from statecore.executors import Launch
@@ -349,3 +358,126 @@ def test_get_worker_info_in_workers_is_torchs_worker_info() -> None:
     assert [info[:3] for info in got] == [[True, 0, 3], [True, 1, 3], [True, 2, 3]]
     assert all(info[4] for info in got)  # info.dataset is the worker's copy of the dataset
     assert statecore.get_worker_info() is None
+
+
+# --- generics and rebuilding from attributes -----------------------------------------------------
+
+
+def test_loader_class_is_generic_like_torchs() -> None:
+    alias = statecore.DataLoader[int]
+    assert typing.get_origin(alias) is statecore.DataLoader
+    assert typing.get_args(alias) == (int,)
+
+
+def test_every_argument_reaches_torchs_init_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A framework that records the arguments of torch's __init__ rebuilds the loader by calling
+    # its class with them: a positional argument there collides with a sampler it injects.
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    torch_init = torch.utils.data.DataLoader.__init__
+
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append((args, kwargs))
+        torch_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", recording_init)
+    statecore.DataLoader(Numbers(5), 2, False, None, None, 0, None, executor="inline")
+    [(args, kwargs)] = calls
+    assert args == ()
+    assert (kwargs["batch_size"], kwargs["shuffle"]) == (2, False)
+
+
+REBUILT = {
+    "batch_size": 3,
+    "num_workers": 2,
+    "collate_fn": sum_and_items,
+    "drop_last": True,
+    "timeout": 30.0,
+    "worker_init_fn": record_init_draws,
+    "multiprocessing_context": "spawn",
+    "generator": None,
+    "prefetch_factor": 3,
+    "persistent_workers": True,
+    "in_order": False,
+    "executor": "thread",
+}
+
+
+def test_every_argument_is_kept_as_the_attribute_of_the_same_name() -> None:
+    loader = statecore.DataLoader(Numbers(10), **REBUILT)
+    for name, value in REBUILT.items():
+        kept = getattr(loader, name)
+        if name == "multiprocessing_context":
+            kept = kept.get_start_method()
+        assert kept == value, name
+
+
+@WORKERS
+def test_a_loader_rebuilt_from_its_attributes_keeps_its_executor() -> None:
+    # What Lightning does with a loader it did not see built: read the __init__ parameters back
+    # from the attributes of the same name, and bring a sampler of its own. (shuffle is not
+    # kept, as in torch: it became the sampler.)
+    arguments = dict(REBUILT, multiprocessing_context="fork", persistent_workers=False)
+    arguments["in_order"] = True  # threads may finish out of order: compare like with like
+    loader = statecore.DataLoader(Numbers(10), **arguments)
+    own = {"shuffle", "sampler", "batch_sampler"}
+    names = [name for name in inspect.signature(statecore.DataLoader).parameters if name not in own]
+    rebuilt = statecore.DataLoader(**{name: getattr(loader, name) for name in names})
+    assert rebuilt.executor == "thread"
+    assert rebuilt.executor_factory is loader.executor_factory
+    assert as_lists(rebuilt) == as_lists(loader)
+
+
+def test_setting_the_executor_after_construction_changes_what_loads() -> None:
+    loader = statecore.DataLoader(Numbers(7), batch_size=3, num_workers=2)
+    loader.executor = "thread"
+    assert (
+        loader.executor_factory
+        is statecore.DataLoader(Numbers(7), num_workers=2, executor="thread").executor_factory
+    )
+    with pytest.raises(ValueError, match="executor='inline'"):
+        loader.executor = "inline"
+    assert loader.executor == "thread"  # a refused executor leaves the loader as it was
+
+
+# --- arguments torch takes at face value ---------------------------------------------------------
+
+
+@WORKERS
+def test_num_workers_true_loads_with_one_worker_like_torch() -> None:
+    def probe(loader_class: type) -> list[Any]:
+        loader = loader_class(
+            WorkerInfoProbe(),
+            batch_size=None,
+            num_workers=True,
+            generator=torch.Generator().manual_seed(5),
+        )
+        return as_lists(loader)
+
+    got = probe(statecore.DataLoader)
+    assert got == probe(torch.utils.data.DataLoader)
+    assert [info[:3] for info in got] == [[True, 0, 1]]
+
+
+@pytest.mark.parametrize("loader_class", LOADERS)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
+def test_prefetch_factor_zero_with_workers_fails_when_iterated(loader_class: type) -> None:
+    loader = loader_class(Numbers(5), num_workers=2, prefetch_factor=0)
+    with pytest.raises(AssertionError, match="prefetch_factor must be greater than 0"):
+        iter(loader)
+
+
+def returns_nothing(launch: Launch) -> Any:
+    return None
+
+
+def test_executor_factory_that_returns_no_executor_is_named_in_the_error() -> None:
+    loader = statecore.DataLoader(Numbers(5), executor=returns_nothing)
+    with pytest.raises(TypeError, match=r"executor factory returns_nothing returned None"):
+        iter(loader)
+
+
+def test_executor_factory_under_the_pin_stage_that_returns_no_executor_is_named() -> None:
+    wrapped = statecore.executors.pinned(returns_nothing, pin=lambda batch: batch)
+    loader = statecore.DataLoader(Numbers(5), executor=wrapped)
+    with pytest.raises(TypeError, match=r"executor factory returns_nothing returned None"):
+        iter(loader)
