@@ -13,6 +13,7 @@ after epoch.
 from __future__ import annotations
 
 import atexit
+import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -125,6 +126,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return
         super().__setattr__(name, value)
 
+    def __iter__(self) -> _BaseDataLoaderIter:
+        kept = self.__dict__.get("_iterator")
+        if isinstance(kept, _Iterator) and not kept._usable():
+            # A persistent iterator whose scheduler failed or was closed cannot run another
+            # epoch: the next epoch gets fresh workers, as a loader without persistent workers
+            # would, instead of the old failure for ever.
+            kept._shutdown()
+            self._iterator = None
+        return super().__iter__()
+
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if not self.loads_in_process:
             self.check_worker_number_rationality()
@@ -213,8 +224,9 @@ class _Iterator(_BaseDataLoaderIter):
         in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
-        # int(): torch takes num_workers=True as one worker, since True > 0 and range(True).
-        workers = 1 if in_process else int(loader.num_workers)
+        # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
+        # with range()'s TypeError: operator.index does both.
+        workers = 1 if in_process else operator.index(loader.num_workers)
         prefetch = loader.prefetch_factor
         if not in_process and prefetch is not None and prefetch <= 0:
             # torch accepts 0 when built and refuses it here, when workers would start.
@@ -281,6 +293,16 @@ class _Iterator(_BaseDataLoaderIter):
     def _next_data(self) -> Any:
         assert self._driver is not None
         return self._driver.next()
+
+    def _usable(self) -> bool:
+        """Whether another epoch can start on this iterator's scheduler and executor."""
+        driver = self._driver
+        return (
+            driver is not None
+            and driver.state.phase not in (Phase.FAILED, Phase.CLOSED)
+            and driver.broken is None
+            and not driver.sampler_failed
+        )
 
     def _shutdown(self) -> None:
         driver, self._driver = self._driver, None
