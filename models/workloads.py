@@ -38,6 +38,7 @@ __all__ = [
     "Loader",
     "Measurement",
     "NumpyWork",
+    "Rows",
     "Sleeps",
     "Timing",
     "Unit",
@@ -48,6 +49,7 @@ __all__ = [
     "measure",
     "release",
     "select",
+    "the_sample",
 ]
 
 SEED = 20240611
@@ -154,6 +156,45 @@ class Floats(torch.utils.data.Dataset[torch.Tensor]):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.full((self.floats,), float(index), dtype=torch.float32)
+
+
+class Rows(torch.utils.data.Dataset[torch.Tensor]):
+    """An in-memory dataset: one large float32 tensor, each sample a block of its rows.
+
+    A sample is a view of the whole tensor's storage, as from any dataset that slices a tensor
+    it holds in memory. The tensor holds `min(size, blocks)` blocks of `floats` values, each
+    filled with its number; sample i is block i % blocks. Pickled without the tensor, which is
+    made again on unpickling: nothing large goes to spawned workers or through a test's pickle.
+    """
+
+    def __init__(self, size: int, floats: int, blocks: int) -> None:
+        self.size = size
+        self.floats = floats
+        self.blocks = max(1, min(size, blocks))
+        self.data = self._make()
+
+    def _make(self) -> torch.Tensor:
+        numbers = torch.arange(self.blocks, dtype=torch.float32)
+        return numbers.repeat_interleave(self.floats).reshape(self.blocks, self.floats)
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"size": self.size, "floats": self.floats, "blocks": self.blocks}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.size, self.floats, self.blocks = state["size"], state["floats"], state["blocks"]
+        self.data = self._make()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index % self.blocks]
+
+
+def the_sample(samples: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A collate_fn for batches of one sample: the sample itself, as the dataset made it."""
+    (sample,) = samples
+    return sample
 
 
 # --- what is timed, and what is reported -------------------------------------------------------
@@ -329,6 +370,8 @@ _IO = functools.partial(Sleeps, seconds=0.003)
 _STRAGGLERS = functools.partial(Sleeps, seconds=0.001, straggler_one_in=20, straggler_factor=40.0)
 # 4 samples of 1.25M float32 values: 20 MB per batch.
 _LARGE = functools.partial(Floats, floats=1_250_000)
+# Samples of 1M float32 values (4 MB), views of one tensor of up to 64 of them (256 MB).
+_ROWS = functools.partial(Rows, floats=1 << 20, blocks=64)
 _STARTUP_WORKERS = 4
 
 WORKLOADS: tuple[Workload, ...] = (
@@ -413,6 +456,18 @@ WORKLOADS: tuple[Workload, ...] = (
         timing=Timing.STEADY,
         batches=150,
         quick_batches=40,
+    ),
+    Workload(
+        "large-tensor-views",
+        "4 MB batches, each a view of one 256 MB in-memory tensor (collated as it is); 2 workers",
+        _ROWS,
+        batch_size=1,
+        num_workers=2,
+        unit=Unit.GB_PER_S,
+        timing=Timing.STEADY,
+        batches=150,
+        quick_batches=40,
+        options={"collate_fn": the_sample},
     ),
     Workload(
         "cpu",
