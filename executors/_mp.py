@@ -7,9 +7,11 @@ that dies is noticed the moment it dies, not after a polling interval.
 What crosses process boundaries, and how:
 
 - *User code* (dataset, collate_fn, worker_init_fn) goes to spawn and forkserver workers pickled
-  with dill, so lambdas, closures and classes defined in functions work. Under fork nothing
-  is pickled, as in torch. Under forkserver the server preloads this module, and so torch,
-  before it forks any worker.
+  with dill, so lambdas, closures and classes defined in functions work: pickled once for all
+  workers, except for tensors (and pipes), whose pickle is a handle only one process can fetch,
+  pickled for each worker as it starts (see `_Shipment`). Under fork nothing is pickled, as in
+  torch. Under forkserver the server preloads this module, and so torch, before it forks any
+  worker.
 - *Tasks* go through a pipe per worker, pickled by the C pickler (dill only as a fallback).
   The main thread writes them itself, and what the pipe has no room for is left to a flusher
   thread (see `_channel`), so sending a task never blocks the main process.
@@ -30,7 +32,11 @@ are still being started, instead of every worker waiting for the last one to be 
 Both picklers share tensors through the standard library's resource sharer, which
 authenticates with `multiprocessing.current_process().authkey`. In a worker started by
 `multiprocess` that key is not the parent's, so each worker takes the parent's key before it
-unpickles anything.
+unpickles anything. The sharer's sockets go in a directory of the executor's, which shutdown
+removes (see `_adopt_tempdir`).
+
+A worker exits on its own the moment its loader's process ends, however that process was
+killed and whatever the worker is doing (see `_watch_loader`).
 """
 
 from __future__ import annotations
@@ -39,21 +45,30 @@ import _thread
 import collections
 import contextlib
 import ctypes
+import functools
+import io
 import multiprocessing as stdlib_multiprocessing
 import multiprocessing.util as stdlib_util
 import os
 import pickle
+import select
+import shutil
 import signal
 import struct
+import sys
+import tempfile
 import threading
 import time
+import types
 from multiprocessing.reduction import ForkingPickler as StdlibPickler
-from typing import Any
+from typing import Any, NoReturn
 
+import attrs
 import multiprocess
 import multiprocess.connection
 import multiprocess.context
 import multiprocess.reduction
+import multiprocess.util
 import torch.multiprocessing  # registers torch's reductions with the stdlib pickler
 from torch.utils.data._utils import HAS_NUMPY
 
@@ -71,6 +86,7 @@ from statecore.executors._buffers import (
     BufferOpened,
     BufferReceiver,
     BufferSender,
+    explain_exhaustion,
 )
 from statecore.executors._channel import TaskWriter
 from statecore.executors._launch import Launch
@@ -86,7 +102,8 @@ if HAS_NUMPY:
 
 __all__ = ["MultiprocessExecutor", "resolve_context"]
 
-# How often an idle worker checks that its parent is still there.
+# How often a worker checks that its loader's process is still there, on systems without
+# process descriptors (elsewhere it is woken the moment that process ends).
 WATCHDOG_INTERVAL = 1.0
 # How often an idle worker checks whether shutdown has begun. The stop message normally wakes
 # it at once, but a loader reclaimed by the garbage collector may have lost its pipes first.
@@ -150,6 +167,23 @@ def _encode(task: int, event: Event, buffers: BufferSender, batch: Batch | None 
     return _HEADER.pack(task, len(lent), kind) + struct.pack(f"<{len(lent)}i", *lent) + payload
 
 
+def _encode_failure(task: int, worker: int, failure: RemoteError, buffers: BufferSender) -> bytes:
+    """A failed task's answer, which must go out whatever the failure holds."""
+    try:
+        return _encode(task, TaskFailed(task, worker, failure), buffers)
+    except Exception:
+        # What is left is text: the index as its repr, and no type to rebuild.
+        plain = attrs.evolve(failure, index=_index_text(failure.index), exc_type=None)
+        return _encode(task, TaskFailed(task, worker, plain), buffers)
+
+
+def _index_text(index: object) -> str:
+    try:
+        return repr(index)
+    except Exception:
+        return f"<a {type(index).__qualname__} that cannot be shown>"
+
+
 def _task_message(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -> bytes:
     """A task as bytes, pickled with the C pickler: dill takes about 100 us for a task, which is
     GIL time taken from the main process on every batch. dill remains the fallback for an index
@@ -163,6 +197,66 @@ def _task_message(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -
 
 def _notice(notice: BufferOpened | BufferClosed) -> bytes:
     return _HEADER.pack(_NOTICE, 0, _EVENT) + bytes(StdlibPickler.dumps(notice))
+
+
+# Reductions registered with the picklers that only name what they pickle. Every other one
+# (torch's for tensors and storages, multiprocessing's for pipes and sockets) hands over a
+# resource, typically a file descriptor that one receiving process fetches, once.
+_NAMING_REDUCTIONS = frozenset(
+    {types.MethodType, types.MethodDescriptorType, types.WrapperDescriptorType, functools.partial}
+)
+
+
+@attrs.frozen
+class _Shipment:
+    """The worker setup for spawn and forkserver workers, pickled with dill once for them all.
+
+    Except for the objects whose pickle hands over a resource (a tensor shared through torch's
+    reductions, a pipe): their pickle is a handle that a single process can fetch, so the same
+    bytes cannot go to two workers. They are set aside and pickled for each worker as it
+    starts, as torch pickles the whole dataset for each. A tensor's storage moves to shared
+    memory the first time, and every worker maps that same memory: nothing is copied per worker.
+    """
+
+    setup: bytes
+    set_aside: tuple[object, ...]
+
+    @classmethod
+    def pack(cls, setup: WorkerSetup) -> _Shipment:
+        handing = frozenset(multiprocess.reduction.ForkingPickler._extra_reducers)
+        handing -= _NAMING_REDUCTIONS
+        set_aside: list[object] = []
+        keys: dict[int, int] = {}  # by id(): an object held twice stays one object
+
+        def persistent_id(obj: object) -> int | None:
+            if type(obj) not in handing:
+                return None
+            key = keys.get(id(obj))
+            if key is None:
+                key = keys[id(obj)] = len(set_aside)
+                set_aside.append(obj)
+            return key
+
+        stream = io.BytesIO()
+        pickler = multiprocess.reduction.ForkingPickler(stream)
+        pickler.persistent_id = persistent_id
+        pickler.dump(setup)
+        return cls(stream.getvalue(), tuple(set_aside))
+
+    def for_worker(self) -> tuple[bytes, bytes]:
+        """What one worker unpacks with `_unpack`: handles of its own for what was set aside."""
+        if not self.set_aside:
+            return self.setup, b""
+        return self.setup, bytes(multiprocess.reduction.ForkingPickler.dumps(self.set_aside))
+
+
+def _unpack(setup: bytes, set_aside: bytes) -> WorkerSetup:
+    objects = pickle.loads(set_aside) if set_aside else ()
+    unpickler = pickle.Unpickler(io.BytesIO(setup))
+    unpickler.persistent_load = objects.__getitem__  # type: ignore[method-assign]
+    unpacked = unpickler.load()
+    assert isinstance(unpacked, WorkerSetup)
+    return unpacked
 
 
 def _reuse_freed_memory() -> None:
@@ -200,38 +294,119 @@ def _preload_in_forkserver() -> None:
         forkserver.set_forkserver_preload([*preload, __name__])
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit this worker once its parent is gone, even while user code blocks the main thread."""
+@attrs.frozen
+class _Home:
+    """What a worker is told of the process that runs its loader."""
+
+    pid: int
+    authkey: bytes
+    """The loader process's key, which the standard library's resource sharer checks."""
+    tempdir: str
+    """Where the worker's sockets go (see `_adopt_tempdir`); removed at shutdown."""
+
+
+def _adopt_tempdir(tempdir: str) -> None:
+    """Make the worker's sockets go in the executor's directory rather than one of its own.
+
+    Sharing a file descriptor (a buffer, or a tensor sent torch's way) starts the resource
+    sharer, which listens on a unix socket in a temporary directory that the standard library
+    creates and removes at exit. `multiprocess` workers skip the standard library's exit, and
+    a terminated worker skips any exit, so each such directory (`/tmp/pymp-*`) would stay, one
+    per worker per epoch. The executor's directory is removed by the main process instead.
+    """
+    stdlib_multiprocessing.current_process()._config["tempdir"] = tempdir  # type: ignore[attr-defined]
+    multiprocess.current_process()._config["tempdir"] = tempdir
+
+
+def _let_go_of_fork_server() -> None:
+    """Close this worker's end of the fork server's "alive" pipe.
+
+    The server exits once every holder of that pipe's writing end has closed it, and it gives
+    one to every process it forks, so that they could start processes through it too. A worker
+    that kept it would keep the server (and the resource tracker, which the server holds) alive
+    after the main process died, for as long as the worker itself lives.
+    """
+    forkserver = sys.modules.get("multiprocess.forkserver")
+    if forkserver is None:
+        return
+    server = forkserver._forkserver
+    if server.get_inherited_fds() is None or server._forkserver_alive_fd is None:
+        return  # not forked by a fork server
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+
+
+def _watch_loader(loader: int, parent: int, tempdir: str) -> None:
+    """Exit this worker once the loader's process is gone, even while user code blocks the
+    main thread.
+
+    The loader's process, not this worker's parent: under forkserver the parent is the fork
+    server. Where the system has process descriptors, this waits on one and wakes the moment
+    the process ends; elsewhere it looks every WATCHDOG_INTERVAL.
+    """
+    try:
+        descriptor = os.pidfd_open(loader)
+    except ProcessLookupError:
+        _orphaned(tempdir)
+    except (AttributeError, OSError):
+        descriptor = None  # not Linux 5.3 or later: poll instead
+    if parent == loader and os.getppid() != parent:
+        _orphaned(tempdir)  # it ended before the descriptor was open (its pid may be reused)
+    if descriptor is not None:
+        waiting = select.poll()
+        waiting.register(descriptor, select.POLLIN)
+        waiting.poll()  # readable once the process has ended
+        _orphaned(tempdir)
     while True:
         time.sleep(WATCHDOG_INTERVAL)
-        if os.getppid() != parent:
-            os._exit(0)
+        if (parent == loader and os.getppid() != parent) or not _exists(loader):
+            _orphaned(tempdir)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _orphaned(tempdir: str) -> NoReturn:
+    """End this worker at once: nobody is left to read what it would send."""
+    shutil.rmtree(tempdir, ignore_errors=True)  # the loader's process cannot remove it now
+    os._exit(0)
 
 
 def _worker_main(
-    shipped: WorkerSetup | bytes,
+    shipped: WorkerSetup | tuple[bytes, bytes],
     worker_id: int,
     tasks: Any,
     results: Any,
-    authkey: bytes,
+    home: _Home,
     stopping: Any,
 ) -> None:
     """The body of a worker process."""
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
     # stops the workers itself, so a worker neither dies of it nor prints a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not isinstance(shipped, bytes):
+    if isinstance(shipped, WorkerSetup):
         # Forked by multiprocess, which runs its own after-fork hooks but not the standard
         # library's: without them this worker would share tensors through its parent's
         # resource sharer (whose listener is the parent's) and inherit torch's locks as held.
         stdlib_util._run_after_forkers()  # type: ignore[attr-defined]
-    stdlib_multiprocessing.current_process().authkey = authkey
-    torch.set_num_threads(1)
-    _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
+    else:
+        _let_go_of_fork_server()
     # A bare thread: `threading.Thread.start` waits until the new thread has run, which costs
     # a starting worker milliseconds on a busy machine.
-    _thread.start_new_thread(_watch_parent, (os.getppid(),))
-    setup = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
+    _thread.start_new_thread(_watch_loader, (home.pid, os.getppid(), home.tempdir))
+    _adopt_tempdir(home.tempdir)
+    stdlib_multiprocessing.current_process().authkey = home.authkey
+    torch.set_num_threads(1)
+    _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
+    setup = shipped if isinstance(shipped, WorkerSetup) else _unpack(*shipped)
     buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
     runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
@@ -353,7 +528,7 @@ class _Answers:
                 index=index,
                 where="while sending the batch back",
             )
-            answer = _encode(task, TaskFailed(task, self.worker, failure), buffers, batch)
+            answer = _encode_failure(task, self.worker, failure, buffers)
         try:
             for notice in buffers.notices():
                 self.results.send_bytes(_notice(notice))
@@ -379,8 +554,11 @@ class MultiprocessExecutor:
         """Task messages for workers not started yet, written once each starts."""
         # The pin stage polls from its own thread while the driver's thread dispatches.
         self.launching = threading.Lock()
-        self.shipped: WorkerSetup | bytes | None = None
+        self.shipped: WorkerSetup | _Shipment | None = None
         self.authkey = b""
+        self.home: _Home | None = None
+        """Made when the first worker starts: a loader that starts none leaves no directory."""
+        self.remove_tempdir: Any = None
         self.ready: list[Event] = []
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
@@ -396,9 +574,7 @@ class MultiprocessExecutor:
         if ctx.get_start_method() == "forkserver":
             _preload_in_forkserver()
         setup = self.launch.setup
-        self.shipped = setup
-        if ctx.get_start_method() != "fork":
-            self.shipped = bytes(multiprocess.reduction.ForkingPickler.dumps(setup))
+        self.shipped = setup if ctx.get_start_method() == "fork" else _Shipment.pack(setup)
         self.authkey = bytes(stdlib_multiprocessing.current_process().authkey)
         # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
         # killed while checking it, and shutdown would then block on it.
@@ -415,7 +591,7 @@ class MultiprocessExecutor:
             try:
                 self._start_process(worker)
             except BaseException as error:
-                failure = error
+                failure = explain_exhaustion(error)  # while the descriptors are still held
             else:
                 return
         self.shutdown()
@@ -427,6 +603,9 @@ class MultiprocessExecutor:
         # EOF on a result pipe means that its worker is gone. (A worker forked later does
         # inherit this process's ends of earlier workers' pipes, and never uses them.)
         ctx = self.context
+        # Before any pipe is made, so that a setup that fails to pickle leaves none open.
+        shipped = self.shipped.for_worker() if isinstance(self.shipped, _Shipment) else self.shipped
+        home = self._home()
         task_reader, task_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
         try:
@@ -435,7 +614,14 @@ class MultiprocessExecutor:
             task_writer.close()
         process = ctx.Process(
             target=_worker_main,
-            args=(self.shipped, worker, task_reader, writer, self.authkey, self.shutting_down),
+            args=(
+                shipped,
+                worker,
+                task_reader,
+                writer,
+                home,
+                self.shutting_down,
+            ),
             name=f"statecore-worker-{worker}",
             daemon=True,
         )
@@ -456,6 +642,17 @@ class MultiprocessExecutor:
             tasks.put(message)
         self.readers[worker], self.processes[worker] = reader, process
         self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
+
+    def _home(self) -> _Home:
+        if self.home is None:
+            tempdir = tempfile.mkdtemp(prefix="statecore-")
+            # Removed at shutdown; for a loader never shut down, at interpreter exit once its
+            # workers are terminated (unlike weakref.finalize, not in a forked child's exit).
+            self.remove_tempdir = multiprocess.util.Finalize(
+                self, shutil.rmtree, args=(tempdir, True), exitpriority=-50
+            )
+            self.home = _Home(pid=os.getpid(), authkey=self.authkey, tempdir=tempdir)
+        return self.home
 
     def _next_to_launch(self) -> int | None:
         if self.closed or len(self.processes) == self.launch.num_workers:
@@ -652,3 +849,5 @@ class MultiprocessExecutor:
             reader.close()
         self.ready.clear()
         self.buffers.close()
+        if self.remove_tempdir is not None:
+            self.remove_tempdir()  # every worker is gone: the sockets in it are dead

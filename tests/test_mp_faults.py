@@ -474,25 +474,6 @@ def test_a_batch_the_worker_cannot_send_raises_in_its_turn_and_the_epoch_goes_on
     assert list(iterator) == [2, 3]
 
 
-class Unprintable(Exception):
-    """An error that cannot even be described: reporting it as the batch's failure fails too."""
-
-    def __str__(self) -> str:
-        raise RuntimeError("this error cannot be described")
-
-
-@pytest.mark.timeout(120)
-def test_a_worker_that_cannot_even_report_a_send_failure_is_reported_dead() -> None:
-    # The worker's sending thread breaks: the worker must end, so that its death is reported,
-    # rather than live on answering nothing (the timeout only bounds a regression).
-    loader = mp_loader(UnsendableAt(4, at=1, error=Unprintable()), batch_size=None, timeout=60)
-    iterator = iter(loader)
-    assert next(iterator) == 0
-    error = next_error(iterator)
-    assert type(error) is WorkerDiedError
-    assert error.exitcode == 1
-
-
 SIGPIPE_SCRIPT = """
 import os, signal, time
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools piping to `head` do
