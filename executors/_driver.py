@@ -81,6 +81,8 @@ class Driver:
         self.sampler_error: BaseException | None = None
         self.broken: BaseException | None = None
         """The executor's own failure (its poll raised): every later request raises it."""
+        self.confirms = hasattr(executor, "unconfirmed")
+        """Whether the executor keeps the answer it returned until told it was recorded."""
         self.handed: Command | None = None
         """What the scheduler gave the consumer in a call that an interrupt then cut short."""
 
@@ -137,11 +139,30 @@ class Driver:
         self.todo.extend(commands)
 
     def _wait(self) -> None:
+        executor = self.executor
         try:
-            event = self.executor.poll(self.timeout)
+            # An answer returned by a poll whose return an interrupt cut short: fed now.
+            event = executor.unconfirmed if self.confirms else None  # type: ignore[attr-defined]
+            if event is None:
+                event = self._poll()
+            state, commands = step(self.state, event)
         except BaseException as error:
+            # Also an interrupt raised just as poll returned: it surfaces on entering step.
             if is_interrupt(error):
                 self._interrupted()
+            raise
+        # No call until the last of these stores: an interrupt cannot come between the new
+        # state, the executor learning the answer was recorded, and the commands it brings.
+        self.state = state
+        if self.confirms:
+            executor.unconfirmed = None  # type: ignore[attr-defined]
+        self.todo.extend(commands)
+
+    def _poll(self) -> Event:
+        try:
+            event = self.executor.poll(self.timeout)
+        except Exception as error:
+            if is_interrupt(error):
                 raise
             # The executor itself broke: nothing it owes will come. Stop its workers, and give
             # every later request the same error, as torch does once its pin thread is gone.
@@ -155,8 +176,7 @@ class Driver:
                     f"the scheduler waits in {self.state!r} but the executor owes nothing"
                 )
             event = TimedOut(self.timeout)
-        self.state, commands = step(self.state, event)  # _feed, inlined: once per batch
-        self.todo.extend(commands)
+        return event
 
     def _interrupted(self) -> None:
         """Tell the scheduler that the consumer's wait ended without an answer."""

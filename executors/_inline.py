@@ -24,6 +24,8 @@ class InlineExecutor:
         self.launch = launch
         self.queue: deque[SendTask | ResumeWorker] = deque()
         self.runtime: WorkerRuntime | None = None
+        self.unconfirmed: Event | None = None
+        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
 
     def start(self) -> None:
         # In the main process torch neither seeds nor sets worker info: neither do we.
@@ -39,9 +41,11 @@ class InlineExecutor:
         if not self.queue or self.runtime is None:
             return None
         # Taken off the queue only once answered: Ctrl-C inside the dataset leaves the task to
-        # be loaded again by the next request, where torch would skip that batch.
+        # be loaded again by the next request, where torch would skip that batch. Recorded,
+        # then removed, with no call in between (see _protocol).
         event = self.runtime.answer(self.queue[0])
-        self.queue.popleft()
+        self.unconfirmed = event
+        del self.queue[0]
         return event
 
     def stop_worker(self, worker: int) -> None:
@@ -50,3 +54,4 @@ class InlineExecutor:
     def shutdown(self) -> None:
         self.queue.clear()
         self.runtime = None
+        self.unconfirmed = None

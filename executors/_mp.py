@@ -560,6 +560,8 @@ class MultiprocessExecutor:
         """Made when the first worker starts: a loader that starts none leaves no directory."""
         self.remove_tempdir: Any = None
         self.ready: list[Event] = []
+        self.unconfirmed: Event | None = None
+        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
         self.gone: set[int] = set()
@@ -708,7 +710,7 @@ class MultiprocessExecutor:
         the whole main process), which an answer already here should not wait for.
         """
         if self.ready:
-            return self.ready.pop(0)
+            return self._hand_over()
         deadline = None
         while not self.ready:
             watched = self._watched()
@@ -730,7 +732,15 @@ class MultiprocessExecutor:
                     return None
             for handle in fired:
                 self._collect(*watched[handle])
-        return self.ready.pop(0)
+        return self._hand_over()
+
+    def _hand_over(self) -> Event:
+        # Read, recorded, then removed, with no call in between: an interrupt landing as this
+        # returns cannot lose the answer (see _protocol).
+        event = self.ready[0]
+        self.unconfirmed = event
+        del self.ready[0]
+        return event
 
     def _watched(self) -> dict[Any, tuple[str, int]]:
         watched: dict[Any, tuple[str, int]] = {}
@@ -848,6 +858,7 @@ class MultiprocessExecutor:
         for reader in (*self.readers.values(), *self.task_readers.values()):
             reader.close()
         self.ready.clear()
+        self.unconfirmed = None
         self.buffers.close()
         if self.remove_tempdir is not None:
             self.remove_tempdir()  # every worker is gone: the sockets in it are dead

@@ -30,10 +30,10 @@ workers prefetch.
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import copy
 import functools
-import queue
 import threading
 import time
 import warnings
@@ -158,7 +158,12 @@ class PinnedExecutor:
         self.pin = pin
         self.copy = copy
         self.threaded = threaded
-        self.answers: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
+        # Appended by the stage thread, only read (then removed) by the poller: see _protocol.
+        self.answers: collections.deque[Event | BaseException] = collections.deque()
+        self.arrived = threading.Event()
+        self.unconfirmed: Event | None = None
+        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
+        self.inner_confirms = hasattr(inner, "unconfirmed")
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
@@ -188,18 +193,39 @@ class PinnedExecutor:
         self.inner.stop_worker(worker)
 
     def poll(self, timeout: float | None) -> Event | None:
+        # An interrupt may land anywhere here: an answer stays where it was (the inner
+        # executor's `unconfirmed`, or our list) until it is recorded as ours, with no call in
+        # between (see _protocol); pinning or claiming it again is harmless.
         if not self.threaded:
-            return self._claimed(self._pinned(self.inner.poll(timeout)))
+            raw = self.inner.unconfirmed if self.inner_confirms else None  # type: ignore[attr-defined]
+            if raw is None:
+                raw = self.inner.poll(timeout)
+                if raw is None:
+                    return None
+            event = self._claimed(self._pinned(raw))
+            self.unconfirmed = event
+            if self.inner_confirms:
+                self.inner.unconfirmed = None  # type: ignore[attr-defined]
+            return event
         if self.failed is not None:
             raise self.failed  # the stage is gone: nothing will ever answer again
-        try:
-            answer = self.answers.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        answers = self.answers
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not answers:
+            self.arrived.clear()
+            if answers:  # arrived between the test and the clear
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.arrived.wait(left):
+                return None
+        answer = answers[0]
         if isinstance(answer, BaseException):
             self.failed = answer
             raise answer
-        return self._claimed(answer)
+        claimed = self._claimed(answer)
+        self.unconfirmed = claimed
+        del answers[0]
+        return claimed
 
     def shutdown(self) -> None:
         if self.closed:
@@ -217,8 +243,8 @@ class PinnedExecutor:
                 )
             self.thread = None
         self.inner.shutdown()
-        while not self.answers.empty():
-            self.answers.get_nowait()
+        self.answers.clear()
+        self.unconfirmed = None
 
     # --- the stage ---------------------------------------------------------------------------
 
@@ -231,15 +257,22 @@ class PinnedExecutor:
             while not self.stopping.is_set():
                 asked = time.monotonic()
                 answer = self._pinned(self.inner.poll(STAGE_POLL_INTERVAL))
+                if self.inner_confirms:
+                    # Recorded as ours below; no interrupt reaches this thread.
+                    self.inner.unconfirmed = None  # type: ignore[attr-defined]
                 if answer is not None:
-                    self.answers.put(answer)
+                    self._answer(answer)
                 elif time.monotonic() - asked < STAGE_POLL_INTERVAL / 2:
                     # The inner executor owes nothing (its workers were stopped, and shutdown
                     # is on its way): wait for the stop rather than spin.
                     self.stopping.wait(STAGE_POLL_INTERVAL)
         except BaseException as error:
             # The driver is waiting on our queue: hand it the reason rather than leave it there.
-            self.answers.put(error)
+            self._answer(error)
+
+    def _answer(self, answer: Event | BaseException) -> None:
+        self.answers.append(answer)
+        self.arrived.set()
 
     def _pinned(self, event: Event | None) -> Event | None:
         """`event` with its batch pinned (and its copy launched); a pinning error as TaskFailed."""

@@ -12,6 +12,14 @@ What an executor promises, and the models assume:
   before it (`WorkerResumed`);
 - a worker that ends without being stopped is reported once with `WorkerDied`.
 
+An executor may also offer an attribute `unconfirmed` (None at first), to be interruptible
+without losing answers: `poll` sets it to the answer it returns before it removes that answer
+from wherever it kept it, with no call in between, and the driver sets it back to None once it
+has recorded the answer. Ctrl-C may land just after `poll` took an answer, where the return
+value is dropped; the driver then finds the answer in `unconfirmed` and records it on its next
+wait. Without the attribute an interrupt landing there loses that answer, and the loader waits
+for it in vain. The mp and thread executors offer it.
+
 Every method is called from one thread, the driver's, unless the executor's factory has a
 true `poll_from_any_thread` attribute: then the pin-memory stage may call `poll` from a thread
 of its own while the driver's thread calls the others.

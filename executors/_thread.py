@@ -52,6 +52,7 @@ a daemon and does not keep the interpreter alive.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -59,6 +60,7 @@ import queue
 import random
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -238,7 +240,13 @@ class ThreadExecutor:
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
-        self.results: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        # Answers are appended by the worker threads and only read, then removed, by the one
+        # polling: a queue's get() could lose the answer it returns to an interrupt landing
+        # just after it (see _protocol); `arrived` wakes the poller.
+        self.results: collections.deque[Event] = collections.deque()
+        self.arrived = threading.Event()
+        self.unconfirmed: Event | None = None
+        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.inboxes: list[queue.SimpleQueue[SendTask | ResumeWorker | None]] = []
         self.threads: list[threading.Thread] = []
         self.stopped: set[int] = set()
@@ -298,11 +306,11 @@ class ThreadExecutor:
                     # ends the worker (see the module docstring).
                     runtime.fail_every_task(_ended(worker, error, _doing(setup, command)))
                     event = runtime.answer(command)
-                self.results.put(event)
+                self._answer(event)
         except BaseException:
             # Only a fault of our own gets here: the thread is gone, and the scheduler must hear
             # of it, or it would wait for the thread's answers forever.
-            self.results.put(WorkerDied(worker, None, None))
+            self._answer(WorkerDied(worker, None, None))
             raise
         finally:
             _threads.__dict__.clear()
@@ -374,12 +382,23 @@ class ThreadExecutor:
         self.inboxes[command.worker].put(command)
 
     def poll(self, timeout: float | None) -> Event | None:
-        if not any(thread.is_alive() for thread in self.threads) and self.results.empty():
-            return None
-        try:
-            event = self.results.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = self.results
+        while not results:
+            if not any(thread.is_alive() for thread in self.threads):
+                if results:
+                    break
+                return None
+            self.arrived.clear()
+            if results:  # arrived between the test and the clear
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.arrived.wait(left):
+                return None
+        # Read, recorded, then removed, with no call in between (see _protocol).
+        event = results[0]
+        self.unconfirmed = event
+        del results[0]
         if self.reseeded is not None and not self.reseed_warned:
             self._warn_reseeded(*self.reseeded)
         return event
@@ -388,6 +407,10 @@ class ThreadExecutor:
         if worker not in self.stopped:
             self.stopped.add(worker)
             self.inboxes[worker].put(None)
+
+    def _answer(self, event: Event) -> None:
+        self.results.append(event)
+        self.arrived.set()
 
     def shutdown(self) -> None:
         if self.closed:

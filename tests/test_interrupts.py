@@ -6,9 +6,8 @@ repeated. The interrupts here are real signals sent to this process while it wai
 workers; to interrupt a wait and not the test's own code, the workers send the signal only
 once the executor's `poll` is blocked (a flag the test's executor wrapper raises around it).
 
-Not covered, because not yet handled: an answer that the executor takes from its workers in
-the very instant the signal lands is dropped by the interpreter along with the return value
-of `poll`, and the loader then waits for it in vain.
+The worker answers as soon as it has sent the signal, so its answer may come in the very
+instant the interrupt lands; the executors' hand-off to the driver must lose nothing then.
 """
 
 from __future__ import annotations
@@ -16,78 +15,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import multiprocess
 import pytest
 import torch
+from _interrupting import WAIT, interrupt_main_once, shared_flag, watched
 from _processes import wait_until
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from statecore import DataLoader, Event, ResumeWorker, SendTask
-from statecore.executors import Executor, Launch
-from statecore.executors._registry import lookup
-
-# Long enough for a loaded two-core machine; the waits end as soon as their condition holds.
-WAIT = 30.0
-
-
-class _Watched:
-    """An executor whose waits the workers can see, so that they interrupt a wait only."""
-
-    def __init__(self, inner: Executor, polling: Any) -> None:
-        self.inner = inner
-        self.polling = polling
-
-    def start(self) -> None:
-        self.inner.start()
-
-    def dispatch(self, command: SendTask) -> None:
-        self.inner.dispatch(command)
-
-    def resume(self, command: ResumeWorker) -> None:
-        self.inner.resume(command)
-
-    def stop_worker(self, worker: int) -> None:
-        self.inner.stop_worker(worker)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def poll(self, timeout: float | None) -> Event | None:
-        self.polling[0] = 1
-        try:
-            return self.inner.poll(timeout)
-        finally:
-            self.polling[0] = 0
-            self.polling[1] += 1  # waits left so far
-
-
-def _watched(name: str, polling: Any) -> Callable[[Launch], Executor]:
-    inner, _ = lookup(name)
-
-    def factory(launch: Launch) -> Executor:
-        return _Watched(inner(launch), polling)
-
-    return factory
-
-
-def _interrupt_main_once(main: int, polling: Any, marker: Path, signum: int) -> None:
-    """From a worker: signal the main process once it waits, the first time only.
-
-    The worker answers only once the main process has left its wait: an answer taken in the
-    very instant the signal lands is a different race (see the module docstring).
-    """
-    if marker.exists():
-        return
-    marker.touch()
-    assert wait_until(lambda: bool(polling[0]), WAIT), "the main process never waited"
-    left = polling[1]
-    os.kill(main, signum)
-    assert wait_until(lambda: polling[1] > left, WAIT), "the interrupt never ended the wait"
+from statecore import DataLoader
 
 
 class InterruptsAt(Dataset[int]):
@@ -103,7 +42,7 @@ class InterruptsAt(Dataset[int]):
 
     def __getitem__(self, i: int) -> int:
         if i == self.index:
-            _interrupt_main_once(self.main, self.polling, self.marker, self.signum)
+            interrupt_main_once(self.main, self.polling, self.marker, self.signum)
         return i
 
 
@@ -120,7 +59,7 @@ class InterruptsResume(IterableDataset[int]):
         assert info is not None
         self.starts += 1  # a persistent worker keeps its copy of the dataset
         if info.id == 0 and self.starts == 2:
-            _interrupt_main_once(self.main, self.polling, self.marker, signal.SIGINT)
+            interrupt_main_once(self.main, self.polling, self.marker, signal.SIGINT)
         return iter(range(info.id, self.n, info.num_workers))
 
 
@@ -143,18 +82,13 @@ def _consume(iterator: Iterator[Any], interrupt: type[BaseException]) -> tuple[l
         got.append(int(batch))
 
 
-def _flag() -> Any:
-    """[whether the main process waits in poll, how many waits it has left], shared."""
-    return multiprocess.Array("q", 2, lock=False)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("executor", ["mp", "thread"])
 def test_next_after_ctrl_c_in_next_goes_on_with_the_epoch(executor: str, tmp_path: Path) -> None:
-    polling = _flag()
+    polling = shared_flag()
     dataset = InterruptsAt(12, 5, tmp_path / "fired", polling, signal.SIGINT)
     loader = DataLoader(
-        dataset, batch_size=None, num_workers=2, executor=_watched(executor, polling)
+        dataset, batch_size=None, num_workers=2, executor=watched(executor, polling)
     )
     got, interrupts = _consume(iter(loader), KeyboardInterrupt)
     assert interrupts == 1
@@ -163,14 +97,14 @@ def test_next_after_ctrl_c_in_next_goes_on_with_the_epoch(executor: str, tmp_pat
 
 @pytest.mark.timeout(120)
 def test_a_persistent_loader_interrupted_in_next_runs_its_next_epochs(tmp_path: Path) -> None:
-    polling = _flag()
+    polling = shared_flag()
     dataset = InterruptsAt(8, 2, tmp_path / "fired", polling, signal.SIGINT)
     loader = DataLoader(
         dataset,
         batch_size=None,
         num_workers=2,
         persistent_workers=True,
-        executor=_watched("mp", polling),
+        executor=watched("mp", polling),
     )
     iterator = iter(loader)
     with pytest.raises(KeyboardInterrupt):
@@ -183,14 +117,14 @@ def test_a_persistent_loader_interrupted_in_next_runs_its_next_epochs(tmp_path: 
 
 @pytest.mark.timeout(120)
 def test_iter_after_ctrl_c_while_workers_resume_starts_the_epoch(tmp_path: Path) -> None:
-    polling = _flag()
+    polling = shared_flag()
     dataset = InterruptsResume(10, tmp_path / "fired", polling)
     loader = DataLoader(
         dataset,
         batch_size=None,
         num_workers=2,
         persistent_workers=True,
-        executor=_watched("mp", polling),
+        executor=watched("mp", polling),
     )
     first = [int(x) for x in loader]
     with pytest.raises(KeyboardInterrupt):
@@ -208,10 +142,10 @@ def test_an_exception_from_a_signal_handler_is_an_interrupt_not_a_failure(
 
     previous = signal.signal(signal.SIGALRM, time_limit)
     try:
-        polling = _flag()
+        polling = shared_flag()
         dataset = InterruptsAt(10, 4, tmp_path / "fired", polling, signal.SIGALRM)
         loader = DataLoader(
-            dataset, batch_size=None, num_workers=2, executor=_watched("mp", polling)
+            dataset, batch_size=None, num_workers=2, executor=watched("mp", polling)
         )
         got, interrupts = _consume(iter(loader), TimeLimit)
     finally:
@@ -288,10 +222,10 @@ def test_ctrl_c_while_the_sampler_is_read_loses_no_batch(num_workers: int) -> No
 @pytest.mark.timeout(120)
 def test_an_interrupted_loader_leaves_no_thread_behind(tmp_path: Path) -> None:
     before = {thread.ident for thread in threading.enumerate()}
-    polling = _flag()
+    polling = shared_flag()
     dataset = InterruptsAt(6, 1, tmp_path / "fired", polling, signal.SIGINT)
     loader = DataLoader(
-        dataset, batch_size=None, num_workers=2, executor=_watched("thread", polling)
+        dataset, batch_size=None, num_workers=2, executor=watched("thread", polling)
     )
     iterator = iter(loader)
     with pytest.raises(KeyboardInterrupt):

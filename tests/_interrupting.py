@@ -1,0 +1,81 @@
+"""Interrupting the main process while it waits, and only then: shared by the interrupt tests.
+
+A worker sends the signal once the executor's `poll` is blocked (a flag that the `watched`
+executor wrapper raises around it), so that the interrupt lands in a wait, not in the test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+from _processes import wait_until
+
+from statecore import Event, ResumeWorker, SendTask
+from statecore.executors import Executor, Launch
+from statecore.executors._registry import lookup
+
+__all__ = ["WAIT", "interrupt_main_once", "shared_flag", "watched"]
+
+# Long enough for a loaded two-core machine; the waits end as soon as their condition holds.
+WAIT = 30.0
+
+
+class _Watched:
+    """An executor whose waits the workers can see, so that they interrupt a wait only."""
+
+    def __init__(self, inner: Executor, polling: Any) -> None:
+        self.inner = inner
+        self.polling = polling
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def dispatch(self, command: SendTask) -> None:
+        self.inner.dispatch(command)
+
+    def resume(self, command: ResumeWorker) -> None:
+        self.inner.resume(command)
+
+    def stop_worker(self, worker: int) -> None:
+        self.inner.stop_worker(worker)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def poll(self, timeout: float | None) -> Event | None:
+        self.polling[0] = 1
+        try:
+            return self.inner.poll(timeout)
+        finally:
+            self.polling[0] = 0
+
+
+def watched(name: str, polling: Any) -> Callable[[Launch], Executor]:
+    inner, _ = lookup(name)
+
+    def factory(launch: Launch) -> Executor:
+        return _Watched(inner(launch), polling)
+
+    return factory
+
+
+def interrupt_main_once(main: int, polling: Any, marker: Path, signum: int) -> None:
+    """From a worker: signal the main process once it waits, the first time only.
+
+    The worker then answers at once, so its answer may arrive in the very instant the signal
+    lands: the executors' hand-off (`unconfirmed`, see executors/_protocol.py) must lose nothing.
+    """
+    if marker.exists():
+        return
+    marker.touch()
+    assert wait_until(lambda: bool(polling[0]), WAIT), "the main process never waited"
+    os.kill(main, signum)
+
+
+def shared_flag() -> Any:
+    """[whether the main process waits in poll], shared with the workers."""
+    return multiprocess.Array("q", 1, lock=False)
