@@ -67,6 +67,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 import torch.random
 import torch.utils.data._utils.worker as torch_worker
@@ -183,6 +184,27 @@ def _first_warning_for(dataset: Any) -> bool:
         with contextlib.suppress(TypeError):  # not weakly referenceable: warned per iterator
             _warned[id(dataset)] = dataset
         return True
+
+
+def _rebound(setup: WorkerSetup, dataset: Any) -> WorkerSetup:
+    """`setup` whose worker_init_fn and collate_fn, if methods of the loader's dataset, are
+    methods of the worker's copy `dataset` instead.
+
+    A worker process unpickles the dataset and these functions together, so `ds.init` given as
+    worker_init_fn sets its attributes on the worker's copy; a thread must do the same by hand.
+    """
+    original = setup.dataset
+    if dataset is original:
+        return setup
+
+    def mine(function: Any) -> Any:
+        if getattr(function, "__self__", None) is original and hasattr(function, "__func__"):
+            return types.MethodType(function.__func__, dataset)
+        return function
+
+    return attrs.evolve(
+        setup, worker_init_fn=mine(setup.worker_init_fn), collate_fn=mine(setup.collate_fn)
+    )
 
 
 def _own_copy(dataset: Any) -> Any:
@@ -321,7 +343,7 @@ class ThreadExecutor:
         """Make this thread worker `worker`: its WorkerInfo, its datapipe's seed and shard, and
         `worker_init_fn`, as in torch's worker processes (which also seed the process-wide
         generators: threads cannot)."""
-        setup = self.launch.setup
+        setup = _rebound(self.launch.setup, dataset)
         _threads.info = torch_worker.WorkerInfo(
             id=worker,
             num_workers=setup.num_workers,
@@ -375,6 +397,10 @@ class ThreadExecutor:
             stacklevel=2,
         )
 
+    def _answer(self, event: Event) -> None:
+        self.results.append(event)
+        self.arrived.set()
+
     def dispatch(self, command: SendTask) -> None:
         self.inboxes[command.worker].put(command)
 
@@ -407,10 +433,6 @@ class ThreadExecutor:
         if worker not in self.stopped:
             self.stopped.add(worker)
             self.inboxes[worker].put(None)
-
-    def _answer(self, event: Event) -> None:
-        self.results.append(event)
-        self.arrived.set()
 
     def shutdown(self) -> None:
         if self.closed:

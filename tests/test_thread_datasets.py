@@ -129,3 +129,46 @@ def test_a_dataset_that_cannot_be_copied_is_shared_with_a_warning() -> None:
     with pytest.warns(RuntimeWarning, match="Uncopyable cannot be copied.*share"):
         batches = [batch.tolist() for batch in threaded(Uncopyable(), batch_size=2)]
     assert batches == [[0, 1], [2, 3]]
+
+
+class InitsItself(Dataset[int]):
+    """Stores the worker id through a method of its own, given as worker_init_fn."""
+
+    def __init__(self) -> None:
+        self.worker_id = -1
+
+    def init(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+
+    def tagged(self, batch: list[int]) -> list[int]:
+        return [self.worker_id for _ in batch]
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return self.worker_id
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_init_fn_bound_to_the_dataset_sets_the_workers_own_copy() -> None:
+    dataset = InitsItself()
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "worker_init_fn": dataset.init}
+    expected = [b.tolist() for b in torch.utils.data.DataLoader(dataset, **kwargs)]
+    got = [b.tolist() for b in statecore.DataLoader(dataset, executor="thread", **kwargs)]
+    assert got == expected == [[0, 0], [1, 1], [0, 0], [1, 1]]
+    assert dataset.worker_id == -1
+
+
+@pytest.mark.timeout(60)
+def test_a_collate_fn_bound_to_the_dataset_runs_on_the_workers_own_copy() -> None:
+    dataset = InitsItself()
+    loader = statecore.DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=dataset.init,
+        collate_fn=dataset.tagged,
+        executor="thread",
+    )
+    assert list(loader) == [[0, 0], [1, 1], [0, 0], [1, 1]]
