@@ -56,6 +56,7 @@ from statecore import (
 )
 from statecore.executors._protocol import Executor
 from statecore.executors._remote import RemoteError
+from statecore.executors._signals import HeldSignals, is_interrupt
 
 __all__ = ["Driver", "death_message", "failure_exception", "is_interrupt"]
 
@@ -221,7 +222,9 @@ class Driver:
                 elif kind is StopWorker:
                     executor.stop_worker(command.worker)  # type: ignore[attr-defined]
                 elif kind is Shutdown:
-                    executor.shutdown()
+                    # Once begun, a shutdown finishes: an interrupt is raised after it.
+                    with HeldSignals():
+                        executor.shutdown()
                 else:  # pragma: no cover - the core emits no other command
                     raise InternalError(f"the driver cannot carry out {command!r}")
                 todo.popleft()
@@ -314,30 +317,3 @@ def death_message(death: WorkerDeath) -> str:
         message + detail + "If this repeats, run with num_workers=0 to see the error in the "
         "main process."
     )
-
-
-def is_interrupt(error: BaseException) -> bool:
-    """Whether `error` interrupted the consumer rather than reporting a failure.
-
-    KeyboardInterrupt (and any other exception that is not an `Exception`) is one; so is any
-    exception raised by a Python signal handler, such as a SIGALRM-based time limit raising
-    TimeoutError, which the handler's frame in the traceback gives away. Looked at only when
-    something was raised, so it costs nothing per batch.
-    """
-    if not isinstance(error, Exception):
-        return True
-    handlers = set()
-    for number in signal.valid_signals():
-        try:
-            handler = signal.getsignal(number)
-        except (OSError, ValueError):
-            continue
-        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-        if code is not None:
-            handlers.add(code)
-    trace = error.__traceback__
-    while trace is not None:
-        if trace.tb_frame.f_code in handlers:
-            return True
-        trace = trace.tb_next
-    return False

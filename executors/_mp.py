@@ -91,6 +91,7 @@ from statecore.executors._buffers import (
 from statecore.executors._channel import TaskWriter
 from statecore.executors._launch import Launch
 from statecore.executors._remote import RemoteError
+from statecore.executors._signals import HeldSignals, restore_in_child
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 if HAS_NUMPY:
@@ -389,6 +390,7 @@ def _worker_main(
     stopping: Any,
 ) -> None:
     """The body of a worker process."""
+    restore_in_child()  # forked while the main thread held signals back
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
     # stops the workers itself, so a worker neither dies of it nor prints a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -562,6 +564,7 @@ class MultiprocessExecutor:
         self.ready: list[Event] = []
         self.unconfirmed: Event | None = None
         """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
+        self.signals_held = HeldSignals()
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
         self.gone: set[int] = set()
@@ -587,17 +590,19 @@ class MultiprocessExecutor:
 
     def _launch(self, worker: int) -> None:
         """Start `worker`'s process, unless it runs, was stopped, or shutdown has begun."""
-        with self.launching:
+        failure: BaseException | None = None
+        # A fork cut short would leave a child nobody recorded: an interrupt is raised once the
+        # worker is started and recorded, from the end of this block (see _signals).
+        with self.signals_held, self.launching:
             if worker in self.processes or worker in self.stopping or self.closed:
                 return
             try:
                 self._start_process(worker)
             except BaseException as error:
                 failure = explain_exhaustion(error)  # while the descriptors are still held
-            else:
-                return
-        self.shutdown()
-        raise failure
+        if failure is not None:
+            self.shutdown()
+            raise failure
 
     def _start_process(self, worker: int) -> None:
         # Each worker's pipes are made just before it starts, and the writing end of its
@@ -730,8 +735,10 @@ class MultiprocessExecutor:
                 fired = multiprocess.connection.wait(list(watched), left)
                 if not fired:
                     return None
-            for handle in fired:
-                self._collect(*watched[handle])
+            # Reading a message is not interruptible without losing it (see _signals).
+            with self.signals_held:
+                for handle in fired:
+                    self._collect(*watched[handle])
         return self._hand_over()
 
     def _hand_over(self) -> Event:

@@ -1,0 +1,129 @@
+"""Holding back signal handlers for the few microseconds a message is half received.
+
+Python runs a signal handler between two bytecodes of the main thread. An exception it raises
+(Ctrl-C's KeyboardInterrupt) in the middle of reading a message from a pipe leaves half the
+message read, and one raised just after a read drops the bytes that read returned: either way
+an answer is lost and the loader waits for it in vain. While the main thread receives, the
+handlers of the asynchronous signals are replaced by one that notes the signal; once the
+message is stored they are put back and called for what was noted, so the exception is raised
+there, where nothing is lost. Elsewhere (the waits above all) signals act at once.
+
+The same holds for work that must not stop half done: starting a worker process (a fork whose
+child nobody recorded would be left running) and shutting the workers down. A child forked
+while handlers are held calls `restore_in_child` first, to get the program's own back.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = ["HeldSignals", "is_interrupt", "restore_in_child"]
+
+_MAIN = threading.main_thread().ident
+# Every hold in force, innermost last: what a forked child must put back.
+_HOLDS: list[HeldSignals] = []
+
+# The signals that arrive at any moment and that programs commonly give Python handlers to:
+# Ctrl-C, time limits, termination and job-control requests.
+_ASYNCHRONOUS = tuple(
+    getattr(signal, name)
+    for name in (
+        "SIGINT",
+        "SIGTERM",
+        "SIGALRM",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+    )
+    if hasattr(signal, name)
+)
+
+
+class HeldSignals:
+    """A context in which the asynchronous signals' Python handlers run only at its end.
+
+    Re-entrant use is not supported. Outside the main thread no Python handler runs anyway,
+    and the context does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.saved: dict[int, Any] = {}
+        self.noted: list[tuple[int, FrameType | None]] = []
+
+    def __enter__(self) -> HeldSignals:
+        if _thread.get_ident() == _MAIN:
+            for number in _ASYNCHRONOUS:
+                handler = signal.getsignal(number)
+                if callable(handler):
+                    self.saved[number] = handler
+                    signal.signal(number, self._note)
+            _HOLDS.append(self)
+        return self
+
+    def _note(self, number: int, frame: FrameType | None) -> None:
+        self.noted.append((number, frame))
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self in _HOLDS:
+            _HOLDS.remove(self)
+        saved, self.saved = self.saved, {}
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+        noted, self.noted = self.noted, []
+        for number, frame in noted:
+            handler = saved.get(number)
+            if callable(handler):
+                handler(number, frame)
+
+
+def restore_in_child() -> None:
+    """In a process just forked from a main thread that held signals: the program's handlers.
+
+    Without this a forked worker would keep noting signals for a hold that ended only in its
+    parent, and never act on SIGTERM, say.
+    """
+    while _HOLDS:
+        hold = _HOLDS.pop()
+        for number, handler in hold.saved.items():
+            signal.signal(number, handler)
+        hold.saved.clear()
+        hold.noted.clear()
+
+
+def is_interrupt(error: BaseException) -> bool:
+    """Whether `error` interrupted the program rather than reporting a failure.
+
+    KeyboardInterrupt (and any other exception that is not an `Exception`) is one; so is any
+    exception raised by a Python signal handler, such as a SIGALRM-based time limit raising
+    TimeoutError, which the handler's frame in the traceback gives away. Looked at only when
+    something was raised, so it costs nothing per batch.
+    """
+    if not isinstance(error, Exception):
+        return True
+    handlers = set()
+    for number in signal.valid_signals():
+        try:
+            handler = signal.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code in handlers:
+            return True
+        trace = trace.tb_next
+    return False
