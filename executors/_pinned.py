@@ -45,6 +45,7 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
+from statecore.executors._handoff import Handoff
 from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._protocol import Executor
 
@@ -158,9 +159,7 @@ class PinnedExecutor:
         self.pin = pin
         self.copy = copy
         self.threaded = threaded
-        # Appended by the stage thread, only read (then removed) by the poller: see _protocol.
-        self.answers: collections.deque[Event | BaseException] = collections.deque()
-        self.arrived = threading.Event()
+        self.answers: Handoff[Event | BaseException] = Handoff()
         self.unconfirmed: Event | None = None
         """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.inner_confirms = hasattr(inner, "unconfirmed")
@@ -210,21 +209,15 @@ class PinnedExecutor:
         if self.failed is not None:
             raise self.failed  # the stage is gone: nothing will ever answer again
         answers = self.answers
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not answers:
-            self.arrived.clear()
-            if answers:  # arrived between the test and the clear
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.arrived.wait(left):
-                return None
-        answer = answers[0]
+        if not answers.wait(timeout):
+            return None
+        answer = answers.items[0]
         if isinstance(answer, BaseException):
             self.failed = answer
             raise answer
         claimed = self._claimed(answer)
         self.unconfirmed = claimed
-        del answers[0]
+        del answers.items[0]
         return claimed
 
     def shutdown(self) -> None:
@@ -271,8 +264,7 @@ class PinnedExecutor:
             self._answer(error)
 
     def _answer(self, answer: Event | BaseException) -> None:
-        self.answers.append(answer)
-        self.arrived.set()
+        self.answers.put(answer)
 
     def _pinned(self, event: Event | None) -> Event | None:
         """`event` with its batch pinned (and its copy launched); a pinning error as TaskFailed."""

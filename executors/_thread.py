@@ -52,7 +52,6 @@ a daemon and does not keep the interpreter alive.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import functools
@@ -60,7 +59,6 @@ import queue
 import random
 import sys
 import threading
-import time
 import types
 import warnings
 import weakref
@@ -74,6 +72,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import Dataset, IterDataPipe, MapDataPipe
 
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
+from statecore.executors._handoff import Handoff
 from statecore.executors._launch import Launch
 from statecore.executors._worker import WorkerRuntime, WorkerSetup, prepare_dataset
 
@@ -262,11 +261,7 @@ class ThreadExecutor:
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
-        # Answers are appended by the worker threads and only read, then removed, by the one
-        # polling: a queue's get() could lose the answer it returns to an interrupt landing
-        # just after it (see _protocol); `arrived` wakes the poller.
-        self.results: collections.deque[Event] = collections.deque()
-        self.arrived = threading.Event()
+        self.results: Handoff[Event] = Handoff()
         self.unconfirmed: Event | None = None
         """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.inboxes: list[queue.SimpleQueue[SendTask | ResumeWorker | None]] = []
@@ -398,8 +393,10 @@ class ThreadExecutor:
         )
 
     def _answer(self, event: Event) -> None:
-        self.results.append(event)
-        self.arrived.set()
+        self.results.put(event)
+
+    def _running(self) -> bool:
+        return any(thread.is_alive() for thread in self.threads)
 
     def dispatch(self, command: SendTask) -> None:
         self.inboxes[command.worker].put(command)
@@ -408,23 +405,13 @@ class ThreadExecutor:
         self.inboxes[command.worker].put(command)
 
     def poll(self, timeout: float | None) -> Event | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
         results = self.results
-        while not results:
-            if not any(thread.is_alive() for thread in self.threads):
-                if results:
-                    break
-                return None
-            self.arrived.clear()
-            if results:  # arrived between the test and the clear
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.arrived.wait(left):
-                return None
+        if not results.wait(timeout, self._running):
+            return None
         # Read, recorded, then removed, with no call in between (see _protocol).
-        event = results[0]
+        event = results.items[0]
         self.unconfirmed = event
-        del results[0]
+        del results.items[0]
         if self.reseeded is not None and not self.reseed_warned:
             self._warn_reseeded(*self.reseeded)
         return event
