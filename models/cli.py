@@ -66,7 +66,7 @@ def check(processes: int, bench: bool, verbose: bool) -> int:
         f"exploring {len(scenarios)} configurations exhaustively "
         f"(workers 1-3, prefetch 1-2, up to {Bounds().batches} batches, map and iterable, "
         "in order and not, persistent and not, the sampler read ahead and on demand; with worker "
-        "deaths, timeouts and closes) ...",
+        "deaths, timeouts, closes and an interrupted wait) ...",
         flush=True,
     )
     started = time.perf_counter()
