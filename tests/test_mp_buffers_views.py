@@ -13,8 +13,6 @@ announce each buffer, and the storages built on arrival), not from timings.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +21,6 @@ import torch.utils.data
 from torch.utils.data import Dataset
 
 import statecore
-from statecore.executors import _buffers
 from statecore.executors._buffers import (
     BUFFERS_PER_WORKER,
     MIN_BUFFER_BYTES,
@@ -141,25 +138,6 @@ def test_views_a_consumer_keeps_beyond_the_pool_travel_torchs_way_and_equal_torc
 
 
 # --- the wire, in one process ------------------------------------------------------------------
-
-
-class LocalHandle:
-    """Stands in for the resource sharer within one process: it hands over a duplicate."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = os.dup(fd)
-
-    def detach(self) -> int:
-        return self.fd
-
-
-@pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BufferSender, BufferReceiver]]:
-    """A worker's sender and a main process's receiver, joined in this process."""
-    monkeypatch.setattr(_buffers, "DupFd", LocalHandle)
-    receiver = BufferReceiver()
-    yield BufferSender(), receiver
-    receiver.close()
 
 
 def send_and_receive(

@@ -27,7 +27,6 @@ from _processes import Snapshot, wait_gone, wait_no_leaks, wait_until
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
-from statecore.executors import _buffers
 from statecore.executors._buffers import BUFFERS_PER_WORKER, BufferReceiver, BufferSender
 from statecore.executors._mp import _Answers
 
@@ -438,25 +437,6 @@ def test_a_batch_kept_after_its_loader_is_gone_stays_readable_and_is_then_releas
 
 
 # --- the wire, in one process ------------------------------------------------------------------
-
-
-class LocalHandle:
-    """Stands in for the resource sharer within one process: it hands over a duplicate."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = os.dup(fd)
-
-    def detach(self) -> int:
-        return self.fd
-
-
-@pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BufferSender, BufferReceiver]]:
-    """A worker's sender and a main process's receiver, joined in this process."""
-    monkeypatch.setattr(_buffers, "DupFd", LocalHandle)
-    receiver = BufferReceiver()
-    yield BufferSender(), receiver
-    receiver.close()
 
 
 def send(sender: BufferSender, receiver: BufferReceiver, batch: Any) -> tuple[bytes, Any]:
