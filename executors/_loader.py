@@ -221,7 +221,7 @@ class _Iterator(_BaseDataLoaderIter):
     def __init__(self, loader: DataLoader[Any]) -> None:
         super().__init__(loader)
         self._driver: Driver | None = None
-        in_process = loader.loads_in_process
+        in_process = self._in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
@@ -271,7 +271,11 @@ class _Iterator(_BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        super()._reset(loader, first_iter)
+        # torch's single-process iterator does not reset when built: its base class has just
+        # done what a reset does, and a second reset would draw a datapipe's shared seed again
+        # from the loader's generator, moving it on.
+        if not (first_iter and self._in_process):
+            super()._reset(loader, first_iter)
         assert self._driver is not None
         self._driver.start_epoch(None if first_iter else self._shared_seed)
 
