@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.multiprocessing
-from torch.utils.data import Dataset
+from _wire import NUMEL, Filled
 
 import statecore
 from statecore.executors import _buffers
@@ -27,21 +27,7 @@ from statecore.executors._buffers import BufferSender
 
 GONE_WITHIN = 120
 # A float32 sample this long is 1 MiB: large enough for a buffer.
-NUMEL = 1 << 18
 BUFFER_NAME = "/memfd:statecore-buffer-"
-
-
-class Filled(Dataset):  # type: ignore[type-arg]
-    """Item i: a 1 MiB float32 tensor filled with i."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.full((NUMEL,), float(index))
 
 
 def expected(first: int) -> torch.Tensor:

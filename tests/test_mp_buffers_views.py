@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data
+from _wire import in_buffer
 from torch.utils.data import Dataset
 
 import statecore
@@ -76,22 +77,6 @@ def ours(**options: Any) -> statecore.DataLoader:
 
 def theirs(**options: Any) -> torch.utils.data.DataLoader[Any]:
     return torch.utils.data.DataLoader(Slices(), **loader_arguments(**options))
-
-
-def origin(tensor: torch.Tensor) -> str:
-    """What the memory under the tensor's storage maps, as /proc/self/maps names it."""
-    address = tensor.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(bound, 16) for bound in fields[0].split("-"))
-            if start <= address < end:
-                return fields[5].strip() if len(fields) == 6 else ""
-    raise AssertionError(f"no mapping holds address {address:#x}")
-
-
-def in_buffer(tensor: torch.Tensor) -> bool:
-    return origin(tensor).startswith("/memfd:statecore-buffer-")
 
 
 def assert_equal_values(mine: torch.Tensor, its: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.utils.data
 from _processes import Snapshot, wait_gone, wait_no_leaks, wait_until
+from _wire import NUMEL, Filled, in_buffer, origin
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
@@ -35,27 +36,10 @@ pytestmark = pytest.mark.timeout(120)
 
 GONE_WITHIN = 20.0
 # A float32 sample this long is 1 MiB: large enough for a buffer.
-NUMEL = 1 << 18
 # Buffers a worker has lent at most when the consumer keeps no batch: prefetch_factor (2)
 # batches in flight, the one the consumer holds, and the one it dropped last, whose buffer goes
 # back with the next task. One more for slack.
 IN_USE_PER_WORKER = 5
-
-
-def origin(tensor: torch.Tensor) -> str:
-    """What the memory under the tensor's storage maps, as /proc/self/maps names it."""
-    address = tensor.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(bound, 16) for bound in fields[0].split("-"))
-            if start <= address < end:
-                return fields[5].strip() if len(fields) == 6 else ""
-    raise AssertionError(f"no mapping holds address {address:#x}")
-
-
-def in_buffer(tensor: torch.Tensor) -> bool:
-    return origin(tensor).startswith("/memfd:statecore-buffer-")
 
 
 def loader(dataset: Any, **options: Any) -> statecore.DataLoader:
@@ -88,19 +72,6 @@ def assert_same(ours: Any, theirs: Any, where: str = "batch") -> None:
 
 
 # --- datasets ----------------------------------------------------------------------------------
-
-
-class Filled(Dataset):  # type: ignore[type-arg]
-    """Item i: a 1 MiB float32 tensor filled with i."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.full((NUMEL,), float(index))
 
 
 def expected(first: int, size: int = 2) -> torch.Tensor:
