@@ -9,7 +9,9 @@
   compares it with torch's, for any executor name or factory.
 - `kit`: the executor conformance kit, `check_executor`: a torch comparison matrix and the
   machine above, in one call.
-- `bench`, `demo`, `cli`: the step benchmark and the `python -m statecore` commands.
+
+The programs that use them (the `python -m statecore` commands, the benchmarks) live in
+`statecore.tools`; nothing here imports them.
 
 Import the submodules directly (`from statecore.models.explorer import explore`); this package
 imports nothing heavy on its own.

@@ -1,5 +1,5 @@
-"""`python -m statecore`: the command line lives in statecore.models.cli, outside the core."""
+"""`python -m statecore`: the command line lives in statecore.tools.cli, outside the core."""
 
-from statecore.models.cli import main
+from statecore.tools.cli import main
 
 raise SystemExit(main())

@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.utils.data
 
-from statecore.models import benchmark
-from statecore.models.benchmark import (
+from statecore.tools import loader_bench
+from statecore.tools.cli import main
+from statecore.tools.loader_bench import (
     INSTALL_HINT,
     BenchReport,
     Machine,
@@ -36,8 +37,7 @@ from statecore.models.benchmark import (
     run_benchmark,
     write_json,
 )
-from statecore.models.cli import main
-from statecore.models.workloads import (
+from statecore.tools.workloads import (
     WORKLOADS,
     Measurement,
     Timing,
@@ -133,7 +133,7 @@ class SmallTensors(torch.utils.data.Dataset[torch.Tensor]):
         return torch.full((1000,), float(index))
 
 
-def recording(calls: list[tuple[str, int, Side]]) -> benchmark.Measure:
+def recording(calls: list[tuple[str, int, Side]]) -> loader_bench.Measure:
     """A stand-in for one run: records who ran what, and takes no time at all."""
 
     def fake(workload: Workload, side: Side) -> Measurement:
@@ -368,7 +368,7 @@ def test_bench_plot_without_matplotlib_fails_before_running_anything(
         raise AssertionError("the benchmark ran although --plot cannot work")
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(benchmark, "run_benchmark", must_not_run)
+    monkeypatch.setattr(loader_bench, "run_benchmark", must_not_run)
     code = main(["bench", "--only", "inline-b1", "--plot", str(tmp_path / "bench.png")])
     assert code == 2
     assert INSTALL_HINT in capsys.readouterr().err
@@ -403,7 +403,7 @@ def test_the_cli_passes_quick_only_rounds_and_paths_to_bench(
         seen.update(options)
         return 0
 
-    monkeypatch.setattr(benchmark, "bench", fake)
+    monkeypatch.setattr(loader_bench, "bench", fake)
     argv = ["bench", "--quick", "--only", "io,cpu", "--rounds", "3", "--json", "out.json"]
     assert main([*argv, "--plot", "out.png"]) == 0
     assert seen["quick"] is True
@@ -422,14 +422,14 @@ def test_quick_shrinks_the_epochs_and_explicit_rounds_apply_to_every_workload(
         seen.append((tuple(workloads), rounds))
         return made_up_report()
 
-    monkeypatch.setattr(benchmark, "run_benchmark", fake)
-    assert benchmark.bench(quick=True, only=["inline-b1", "startup-spawn"]) == 0
-    assert benchmark.bench(quick=True, only=["inline-b1", "startup-spawn"], rounds=2) == 0
+    monkeypatch.setattr(loader_bench, "run_benchmark", fake)
+    assert loader_bench.bench(quick=True, only=["inline-b1", "startup-spawn"]) == 0
+    assert loader_bench.bench(quick=True, only=["inline-b1", "startup-spawn"], rounds=2) == 0
     (default, default_pairs), (explicit, explicit_pairs) = seen
     assert [item.batches for item in default] == [
         spec.quick_batches for spec in select(["inline-b1", "startup-spawn"])
     ]
-    assert default_pairs == benchmark.QUICK_ROUNDS and default[1].rounds == 1
+    assert default_pairs == loader_bench.QUICK_ROUNDS and default[1].rounds == 1
     assert explicit_pairs == 2 and [item.rounds for item in explicit] == [None, None]
 
 
@@ -454,7 +454,7 @@ def test_bench_refuses_a_path_in_a_missing_folder_before_running_anything(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    monkeypatch.setattr(loader_bench, "run_benchmark", _must_not_run)
     path = tmp_path / "no" / "such" / "out.file"
     assert main(["bench", "--only", "inline-b1", option, str(path)]) == 2
     err = capsys.readouterr().err
@@ -470,7 +470,7 @@ def test_bench_refuses_a_path_that_is_a_folder_or_under_a_file_before_running_an
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    monkeypatch.setattr(loader_bench, "run_benchmark", _must_not_run)
     assert main(["bench", "--only", "inline-b1", option, str(tmp_path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"bench: cannot write {option} {tmp_path}: it is a folder"
@@ -486,7 +486,7 @@ def test_bench_refuses_a_path_that_is_a_folder_or_under_a_file_before_running_an
 def test_bench_refuses_json_and_plot_to_the_same_file_before_running_anything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(benchmark, "run_benchmark", _must_not_run)
+    monkeypatch.setattr(loader_bench, "run_benchmark", _must_not_run)
     path = str(tmp_path / "out")
     assert main(["bench", "--only", "inline-b1", "--json", path, "--plot", path]) == 2
     assert "--json and --plot name the same file" in capsys.readouterr().err
@@ -498,8 +498,8 @@ def test_an_output_that_fails_after_the_run_is_one_line_and_the_table_is_kept(
     def disk_full(report: BenchReport, path: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args, **kwargs: made_up_report())
-    monkeypatch.setattr(benchmark, "write_json", disk_full)
+    monkeypatch.setattr(loader_bench, "run_benchmark", lambda *args, **kwargs: made_up_report())
+    monkeypatch.setattr(loader_bench, "write_json", disk_full)
     path = tmp_path / "bench.json"
     assert main(["bench", "--only", "inline-b1", "--json", str(path)]) == 2
     printed = capsys.readouterr()

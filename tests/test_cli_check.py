@@ -13,12 +13,12 @@ import attrs
 import pytest
 
 from statecore import Config
-from statecore.models import bench, cli
-from statecore.models.bench import BenchResult
-from statecore.models.cli import main, scenario_label
 from statecore.models.explorer import Bounds, Report, default_scenarios
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import Scenario
+from statecore.tools import cli, step_bench
+from statecore.tools.cli import main, scenario_label
+from statecore.tools.step_bench import BenchResult
 
 
 def _made_up_reports(scenarios: Iterable[Scenario], processes: int = 1) -> list[Report]:
@@ -139,7 +139,7 @@ def test_a_missed_step_goal_is_printed_but_does_not_fail_check(
     def slow(batches: int = 5000, rounds: int = 15) -> BenchResult:
         return BenchResult(events=1000, rounds=rounds, core_us=5.5, baseline_us=1.25)
 
-    monkeypatch.setattr(bench, "run_bench", slow)
+    monkeypatch.setattr(step_bench, "run_bench", slow)
     assert main(["check", "--bench", "--processes", "1"]) == 0
     out = capsys.readouterr().out
     assert "step goals met: 0 of 2" in out

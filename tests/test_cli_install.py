@@ -19,10 +19,10 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from statecore.models.benchmark import INSTALL_HINT
+from statecore.tools.loader_bench import INSTALL_HINT
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_FOLDERS = ("statecore", "executors", "models")
+PACKAGE_FOLDERS = ("statecore", "executors", "models", "tools")
 OPTIONAL = {"matplotlib": "bench"}
 """Third-party modules the base install lacks, each with the extra that brings it."""
 

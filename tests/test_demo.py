@@ -16,8 +16,8 @@ import torch.utils.data
 from statecore import Event, TaskCompleted
 from statecore.executors import _registry
 from statecore.executors._inline import InlineExecutor
-from statecore.models.cli import main
-from statecore.models.demo import Progress, SyntheticImages, compare_batches
+from statecore.tools.cli import main
+from statecore.tools.demo import Progress, SyntheticImages, compare_batches
 
 
 @pytest.mark.timeout(300)

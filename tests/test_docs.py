@@ -11,9 +11,9 @@ import pytest
 
 import statecore
 from statecore import Command, Event, Phase
-from statecore.models.bench import BenchResult
-from statecore.models.diagram import mermaid
 from statecore.models.explorer import Bounds, default_scenarios
+from statecore.tools.diagram import mermaid
+from statecore.tools.step_bench import BenchResult
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

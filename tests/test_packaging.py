@@ -1,4 +1,4 @@
-"""Installed names: statecore, statecore.executors, statecore.models, and nothing top-level else."""
+"""Installed names: statecore and its executors, models and tools, and nothing top-level else."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("name", ["statecore", "statecore.executors", "statecore.models"])
+@pytest.mark.parametrize(
+    "name", ["statecore", "statecore.executors", "statecore.models", "statecore.tools"]
+)
 def test_the_package_installs_under_the_statecore_name(name: str) -> None:
     result = _python(f"import {name}")
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("name", ["executors", "models"])
+@pytest.mark.parametrize("name", ["executors", "models", "tools"])
 def test_no_generic_top_level_name_is_installed(name: str) -> None:
     result = _python(
         f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)"

@@ -94,7 +94,7 @@ def check(processes: int, bench: bool, verbose: bool) -> int:
         print()
         print(report.describe())
     if bench:
-        from statecore.models.bench import run_bench
+        from statecore.tools.step_bench import run_bench
 
         print()
         print(run_bench().describe())
@@ -141,8 +141,8 @@ def _add_bench(commands: Any) -> None:
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from statecore.models import benchmark
-    from statecore.models.workloads import WORKLOADS
+    from statecore.tools import loader_bench
+    from statecore.tools.workloads import WORKLOADS
 
     if args.list:
         for workload in WORKLOADS:
@@ -151,7 +151,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.batches is not None and args.batches < 2:
         print("bench: --batches must be at least 2", file=sys.stderr)
         return 2
-    return benchmark.bench(
+    return loader_bench.bench(
         quick=args.quick,
         only=args.only,
         rounds=args.rounds,
@@ -204,10 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check":
         return check(args.processes, args.bench, args.verbose)
     if args.command == "demo":
-        from statecore.models.demo import demo
+        from statecore.tools.demo import demo
 
         return demo(quick=args.quick, batches=args.batches)
-    from statecore.models.diagram import mermaid
+    from statecore.tools.diagram import mermaid
 
     sys.stdout.write(mermaid())
     return 0

@@ -1,6 +1,6 @@
 """`python -m statecore bench`: torch's DataLoader and statecore's, side by side.
 
-Each workload (see `statecore.models.workloads`) is run in pairs: one run of each loader, built
+Each workload (see `statecore.tools.workloads`) is run in pairs: one run of each loader, built
 from the same arguments, the two taking turns. Torch goes first in even pairs and statecore in
 odd ones, so that whatever drifts on a busy machine (other processes, frequency scaling, a
 warming cache) falls on both alike, and neither always gets the machine right after the other
@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import attrs
 import torch
 
-from statecore.models.workloads import (
+from statecore.tools.workloads import (
     WARMUP_BATCHES,
     Loader,
     Measurement,

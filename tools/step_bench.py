@@ -33,7 +33,7 @@ from statecore import (
     initial_state,
     step,
 )
-from statecore.models.baseline import TorchStyleBookkeeping
+from statecore.tools.torch_bookkeeping import TorchStyleBookkeeping
 
 __all__ = ["MAX_RATIO", "MAX_STEP_US", "BenchResult", "Goal", "record_trace", "run_bench"]
 
