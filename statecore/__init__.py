@@ -37,11 +37,13 @@ from statecore._errors import (
 from statecore._events import (
     CloseRequested,
     Event,
+    ExecutorFailed,
     IndexDrawn,
     Interrupted,
     NextRequested,
     ResetRequested,
     SamplerExhausted,
+    SamplerFailed,
     TaskCompleted,
     TaskFailed,
     TimedOut,
@@ -55,6 +57,7 @@ from statecore._state import (
     RESOLVED,
     Cancelled,
     Config,
+    ExecutorFailure,
     Failed,
     Failure,
     Lifecycle,
@@ -62,6 +65,7 @@ from statecore._state import (
     Phase,
     Ready,
     Resolved,
+    SamplerFailure,
     Slot,
     State,
     Stats,
@@ -71,7 +75,7 @@ from statecore._state import (
     WorkerStatus,
     initial_state,
 )
-from statecore._step import TRANSITIONS, Transition, step
+from statecore._step import TRANSITIONS, Transition, can_restart, step
 
 __all__ = [
     "RESOLVED",
@@ -85,6 +89,8 @@ __all__ = [
     "EndEpoch",
     "Event",
     "ExecutorError",
+    "ExecutorFailed",
+    "ExecutorFailure",
     "Failed",
     "Failure",
     "IndexDrawn",
@@ -105,6 +111,8 @@ __all__ = [
     "Resolved",
     "ResumeWorker",
     "SamplerExhausted",
+    "SamplerFailed",
+    "SamplerFailure",
     "SendTask",
     "Shutdown",
     "Slot",
@@ -124,6 +132,7 @@ __all__ = [
     "WorkerExhausted",
     "WorkerResumed",
     "WorkerStatus",
+    "can_restart",
     "initial_state",
     "step",
     "violations",

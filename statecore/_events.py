@@ -5,7 +5,8 @@ impossible in the current state (see `statecore._errors`):
 
 - the consumer (the training loop): `ResetRequested`, `NextRequested`, `Interrupted`,
   `CloseRequested`;
-- the driver, on the consumer's behalf: `IndexDrawn`, `SamplerExhausted`, `TimedOut`;
+- the driver, on the consumer's behalf: `IndexDrawn`, `SamplerExhausted`, `SamplerFailed`,
+  `TimedOut`, `ExecutorFailed`;
 - the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
   `WorkerResumed`, `WorkerDied`.
 """
@@ -17,11 +18,13 @@ import attrs
 __all__ = [
     "CloseRequested",
     "Event",
+    "ExecutorFailed",
     "IndexDrawn",
     "Interrupted",
     "NextRequested",
     "ResetRequested",
     "SamplerExhausted",
+    "SamplerFailed",
     "TaskCompleted",
     "TaskFailed",
     "TimedOut",
@@ -81,6 +84,24 @@ class IndexDrawn(Event):
 @attrs.frozen
 class SamplerExhausted(Event):
     """The sampler raised StopIteration in answer to `PullIndex`."""
+
+
+@attrs.frozen
+class SamplerFailed(Event):
+    """The sampler raised `error` (not StopIteration) in answer to `PullIndex`."""
+
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class ExecutorFailed(Event):
+    """The executor itself raised `error`: its `poll` failed, or it could not carry out a command.
+
+    Commands of the same run not yet carried out are void: the scheduler's answer to this
+    event replaces them.
+    """
+
+    error: object = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -64,10 +64,14 @@ def violations(state: State) -> list[str]:
             found.append("a consumer waits but nothing is outstanding: it would wait forever")
 
     if life.resetting:
-        if phase is not Phase.RESUMING:
-            found.append(f"iter() waits for workers to resume while the loader is {phase.value}")
+        if phase not in _WAITABLE:
+            found.append(f"iter() has not returned while the loader is {phase.value}")
+        elif phase is not Phase.RESUMING and state.pulling_for is None:
+            found.append(
+                "iter() has not returned although every worker resumed and no index is drawn"
+            )
         if state.waiting:
-            found.append("a batch is awaited while iter() still waits for workers to resume")
+            found.append("a batch is awaited while iter() has not returned")
     if phase is Phase.RESUMING and (window or state.pulling_for is not None):
         found.append("tasks exist before every worker acknowledged the resume")
     if phase is Phase.FINISHED and (window or state.waiting):
@@ -81,6 +85,8 @@ def violations(state: State) -> list[str]:
         found.append("failed without a recorded failure")
     if life.failure is not None and phase not in (Phase.FAILED, Phase.CLOSED):
         found.append(f"a failure is recorded while {phase.value}")
+    if life.reported and life.failure is None:
+        found.append("a failure was reported, but none is recorded")
     if phase is Phase.RUNNING and WorkerStatus.ACTIVE not in life.workers:
         found.append("running with no active worker: nothing could be sent")
     return found

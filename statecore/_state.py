@@ -22,6 +22,7 @@ __all__ = [
     "RESOLVED",
     "Cancelled",
     "Config",
+    "ExecutorFailure",
     "Failed",
     "Failure",
     "Lifecycle",
@@ -29,6 +30,7 @@ __all__ = [
     "Phase",
     "Ready",
     "Resolved",
+    "SamplerFailure",
     "Slot",
     "State",
     "Stats",
@@ -184,7 +186,27 @@ class Cancelled:
         return "the loader was closed while a batch was awaited"
 
 
-Failure = TaskFailure | WorkerDeath | Timeout | Cancelled
+@attrs.frozen
+class SamplerFailure:
+    """The sampler raised. Ends the epoch: the consumer gets the error once, then the end."""
+
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+    def describe(self) -> str:
+        return f"the sampler raised {self.error!r}"
+
+
+@attrs.frozen
+class ExecutorFailure:
+    """The executor itself failed (not a worker's task). Fatal, and raised on every request."""
+
+    error: object = attrs.field(default=None, eq=False, repr=False)
+
+    def describe(self) -> str:
+        return f"the executor failed: {self.error!r}"
+
+
+Failure = TaskFailure | WorkerDeath | Timeout | Cancelled | SamplerFailure | ExecutorFailure
 
 
 # --- configuration and state ---------------------------------------------------------------
@@ -233,8 +255,11 @@ class Lifecycle:
     """Tasks of this epoch abandoned unresolved when the loader failed or was closed."""
     failure: Failure | None
     resetting: bool = False
-    """The consumer waits in `iter()` for every worker to acknowledge the new epoch (RESUMING
-    only): torch's `iter()` returns once its persistent workers have reset, and so does ours."""
+    """The consumer is inside `iter()`. As torch's, it returns once every persistent worker has
+    acknowledged the new epoch (RESUMING) and the first tasks went out: a sampler that fails
+    while they are drawn fails `iter()`."""
+    reported: bool = False
+    """The consumer has been given `failure`. A sampler's failure is given once, then the end."""
 
 
 class State(NamedTuple):

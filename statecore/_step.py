@@ -61,11 +61,13 @@ from statecore._events import (
     CONSUMER_EVENTS,
     CloseRequested,
     Event,
+    ExecutorFailed,
     IndexDrawn,
     Interrupted,
     NextRequested,
     ResetRequested,
     SamplerExhausted,
+    SamplerFailed,
     TaskCompleted,
     TaskFailed,
     TimedOut,
@@ -77,12 +79,14 @@ from statecore._state import (
     RESOLVED,
     Cancelled,
     Config,
+    ExecutorFailure,
     Failed,
     Failure,
     Lifecycle,
     Pending,
     Phase,
     Ready,
+    SamplerFailure,
     Slot,
     State,
     TaskFailure,
@@ -91,7 +95,7 @@ from statecore._state import (
     WorkerStatus,
 )
 
-__all__ = ["TRANSITIONS", "Transition", "step"]
+__all__ = ["TRANSITIONS", "Transition", "can_restart", "step"]
 
 IDLE = Phase.IDLE
 RESUMING = Phase.RESUMING
@@ -130,6 +134,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
         {
             ResetRequested: (RUNNING,),
             WorkerDied: (FAILED,),
+            Interrupted: (IDLE,),
             CloseRequested: (CLOSED,),
         }
     ),
@@ -143,6 +148,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             **{answer: (RESUMING,) for answer in _ANSWERS},  # stale answers only
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
+            ExecutorFailed: (FAILED,),
             CloseRequested: (CLOSED,),
         }
     ),
@@ -151,11 +157,13 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             NextRequested: (RUNNING,),
             IndexDrawn: (RUNNING,),
             SamplerExhausted: (DRAINING, FINISHED),
+            SamplerFailed: (FAILED,),
             TaskCompleted: (RUNNING,),
             TaskFailed: (RUNNING,),
             WorkerExhausted: (RUNNING, DRAINING, FINISHED),
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
+            ExecutorFailed: (FAILED,),
             Interrupted: (RUNNING,),
             ResetRequested: (RESUMING,),
             CloseRequested: (CLOSED,),
@@ -167,12 +175,14 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             # Finishes when every worker ran dry during the draw: the index has nowhere to go.
             IndexDrawn: (DRAINING, FINISHED),
             SamplerExhausted: (DRAINING, FINISHED),
+            SamplerFailed: (FAILED,),
             # A batch or an error answers the waiting consumer; only a dry worker's answer ends it.
             TaskCompleted: (DRAINING,),
             TaskFailed: (DRAINING,),
             WorkerExhausted: (DRAINING, FINISHED),
             WorkerDied: (FAILED,),
             TimedOut: (FAILED,),
+            ExecutorFailed: (FAILED,),
             Interrupted: (DRAINING,),
             ResetRequested: (RESUMING,),
             CloseRequested: (CLOSED,),
@@ -183,6 +193,9 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
             NextRequested: (FINISHED,),
             **{answer: (FINISHED,) for answer in _ANSWERS},  # stale answers only
             WorkerDied: (FINISHED, FAILED),
+            # Stopping the workers at the end of the epoch failed.
+            ExecutorFailed: (FAILED,),
+            Interrupted: (FINISHED,),
             ResetRequested: (RESUMING,),
             CloseRequested: (CLOSED,),
         }
@@ -191,12 +204,18 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
         {
             NextRequested: (FAILED,),
             WorkerDied: (FAILED,),  # every worker was stopped: a late report is ignored
+            # Stopping the workers after the failure failed too.
+            ExecutorFailed: (FAILED,),
+            Interrupted: (FAILED,),
             CloseRequested: (CLOSED,),
         }
     ),
     CLOSED: _table(
         {
             WorkerDied: (CLOSED,),
+            # Stopping the workers on close failed: the close call raises it.
+            ExecutorFailed: (CLOSED,),
+            Interrupted: (CLOSED,),
             CloseRequested: (CLOSED,),
         }
     ),
@@ -236,11 +255,11 @@ def _why_not(state: State, event: Event) -> str:
         )
     if phase is IDLE and isinstance(event, NextRequested):
         return "no epoch has started; start one with iter(loader) first"
-    if isinstance(event, Interrupted):
-        return "the consumer was not waiting, so there was no wait to interrupt"
+    if isinstance(event, ExecutorFailed):
+        return "the executor was given no command yet"
     if isinstance(event, WorkerResumed):
         return "no worker was asked to resume"
-    if isinstance(event, (IndexDrawn, SamplerExhausted)):
+    if isinstance(event, (IndexDrawn, SamplerExhausted, SamplerFailed)):
         return "no index was asked of the sampler"
     if isinstance(event, TimedOut):
         return "nothing was being waited for"
@@ -315,14 +334,14 @@ def _resolve(rcvd_idx: int, window: tuple[Slot, ...], i: int) -> tuple[int, tupl
     return rcvd_idx, window
 
 
-_PENDING: list[Pending] = []
+# Pending slots are equal by value, so the common ones are built once, at import: sending a task
+# then builds no slot (about 0.3 us of a 1.5 us step). A tuple, filled once: nothing the core
+# keeps may change while loaders step, in however many threads.
+_PENDINGS = tuple(Pending(w) for w in range(64))
 
 
 def _pending(worker: int) -> Pending:
-    """Pending slots are equal by value, so one per worker is shared: a hot path saving."""
-    while len(_PENDING) <= worker:
-        _PENDING.append(Pending(len(_PENDING)))
-    return _PENDING[worker]
+    return _PENDINGS[worker] if worker < 64 else Pending(worker)
 
 
 def _add(loads: tuple[int, ...], worker: int, delta: int) -> tuple[int, ...]:
@@ -379,6 +398,9 @@ def _settle(
         out.append(END_EPOCH)  # after the shutdown, as with errors: clean up, then tell
         waiting = False
         life = attrs.evolve(life, phase=FINISHED, workers=workers)
+    if life.resetting and pulling_for is None and life.phase is not RESUMING:
+        # iter() returns here: every worker resumed and the first tasks went out.
+        life = attrs.evolve(life, resetting=False)
     # tuple.__new__ skips the NamedTuple constructor's Python frame: this runs on every event.
     state = _tuple_new(State, (config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting))
     return _tuple_new(Transition, (state, tuple(out)))
@@ -404,12 +426,19 @@ def _settle_same(
 def _abandon(
     state: State, phase: Phase, failure: Failure | None, raised: Failure | None
 ) -> Transition:
-    """Shut everything down and drop the window, releasing the batches it held."""
+    """Shut everything down and drop the window, releasing the batches it held.
+
+    `raised` goes to a consumer waiting in `next()` or `iter()`, after the shutdown. A consumer
+    not waiting holds the batch it was just handed, and gets the failure with its next request.
+    """
     out: list[Command] = []
     life = state.life
     workers = _shutdown(life.workers, out)
     if (state.waiting or life.resetting) and raised is not None:
         out.append(RaiseError(raised))
+        reported = raised is failure
+    else:
+        reported = life.reported and failure is life.failure
     unresolved = sum(1 for slot in state.window if slot is not RESOLVED)
     life = attrs.evolve(
         life,
@@ -419,6 +448,7 @@ def _abandon(
         failure=failure,
         dropped=life.dropped + unresolved,
         resetting=False,
+        reported=reported,
     )
     n = state.config.num_workers
     new = State(state.config, life, state.send_idx, (), (0,) * n, state.cursor, None, False)
@@ -465,7 +495,7 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         raise _refuse(state, event, "the previous reset still waits for its workers to resume")
     out: list[Command] = []
     if life.phase is IDLE:
-        life = attrs.evolve(life, phase=RUNNING, epoch=1, base=state.rcvd_idx)
+        life = attrs.evolve(life, phase=RUNNING, epoch=1, base=state.rcvd_idx, resetting=True)
         return _settle(config, life, state.rcvd_idx, (), state.loads, 0, None, False, out)
     if not config.persistent_workers:
         raise _refuse(
@@ -499,13 +529,25 @@ def _on_next(state: State, event: NextRequested) -> Transition:
     if state.waiting:
         raise _refuse(state, event, "a batch is already awaited")
     if state.life.resetting:
-        raise _refuse(state, event, "iter() has not returned: the workers are still resuming")
+        raise _refuse(
+            state,
+            event,
+            "iter() has not returned: its workers are still resuming or its first indices are "
+            "still being drawn; carry out every command it gave first",
+        )
     phase = state.life.phase
     if phase is FINISHED:
         return Transition(state, (END_EPOCH,))
     if phase is FAILED:
-        assert state.life.failure is not None
-        return Transition(state, (RaiseError(state.life.failure),))
+        life = state.life
+        failure = life.failure
+        assert failure is not None
+        if life.reported and type(failure) is SamplerFailure:
+            # As torch's: a sampler that raised is spent, and the next request finds the end.
+            return Transition(state, (END_EPOCH,))
+        if not life.reported:
+            state = state._replace(life=attrs.evolve(life, reported=True))
+        return Transition(state, (RaiseError(failure),))
     return _settle_same(state, state.life, state.pulling_for, True)
 
 
@@ -557,21 +599,19 @@ def _on_answer(
         if claimed is None:
             return _drop_stale(state, task, worker)
         i = claimed
-    config = state.config
-    rcvd_idx, loads, waiting = state.rcvd_idx, state.loads, state.waiting
-    out: list[Command] = []
-    if waiting and (i == 0 or not config.in_order):
-        out.append(
-            Deliver(task, worker, value) if ok else RaiseError(TaskFailure(task, worker, value))
-        )
-        loads = _add(loads, worker, -1)
-        rcvd_idx, window = _resolve(rcvd_idx, window, i)
-        waiting = False
-    else:
-        arrived = Ready(worker, value) if ok else Failed(worker, value)
-        window = window[:i] + (arrived,) + window[i + 1 :]
+    # Into the window; `_settle` hands it over if it is what a waiting consumer is owed.
+    arrived = Ready(worker, value) if ok else Failed(worker, value)
+    window = window[:i] + (arrived,) + window[i + 1 :]
     return _settle(
-        config, state.life, rcvd_idx, window, loads, state.cursor, state.pulling_for, waiting, out
+        state.config,
+        state.life,
+        state.rcvd_idx,
+        window,
+        state.loads,
+        state.cursor,
+        state.pulling_for,
+        state.waiting,
+        [],
     )
 
 
@@ -629,7 +669,7 @@ def _on_resumed(state: State, event: WorkerResumed) -> Transition:
         )
     workers = life.workers[:w] + (ACTIVE,) + life.workers[w + 1 :]
     if _resume_complete(workers):
-        life = attrs.evolve(life, phase=RUNNING, workers=workers, resetting=False)
+        life = attrs.evolve(life, phase=RUNNING, workers=workers)
     else:
         life = attrs.evolve(life, workers=workers)
     return _settle_same(state, life, state.pulling_for, state.waiting)
@@ -651,17 +691,38 @@ def _on_timeout(state: State, event: TimedOut) -> Transition:
 
 
 def _on_interrupted(state: State, event: Interrupted) -> Transition:
+    # An interrupt may land anywhere, so it is never refused: with nothing awaited, nothing changes.
     life = state.life
     if state.pulling_for is not None:
         # The sampler was cut short mid-draw: whatever it yields next goes to a later request.
         state = state._replace(pulling_for=None)
-    elif not (state.waiting or life.resetting):
-        raise _refuse(state, event, "the consumer was not waiting: there was no wait to interrupt")
     # A half-done reset stays half done, and the next iter() starts it over (see `_on_reset`);
     # what a request waited for stays owed and arrives into the window for the next request.
     if life.resetting:
         state = state._replace(life=attrs.evolve(life, resetting=False))
     return Transition(state._replace(waiting=False), ())
+
+
+def _on_sampler_failed(state: State, event: SamplerFailed) -> Transition:
+    if state.pulling_for is None:
+        raise _refuse(state, event, "no index was asked of the sampler")
+    # Nothing sensible can follow a sampler that raised: stop everything. A consumer served in
+    # this same call keeps its batch and gets the error next (see `_abandon`), as in torch.
+    failure = SamplerFailure(event.error)
+    return _abandon(state, FAILED, failure, failure)
+
+
+def _on_executor_failed(state: State, event: ExecutorFailed) -> Transition:
+    failure = ExecutorFailure(event.error)
+    raised = RaiseError(failure)
+    if state.life.phase is CLOSED:
+        return Transition(state, (raised,))
+    # Nothing the executor owes will come. The call that met the failure raises it, whatever it
+    # was about to return, and so does every later request, as torch's does once its pin thread
+    # is gone.
+    state, out = _abandon(state, FAILED, failure, None)
+    life = attrs.evolve(state.life, reported=True)
+    return Transition(state._replace(life=life), (*out, raised))
 
 
 _CANCELLED = Cancelled()
@@ -674,12 +735,26 @@ def _on_close(state: State, event: CloseRequested) -> Transition:
     return _abandon(state, CLOSED, life.failure, _CANCELLED)
 
 
+def can_restart(state: State) -> bool:
+    """Whether `ResetRequested` may start another epoch on this scheduler's workers.
+
+    A loader whose scheduler cannot (it failed, was closed, or runs its one epoch without
+    persistent workers) starts the next epoch on a fresh scheduler and fresh workers.
+    """
+    life = state.life
+    if ResetRequested not in TRANSITIONS[life.phase]:
+        return False
+    return life.phase is IDLE or state.config.persistent_workers
+
+
 _HANDLERS: dict[type[Event], Callable[[State, Event], Transition]] = {
     ResetRequested: _on_reset,  # type: ignore[dict-item]
     NextRequested: _on_next,  # type: ignore[dict-item]
     CloseRequested: _on_close,  # type: ignore[dict-item]
     IndexDrawn: _on_index,  # type: ignore[dict-item]
     SamplerExhausted: _on_sampler_exhausted,  # type: ignore[dict-item]
+    SamplerFailed: _on_sampler_failed,  # type: ignore[dict-item]
+    ExecutorFailed: _on_executor_failed,  # type: ignore[dict-item]
     TimedOut: _on_timeout,  # type: ignore[dict-item]
     Interrupted: _on_interrupted,  # type: ignore[dict-item]
     TaskCompleted: _on_completed,  # type: ignore[dict-item]

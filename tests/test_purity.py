@@ -70,3 +70,29 @@ def test_importing_the_core_loads_no_heavy_or_impure_module() -> None:
     loaded = {name.split(".")[0] for name in json.loads(out)}
     heavy = FORBIDDEN - {"os", "threading", "time"}
     assert loaded & heavy == set()
+
+
+def _module_state() -> dict[str, str]:
+    """repr of every module-level container of the core: lists, dicts, sets and the like."""
+    import sys
+
+    found = {}
+    for name, module in sorted(sys.modules.items()):
+        if name != "statecore" and not name.startswith("statecore._"):
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, (list, dict, set, bytearray)):
+                found[f"{name}.{attr}"] = repr(value)
+    return found
+
+
+def test_stepping_changes_no_module_level_value_of_the_core() -> None:
+    # Two loaders step in two threads: any cache the core fills as it runs can record one
+    # loader's task against another's worker. The core's only state is the value it returns.
+    before = _module_state()
+    state = statecore.initial_state(statecore.Config(num_workers=61, prefetch_factor=1))
+    state, _ = statecore.step(state, statecore.ResetRequested())
+    for index in range(61):
+        state, _ = statecore.step(state, statecore.IndexDrawn(index))
+    assert len(state.window) == 61
+    assert _module_state() == before

@@ -50,9 +50,10 @@ def test_a_drawn_index_goes_to_the_worker_chosen_for_it_with_the_next_task_numbe
 
 
 def test_only_one_index_is_pulled_at_a_time() -> None:
-    state, _ = start(config())
-    assert state.pulling_for is not None
-    _, commands = feed(state, NextRequested())
+    state, _ = fill(start(config())[0])
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert only(commands, PullIndex) == [PullIndex()]
+    _, commands = feed(state, TaskCompleted(task=1, worker=1))
     assert only(commands, PullIndex) == []
 
 
@@ -178,10 +179,10 @@ def test_an_epoch_with_nothing_to_load_finishes_only_when_the_consumer_asks() ->
 
 def test_a_consumer_waiting_when_the_epoch_finishes_gets_end_epoch_after_the_shutdown() -> None:
     # Cleanup comes before the consumer is told, as on the failure path.
-    state, _ = start(config(num_workers=3), NextRequested())
-    state, commands = feed(state, SamplerExhausted())
+    state, _ = start(config(num_workers=3), IndexDrawn("a"), SamplerExhausted(), NextRequested())
+    state, commands = feed(state, TaskCompleted(task=0, worker=0), NextRequested())
     assert state.phase is Phase.FINISHED
-    assert commands == [StopWorker(0), StopWorker(1), StopWorker(2), Shutdown(), EndEpoch()]
+    assert commands[1:] == [StopWorker(0), StopWorker(1), StopWorker(2), Shutdown(), EndEpoch()]
     assert not state.waiting
 
 
@@ -198,10 +199,10 @@ def test_a_failed_last_task_is_raised_alone_and_the_next_request_ends_the_epoch(
 
 
 def test_a_persistent_finish_tells_a_waiting_consumer_with_end_epoch_alone() -> None:
-    state, _ = start(config(persistent_workers=True), NextRequested())
-    state, commands = feed(state, SamplerExhausted())
+    state, _ = start(config(persistent_workers=True), IndexDrawn("a"), SamplerExhausted())
+    state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0), NextRequested())
     assert state.phase is Phase.FINISHED
-    assert commands == [EndEpoch()]
+    assert commands[1:] == [EndEpoch()]
 
 
 def _delivered_the_last_batch(**flags: bool) -> tuple[State, list[Command]]:

@@ -8,12 +8,20 @@ from _drive import config, feed, fill, start
 from statecore import (
     Cancelled,
     CloseRequested,
+    EndEpoch,
     Event,
+    ExecutorError,
+    ExecutorFailed,
+    ExecutorFailure,
+    IndexDrawn,
+    Interrupted,
     NextRequested,
     Phase,
     RaiseError,
     ResetRequested,
     SamplerExhausted,
+    SamplerFailed,
+    SamplerFailure,
     Shutdown,
     State,
     StopWorker,
@@ -25,6 +33,7 @@ from statecore import (
     WorkerDied,
     WorkerResumed,
     WorkerStatus,
+    can_restart,
     initial_state,
 )
 
@@ -63,10 +72,10 @@ def test_without_a_waiting_consumer_the_next_request_gets_the_death() -> None:
 
 def test_a_failed_loader_raises_its_failure_on_every_request() -> None:
     state, _ = feed(_busy(), WorkerDied(worker=0))
-    after, first = feed(state, NextRequested())
-    after, second = feed(after, NextRequested())
+    once, first = feed(state, NextRequested())
+    twice, second = feed(once, NextRequested())
     assert first == second == [RaiseError(WorkerDeath(worker=0))]
-    assert after == state
+    assert twice == once
 
 
 def test_a_failed_loader_lets_go_of_every_task_and_answer() -> None:
@@ -255,3 +264,117 @@ def test_a_worker_death_while_a_consumer_waits_after_close_raises_nothing_more()
     state, commands = feed(state, CloseRequested(), WorkerDied(worker=0), WorkerDied(worker=1))
     assert commands == [*SHUTDOWN_OF_TWO, RaiseError(Cancelled())]
     assert state.phase is Phase.CLOSED
+
+
+# --- the sampler raising -------------------------------------------------------------------------
+
+_BROKEN_SAMPLER = ValueError("bad index")
+
+
+def _served_and_drawing() -> State:
+    """The consumer was just handed task 0, and the index for its replacement is being drawn."""
+    state, _ = feed(_busy(), NextRequested(), TaskCompleted(task=0, worker=0))
+    assert state.pulling_for is not None and not state.waiting
+    return state
+
+
+def test_a_sampler_failure_stops_every_worker() -> None:
+    state, commands = feed(_served_and_drawing(), SamplerFailed(_BROKEN_SAMPLER))
+    assert commands == SHUTDOWN_OF_TWO
+    assert state.phase is Phase.FAILED
+
+
+def test_a_consumer_handed_a_batch_gets_the_sampler_failure_with_its_next_request() -> None:
+    state, _ = feed(_served_and_drawing(), SamplerFailed(_BROKEN_SAMPLER))
+    _, commands = feed(state, NextRequested())
+    assert commands == [RaiseError(SamplerFailure(_BROKEN_SAMPLER))]
+
+
+def test_after_the_sampler_failure_was_raised_the_next_request_ends_the_epoch() -> None:
+    state, _ = feed(_served_and_drawing(), SamplerFailed(_BROKEN_SAMPLER), NextRequested())
+    state, commands = feed(state, NextRequested())
+    assert commands == [EndEpoch()]
+    assert feed(state, NextRequested())[1] == [EndEpoch()]
+
+
+def test_a_consumer_waiting_gets_the_sampler_failure_at_once_after_the_shutdown() -> None:
+    cfg = config(num_workers=1, prefetch_factor=1, lazy=True)
+    state, _ = start(cfg, NextRequested())  # lazy: the index is drawn for the waiting consumer
+    _, commands = feed(state, SamplerFailed(_BROKEN_SAMPLER))
+    assert commands == [StopWorker(0), Shutdown(), RaiseError(SamplerFailure(_BROKEN_SAMPLER))]
+
+
+def test_a_sampler_failing_while_iter_draws_the_first_indices_fails_iter() -> None:
+    state, _ = start(config(), IndexDrawn(0))
+    assert state.life.resetting
+    state, commands = feed(state, SamplerFailed(_BROKEN_SAMPLER))
+    assert commands[-1] == RaiseError(SamplerFailure(_BROKEN_SAMPLER))
+    assert not state.life.resetting
+
+
+def test_a_sampler_failure_is_refused_when_no_index_was_asked_for() -> None:
+    with pytest.raises(ExecutorError, match="no index was asked"):
+        feed(_busy(), SamplerFailed(_BROKEN_SAMPLER))
+
+
+# --- the executor itself failing -----------------------------------------------------------------
+
+_BROKEN_EXECUTOR = OSError("pipe closed")
+
+
+def test_an_executor_failure_stops_the_workers_and_is_raised_in_the_call_that_met_it() -> None:
+    # Even to a consumer not waiting: the call in progress (iter(), or next() after its batch
+    # was handed over) ends with it.
+    state, commands = feed(_busy(), ExecutorFailed(_BROKEN_EXECUTOR))
+    assert commands == [*SHUTDOWN_OF_TWO, RaiseError(ExecutorFailure(_BROKEN_EXECUTOR))]
+    assert state.phase is Phase.FAILED
+
+
+def test_an_executor_failure_is_raised_again_by_every_later_request() -> None:
+    state, _ = feed(_busy(), ExecutorFailed(_BROKEN_EXECUTOR))
+    for _ in range(2):
+        state, commands = feed(state, NextRequested())
+        assert commands == [RaiseError(ExecutorFailure(_BROKEN_EXECUTOR))]
+
+
+def test_an_executor_failing_again_as_it_stops_the_workers_raises_with_no_second_shutdown() -> None:
+    state, _ = feed(_busy(), ExecutorFailed(_BROKEN_EXECUTOR))
+    again = OSError("still closed")
+    state, commands = feed(state, ExecutorFailed(again))
+    assert commands == [RaiseError(ExecutorFailure(again))]
+
+
+def test_an_executor_failure_while_closing_is_raised_by_close_and_the_loader_stays_closed() -> None:
+    state, _ = feed(_busy(), CloseRequested())
+    after, commands = feed(state, ExecutorFailed(_BROKEN_EXECUTOR))
+    assert commands == [RaiseError(ExecutorFailure(_BROKEN_EXECUTOR))]
+    assert after == state
+
+
+def test_an_interrupt_after_a_failure_changes_nothing() -> None:
+    state, _ = feed(_busy(), WorkerDied(worker=0))
+    assert feed(state, Interrupted()) == (state, [])
+
+
+# --- whether another epoch can start on the same workers -----------------------------------------
+
+
+def test_a_persistent_scheduler_can_start_another_epoch_once_one_finished() -> None:
+    state, _ = start(config(persistent_workers=True), SamplerExhausted(), NextRequested())
+    assert can_restart(state)
+
+
+def test_a_scheduler_without_persistent_workers_runs_one_epoch() -> None:
+    state, _ = start(config(), SamplerExhausted(), NextRequested())
+    assert can_restart(initial_state(config()))
+    assert not can_restart(state)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [WorkerDied(worker=0), ExecutorFailed(_BROKEN_EXECUTOR), CloseRequested()],
+    ids=lambda event: type(event).__name__,
+)
+def test_a_failed_or_closed_persistent_scheduler_cannot_start_another_epoch(event: Event) -> None:
+    state, _ = feed(_busy(persistent_workers=True), event)
+    assert not can_restart(state)

@@ -66,19 +66,20 @@ def test_a_request_after_an_interrupt_waits_for_the_same_task() -> None:
     assert only(commands, Deliver) == [Deliver(task=0, worker=0)]
 
 
-def test_an_interrupt_with_nobody_waiting_is_misuse_and_changes_nothing() -> None:
+def test_an_interrupt_with_nobody_waiting_changes_nothing() -> None:
+    # Ctrl-C lands wherever the program is: outside a wait it cuts nothing the scheduler owes.
     state, _ = fill(start(config(2))[0])
-    with pytest.raises(MisuseError, match="no wait to interrupt"):
-        feed(state, Interrupted())
+    after, commands = feed(state, Interrupted())
+    assert (after, commands) == (state, [])
 
 
 def test_an_interrupt_during_a_draw_abandons_the_draw() -> None:
-    state, _ = start(config(2), NextRequested())
+    state, _ = start(config(2))  # iter() draws the first indices
     assert state.pulling_for is not None
     state, commands = feed(state, Interrupted())
     assert commands == []
     assert state.pulling_for is None
-    assert not state.waiting
+    assert not state.life.resetting
     # The next request draws again.
     _, commands = feed(state, NextRequested())
     assert commands == [PullIndex()]
@@ -97,6 +98,8 @@ def test_a_reset_waits_in_iter_until_every_worker_resumed() -> None:
     assert state.life.resetting
     state, _ = feed(state, WorkerResumed(1, epoch=2))
     assert state.phase is Phase.RUNNING
+    assert state.life.resetting  # and then until the first tasks went out
+    state, _ = fill(state)
     assert not state.life.resetting
 
 

@@ -13,7 +13,9 @@ from statecore import (
     CloseRequested,
     Event,
     ExecutorError,
+    ExecutorFailed,
     IndexDrawn,
+    Interrupted,
     MisuseError,
     NextRequested,
     Phase,
@@ -139,9 +141,12 @@ def test_an_event_missing_from_the_table_is_refused(phase: Phase, event: Event) 
     assert state == BUILDERS[phase]()
 
 
-def test_the_sticky_phases_accept_only_close_a_worker_death_and_while_failed_a_request() -> None:
-    assert set(TRANSITIONS[Phase.CLOSED]) == {CloseRequested, WorkerDied}
-    assert set(TRANSITIONS[Phase.FAILED]) == {CloseRequested, WorkerDied, NextRequested}
+def test_the_sticky_phases_accept_only_the_events_that_can_still_come() -> None:
+    # A close, a worker's exit, an interrupt, the executor failing while it stops the workers,
+    # and, while failed, a request (answered with the failure).
+    late = {CloseRequested, WorkerDied, Interrupted, ExecutorFailed}
+    assert set(TRANSITIONS[Phase.CLOSED]) == late
+    assert set(TRANSITIONS[Phase.FAILED]) == late | {NextRequested}
 
 
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda phase: phase.name)
