@@ -1,18 +1,22 @@
-"""Small datasets, samplers and callbacks for the loader conformance tests.
+"""The tests' small datasets, samplers and callbacks: one set, shared by the test files.
 
 Everything here is defined at module level so that it pickles by reference: the same objects
-serve torch's DataLoader and statecore's, under every start method.
+serve torch's DataLoader and statecore's, under every start method (spawn and forkserver
+workers import this module by name to unpickle them).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy
 import torch
+from _interrupting import interrupt_main_once
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 import statecore
@@ -64,6 +68,26 @@ class RandomDraws(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> list[Any]:
         return [index, *_info_fields(), *_draws()]
+
+
+class WorkerPids(Dataset):  # type: ignore[type-arg]
+    """Item i is the pid of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+class ThreadCounts(Dataset):  # type: ignore[type-arg]
+    """Each sample is the number of threads torch uses where it is loaded."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return torch.get_num_threads()
 
 
 # --- iterable datasets -------------------------------------------------------------------------
@@ -134,13 +158,6 @@ class InitDraws(IterableDataset):  # type: ignore[type-arg]
         yield [*self.init_draws, *_info_fields(), *_draws()]
 
 
-def record_init_draws(worker_id: int) -> None:
-    """A worker_init_fn: note the worker id and one draw from each RNG on the worker's dataset."""
-    info = get_worker_info()
-    assert info is not None
-    info.dataset.init_draws = (worker_id, *_draws())
-
-
 class WorkerInfoProbe(IterableDataset):  # type: ignore[type-arg]
     """Yields, once per worker, what statecore.get_worker_info() tells about the worker."""
 
@@ -203,7 +220,23 @@ class GrowingBatches(Sampler[list[int]]):
         return sum(1 for _ in self)
 
 
-# --- collate functions -------------------------------------------------------------------------
+class LoggingSampler(Sampler[int]):
+    """0, 1, ..., n-1, noting each index as it is drawn, to show when the loader draws."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.drawn: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        for index in range(self.n):
+            self.drawn.append(index)
+            yield index
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# --- collate functions and worker_init_fns -----------------------------------------------------
 
 
 def sum_and_items(batch: list[Any]) -> dict[str, Any]:
@@ -216,14 +249,19 @@ def tag_sample(sample: Any) -> tuple[str, Any]:
     return ("sample", sample)
 
 
-class WorkerPids(Dataset):  # type: ignore[type-arg]
-    """Item i is the pid of the process that loaded it."""
+def record_init_draws(worker_id: int) -> None:
+    """A worker_init_fn: note the worker id and one draw from each RNG on the worker's dataset."""
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.init_draws = (worker_id, *_draws())
 
-    def __len__(self) -> int:
-        return 100
 
-    def __getitem__(self, index: int) -> int:
-        return os.getpid()
+def failing_init(worker_id: int) -> None:
+    """A worker_init_fn that raises in every worker."""
+    raise RuntimeError(f"worker_init_fn failed in worker {worker_id}")
+
+
+# --- failures: datasets and samplers that raise, block, or end their worker --------------------
 
 
 class FailsAt(Dataset):  # type: ignore[type-arg]
@@ -240,11 +278,6 @@ class FailsAt(Dataset):  # type: ignore[type-arg]
         if index in self.bad:
             raise KeyError(f"bad index {index}")
         return index
-
-
-def failing_init(worker_id: int) -> None:
-    """A worker_init_fn that raises in every worker."""
-    raise RuntimeError(f"worker_init_fn failed in worker {worker_id}")
 
 
 class BadSample(Exception):
@@ -265,32 +298,22 @@ class RaisesBadSample(Dataset):  # type: ignore[type-arg]
         raise BadSample(index)
 
 
-class LoggingSampler(Sampler[int]):
-    """0, 1, ..., n-1, noting each index as it is drawn, to show when the loader draws."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.drawn: list[int] = []
-
-    def __iter__(self) -> Iterator[int]:
-        for index in range(self.n):
-            self.drawn.append(index)
-            yield index
-
-    def __len__(self) -> int:
-        return self.n
-
-
 class BrokenSampler(Sampler[int]):
-    """0, 1, ... until `fails_at`, where it raises ValueError."""
+    """0, 1, ... until `fails_at`, where it raises ValueError; with `once`, only the first time.
 
-    def __init__(self, n: int, fails_at: int) -> None:
+    Like any generator it is finished once it has raised: that epoch draws nothing more.
+    """
+
+    def __init__(self, n: int, fails_at: int, once: bool = False) -> None:
         self.n = n
         self.fails_at = fails_at
+        self.once = once
+        self.failed = False
 
     def __iter__(self) -> Iterator[int]:
         for index in range(self.n):
-            if index == self.fails_at:
+            if index == self.fails_at and not (self.once and self.failed):
+                self.failed = True
                 raise ValueError(f"sampler failed at {index}")
             yield index
 
@@ -335,11 +358,115 @@ class ExitsAt(Dataset):  # type: ignore[type-arg]
         return index
 
 
-class ThreadCounts(Dataset):  # type: ignore[type-arg]
-    """Each sample is the number of threads torch uses where it is loaded."""
+class DiesAt(Dataset):  # type: ignore[type-arg]
+    """(i, pid of the loading process) for range(n); loading `index` kills with `signum`.
+
+    With a `marker` path only the first load of `index` kills (it leaves the marker behind,
+    which every worker sees), so a loader that replaces its workers can load it afterwards.
+    """
+
+    def __init__(self, n: int, index: int, signum: int, marker: Path | None = None) -> None:
+        self.n = n
+        self.index = index
+        self.signum = signum
+        self.marker = marker
 
     def __len__(self) -> int:
-        return 4
+        return self.n
 
-    def __getitem__(self, index: int) -> int:
-        return torch.get_num_threads()
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if i == self.index:
+            if self.marker is None:
+                os.kill(os.getpid(), self.signum)
+            elif not self.marker.exists():
+                self.marker.touch()
+                os.kill(os.getpid(), self.signum)
+        return i, os.getpid()
+
+
+# --- interrupts: Ctrl-C, or a signal handler raising, while the loader works --------------------
+
+
+class InterruptsAt(Dataset):  # type: ignore[type-arg]
+    """range(n); loading `index` the first time interrupts the main process's wait.
+
+    The worker sends `signum` once the main process waits in the executor's `poll` (the
+    `polling` flag of _interrupting.watched), and answers at once.
+    """
+
+    def __init__(self, n: int, index: int, marker: Path, polling: Any, signum: int) -> None:
+        self.n, self.index, self.marker, self.polling = n, index, marker, polling
+        self.signum = signum
+        self.main = os.getpid()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.index:
+            interrupt_main_once(self.main, self.polling, self.marker, self.signum)
+        return i
+
+
+class InterruptsResume(IterableDataset):  # type: ignore[type-arg]
+    """Each worker yields its share of range(n); worker 0's first resume interrupts iter()."""
+
+    def __init__(self, n: int, marker: Path, polling: Any) -> None:
+        self.n, self.marker, self.polling = n, marker, polling
+        self.main = os.getpid()
+        self.starts = 0
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None
+        self.starts += 1  # a persistent worker keeps its copy of the dataset
+        if info.id == 0 and self.starts == 2:
+            interrupt_main_once(self.main, self.polling, self.marker, signal.SIGINT)
+        return iter(range(info.id, self.n, info.num_workers))
+
+
+class InterruptsInMainThread(Dataset):  # type: ignore[type-arg]
+    """range(n), loaded in the main thread; loading `index` the first time raises Ctrl-C."""
+
+    def __init__(self, n: int, index: int) -> None:
+        self.n, self.index, self.fired = n, index, False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.index and not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return i
+
+
+class InterruptingSampler(Sampler[int]):
+    """0..n-1; the first attempt to draw `at` raises KeyboardInterrupt, as Ctrl-C there would.
+
+    Unlike a generator's, its iterator goes on after the interrupt: the next draw is `at`.
+    """
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at, self.fired = n, at, False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return _Draws(self)
+
+
+class _Draws:
+    def __init__(self, sampler: InterruptingSampler) -> None:
+        self.sampler, self.next = sampler, 0
+
+    def __next__(self) -> int:
+        sampler = self.sampler
+        if self.next >= sampler.n:
+            raise StopIteration
+        if self.next == sampler.at and not sampler.fired:
+            sampler.fired = True
+            raise KeyboardInterrupt
+        self.next += 1
+        return self.next - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import multiprocess
@@ -18,7 +19,7 @@ from statecore import Event, ResumeWorker, SendTask
 from statecore.executors import Executor, Launch
 from statecore.executors._registry import lookup
 
-__all__ = ["WAIT", "interrupt_main_once", "shared_flag", "watched"]
+__all__ = ["WAIT", "TimeLimit", "interrupt_main_once", "shared_flag", "time_limit", "watched"]
 
 # Long enough for a loaded two-core machine; the waits end as soon as their condition holds.
 WAIT = 30.0
@@ -79,3 +80,12 @@ def interrupt_main_once(main: int, polling: Any, marker: Path, signum: int) -> N
 def shared_flag() -> Any:
     """[whether the main process waits in poll], shared with the workers."""
     return multiprocess.Array("q", 1, lock=False)
+
+
+class TimeLimit(Exception):
+    """What a SIGALRM-based time limit raises in the main thread."""
+
+
+def time_limit(signum: int, frame: FrameType | None) -> None:
+    """A SIGALRM handler of the kind users write: it raises TimeLimit wherever the thread is."""
+    raise TimeLimit("the step took too long")

@@ -12,59 +12,19 @@ instant the interrupt lands; the executors' hand-off to the driver must lose not
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
 import torch
-from _interrupting import WAIT, interrupt_main_once, shared_flag, watched
+from _datasets import InterruptingSampler, InterruptsAt, InterruptsInMainThread, InterruptsResume
+from _interrupting import WAIT, TimeLimit, shared_flag, time_limit, watched
 from _processes import wait_until
-from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from statecore import DataLoader
-
-
-class InterruptsAt(Dataset[int]):
-    """range(n); loading `index` the first time interrupts the main process's wait."""
-
-    def __init__(self, n: int, index: int, marker: Path, polling: Any, signum: int) -> None:
-        self.n, self.index, self.marker, self.polling = n, index, marker, polling
-        self.signum = signum
-        self.main = os.getpid()
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        if i == self.index:
-            interrupt_main_once(self.main, self.polling, self.marker, self.signum)
-        return i
-
-
-class InterruptsResume(IterableDataset[int]):
-    """Each worker yields its share of range(n); worker 0's first resume interrupts iter()."""
-
-    def __init__(self, n: int, marker: Path, polling: Any) -> None:
-        self.n, self.marker, self.polling = n, marker, polling
-        self.main = os.getpid()
-        self.starts = 0
-
-    def __iter__(self) -> Iterator[int]:
-        info = get_worker_info()
-        assert info is not None
-        self.starts += 1  # a persistent worker keeps its copy of the dataset
-        if info.id == 0 and self.starts == 2:
-            interrupt_main_once(self.main, self.polling, self.marker, signal.SIGINT)
-        return iter(range(info.id, self.n, info.num_workers))
-
-
-class TimeLimit(Exception):
-    """What a SIGALRM-based time limit raises in the main thread."""
 
 
 def _consume(iterator: Iterator[Any], interrupt: type[BaseException]) -> tuple[list[int], int]:
@@ -137,9 +97,6 @@ def test_iter_after_ctrl_c_while_workers_resume_starts_the_epoch(tmp_path: Path)
 def test_an_exception_from_a_signal_handler_is_an_interrupt_not_a_failure(
     tmp_path: Path,
 ) -> None:
-    def time_limit(signum: int, frame: FrameType | None) -> None:
-        raise TimeLimit("the step took too long")
-
     previous = signal.signal(signal.SIGALRM, time_limit)
     try:
         polling = shared_flag()
@@ -154,56 +111,12 @@ def test_an_exception_from_a_signal_handler_is_an_interrupt_not_a_failure(
     assert got == list(range(10))
 
 
-class InterruptsInMainThread(Dataset[int]):
-    """range(n), loaded in the main thread; loading `index` the first time raises Ctrl-C."""
-
-    def __init__(self, n: int, index: int) -> None:
-        self.n, self.index, self.fired = n, index, False
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        if i == self.index and not self.fired:
-            self.fired = True
-            signal.raise_signal(signal.SIGINT)
-        return i
-
-
 def test_ctrl_c_inside_the_dataset_without_workers_loads_that_batch_again() -> None:
     # torch skips the batch whose loading was interrupted; its index is not drawn again.
     loader = DataLoader(InterruptsInMainThread(7, 3), batch_size=None)
     got, interrupts = _consume(iter(loader), KeyboardInterrupt)
     assert interrupts == 1
     assert got == list(range(7))
-
-
-class InterruptingSampler(Sampler[int]):
-    """0..n-1; the first attempt to draw `at` raises KeyboardInterrupt, as Ctrl-C there would."""
-
-    def __init__(self, n: int, at: int) -> None:
-        self.n, self.at, self.fired = n, at, False
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        return _Draws(self)
-
-
-class _Draws:
-    def __init__(self, sampler: InterruptingSampler) -> None:
-        self.sampler, self.next = sampler, 0
-
-    def __next__(self) -> int:
-        sampler = self.sampler
-        if self.next >= sampler.n:
-            raise StopIteration
-        if self.next == sampler.at and not sampler.fired:
-            sampler.fired = True
-            raise KeyboardInterrupt
-        self.next += 1
-        return self.next - 1
 
 
 @pytest.mark.timeout(120)

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import signal
 import threading
-from types import FrameType
 
 import pytest
+from _interrupting import TimeLimit, time_limit
 
 from statecore.executors._signals import HeldSignals
-
-
-class TimeLimit(Exception):
-    pass
 
 
 def test_ctrl_c_inside_the_block_is_raised_when_it_ends() -> None:
@@ -31,9 +27,6 @@ def test_the_handlers_are_back_after_the_block() -> None:
 
 
 def test_a_handler_of_the_users_runs_at_the_end_of_the_block() -> None:
-    def time_limit(signum: int, frame: FrameType | None) -> None:
-        raise TimeLimit
-
     previous = signal.signal(signal.SIGALRM, time_limit)
     try:
         finished = []

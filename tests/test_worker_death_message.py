@@ -5,12 +5,11 @@ Logs, alerting rules and torch's own tests match torch's words, so ours start wi
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 
 import pytest
-from torch.utils.data import Dataset
+from _datasets import DiesAt
 
 from statecore import DataLoader, WorkerDeath, WorkerDiedError
 from statecore.executors._driver import death_message
@@ -53,19 +52,9 @@ def test_a_death_without_a_pid_names_the_worker_thread() -> None:
     assert message.startswith("DataLoader worker (thread 2) exited unexpectedly.")
 
 
-class Segfaults(Dataset[int]):
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, index: int) -> int:
-        if index == 2:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        return index
-
-
 @pytest.mark.timeout(120)
 def test_a_worker_killed_by_a_signal_raises_torchs_sentence() -> None:
-    loader = DataLoader(Segfaults(), batch_size=None, num_workers=1)
+    loader = DataLoader(DiesAt(4, 2, signal.SIGSEGV), batch_size=None, num_workers=1)
     with pytest.raises(WorkerDiedError) as raised:
         list(loader)
     assert TORCH_SIGNAL.match(str(raised.value)), str(raised.value)
