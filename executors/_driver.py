@@ -1,16 +1,23 @@
 """The driver loop: feeds events to the scheduler and carries out its commands.
 
-This is the only place where the pure core meets the world. The loop decides nothing. It
-carries out commands in the order given, draws an index when told, waits on the executor only
-when the scheduler has nothing to hand over, and turns the scheduler's failures into the
-exceptions a torch user expects.
+This is the only place where the pure core meets the world, and it decides nothing: it tells
+the scheduler what happened (a consumer's call, an index drawn or the sampler failing, an
+answer or a failure of the executor, an interrupt) and carries out the commands it gets back,
+in order. It waits on the executor only while the scheduler says a consumer waits, and turns
+what the consumer is owed (a batch, an error, the end) into what a torch user expects.
+
+A call goes in three moves, which the models drive one at a time (`statecore.models.world`):
+`request` tells the scheduler of the consumer's call and carries out what follows; `wait`
+polls the executor once and does the same with the answer; `hand_over` returns the batch or
+raises. While no outcome came, the call `waits` again as long as the scheduler says the
+consumer is still waiting (in `next()`) or still inside `iter()`.
 
 An interrupt (Ctrl-C's KeyboardInterrupt, or whatever a Python signal handler raises, such as a
-SIGALRM time limit) may arrive anywhere. Arriving in a wait, it is told to the scheduler
-(`Interrupted`), which keeps everything owed; arriving while commands are carried out, the
-command it cut short is carried out again on the next call (a draw from the sampler is
-abandoned instead), and a batch already handed over is kept for the next request. Either way
-the next `next()` goes on with the epoch and the next `iter()` starts a new one, as in torch.
+SIGALRM time limit) may arrive anywhere; the scheduler is told (`Interrupted`), and keeps
+everything owed. A command it cut short is carried out again on the next call (a draw from the
+sampler is abandoned instead, as the scheduler was told), and an outcome already given is
+handed over by the next request. Either way the next `next()` goes on with the epoch and the
+next `iter()` starts a new one, as in torch.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from statecore import (
     Deliver,
     EndEpoch,
     Event,
+    ExecutorFailed,
+    ExecutorFailure,
     Failure,
     IndexDrawn,
     InternalError,
@@ -42,6 +51,8 @@ from statecore import (
     ResetRequested,
     ResumeWorker,
     SamplerExhausted,
+    SamplerFailed,
+    SamplerFailure,
     SendTask,
     Shutdown,
     State,
@@ -49,6 +60,7 @@ from statecore import (
     TaskFailure,
     TimedOut,
     Timeout,
+    Transition,
     WorkerDeath,
     WorkerDiedError,
     initial_state,
@@ -65,98 +77,120 @@ _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
 
+StepFunction = Callable[[State, Event], Transition]
+
 
 class Driver:
-    """Runs one scheduler over one executor, for one loader iterator."""
+    """Runs one scheduler over one executor, for one loader iterator.
+
+    `step` is the scheduler's transition function; the models pass one that checks every
+    transition as well.
+    """
 
     def __init__(
-        self, config: Config, executor: Executor, draw: Callable[[], Any], timeout: float
+        self,
+        config: Config,
+        executor: Executor,
+        draw: Callable[[], Any],
+        timeout: float,
+        step: StepFunction = step,
     ) -> None:
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
+        self.step = step
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
-        self.sampler_failed = False
-        self.sampler_error: BaseException | None = None
-        self.broken: BaseException | None = None
-        """The executor's own failure (its poll raised): every later request raises it."""
         self.confirms = hasattr(executor, "unconfirmed")
         """Whether the executor keeps the answer it returned until told it was recorded."""
         self.handed: Command | None = None
-        """What the scheduler gave the consumer in a call that an interrupt then cut short."""
+        """An outcome given in a call that an interrupt then cut short: the next request's."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
     def start_epoch(self, seed: int | None = None) -> None:
-        """Start an epoch; for a later epoch, return once every worker has resumed (as torch)."""
-        self.handed = None  # a batch of the epoch being left behind
-        self._feed(ResetRequested(seed))
-        outcome = self._carry_out()
-        while self.state.life.resetting:
-            self._wait()
-            outcome = self._carry_out() or outcome
-        self._raise_sampler_error()  # priming the workers read the sampler, as torch's does
+        """Start an epoch: return once iter() is done (workers resumed, first tasks out)."""
+        self.handed = None  # an outcome of the epoch being left behind
+        outcome = self.finish(self.request(ResetRequested(seed)))
         if outcome is not None:
-            self._hand_over(outcome)
+            self.hand_over(outcome)
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
-        if self.sampler_failed:
-            self._raise_sampler_error()
-            raise StopIteration  # as in torch, whose sampler iterator is spent once it raised
-        if self.broken is not None:
-            raise self.broken
-        if self.handed is not None:
-            handed, self.handed = self.handed, None
-            return self._hand_over(handed)
+        outcome = self.handed
+        if outcome is not None:
+            self.handed = None
+            return self.hand_over(outcome)
         if self.todo:
             # Left by an interrupt: carried out before anything new is asked.
-            self.handed = self._carry_out()
-            if self.handed is not None:
-                return self.next()
-        self._feed(_NEXT)
-        while True:
-            outcome = self._carry_out()
+            outcome = self.carry_out()
             if outcome is not None:
-                if type(outcome) is Deliver:
-                    return outcome.payload
-                return self._hand_over(outcome)
-            if self.sampler_error is not None:
-                self._raise_sampler_error()
-            self._wait()
+                return self.hand_over(outcome)
+        outcome = self.finish(self.request(_NEXT))
+        if type(outcome) is Deliver:
+            return outcome.payload
+        if outcome is None:
+            raise InternalError(f"the scheduler left a request unanswered in {self.state!r}")
+        return self.hand_over(outcome)
 
     def close(self) -> None:
         """Stop the workers and release everything. Idempotent."""
-        if self.state.phase is not Phase.CLOSED:
-            self._feed(_CLOSE)
-            self._carry_out()
+        if self.state.phase is Phase.CLOSED:
+            return
+        outcome = self.request(_CLOSE)
+        # A cancellation is the waiting consumer's, not the closer's; an executor that failed
+        # to stop its workers is the closer's to hear.
+        if type(outcome) is RaiseError and type(outcome.failure) is not Cancelled:
+            self.hand_over(outcome)
 
-    # --- the loop ----------------------------------------------------------------------------
+    # --- the moves of a call -------------------------------------------------------------------
 
-    def _feed(self, event: Event) -> None:
-        self.state, commands = step(self.state, event)
-        self.todo.extend(commands)
+    def request(self, event: Event) -> Command | None:
+        """Tell the scheduler of a consumer's call; carry out what follows; the outcome if any."""
+        self._feed(event)
+        return self.carry_out()
 
-    def _wait(self) -> None:
+    def finish(self, outcome: Command | None) -> Command | None:
+        """Wait for the call's outcome for as long as the scheduler says the consumer waits."""
+        while outcome is None and (self.state.waiting or self.state.life.resetting):
+            outcome = self.wait()
+        return outcome
+
+    def wait(self) -> Command | None:
+        """Poll the executor once, tell the scheduler, carry out what follows."""
         executor = self.executor
         try:
             # An answer returned by a poll whose return an interrupt cut short: fed now.
             event = executor.unconfirmed if self.confirms else None  # type: ignore[attr-defined]
             if event is None:
                 event = self._poll()
-            state, commands = step(self.state, event)
+            state, commands = self.step(self.state, event)
         except BaseException as error:
             # Also an interrupt raised just as poll returned: it surfaces on entering step.
             if is_interrupt(error):
-                self._interrupted()
+                self._feed(_INTERRUPTED)
             raise
         # No call until the last of these stores: an interrupt cannot come between the new
         # state, the executor learning the answer was recorded, and the commands it brings.
         self.state = state
         if self.confirms:
             executor.unconfirmed = None  # type: ignore[attr-defined]
+        self.todo.extend(commands)
+        return self.carry_out()
+
+    def hand_over(self, outcome: Command) -> Any:
+        """What the consumer gets for an outcome: the batch, StopIteration, or the error."""
+        if type(outcome) is Deliver:
+            return outcome.payload
+        if type(outcome) is EndEpoch:
+            raise StopIteration
+        raise failure_exception(outcome.failure)  # type: ignore[attr-defined]
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _feed(self, event: Event) -> None:
+        self.state, commands = self.step(self.state, event)
         self.todo.extend(commands)
 
     def _poll(self) -> Event:
@@ -165,12 +199,7 @@ class Driver:
         except Exception as error:
             if is_interrupt(error):
                 raise
-            # The executor itself broke: nothing it owes will come. Stop its workers, and give
-            # every later request the same error, as torch does once its pin thread is gone.
-            self.broken = error
-            self.todo.clear()
-            self.close()
-            raise
+            return ExecutorFailed(error)
         if event is None:
             if self.timeout is None:
                 raise InternalError(
@@ -179,29 +208,8 @@ class Driver:
             event = TimedOut(self.timeout)
         return event
 
-    def _interrupted(self) -> None:
-        """Tell the scheduler that the consumer's wait ended without an answer."""
-        state = self.state
-        if state.waiting or state.life.resetting or state.pulling_for is not None:
-            self._feed(_INTERRUPTED)
-
-    def _carry_out(self) -> Command | None:
-        """Carry out every pending command; return the one telling what the consumer gets."""
-        try:
-            return self._carry_out_all()
-        except BaseException as error:
-            if is_interrupt(error):
-                self._interrupted()
-                raise
-            # The executor failed to carry out a command (a worker that could not be started,
-            # say): what the scheduler asked next can no longer be done. Stop what runs, and
-            # give every later request the same error.
-            self.broken = error
-            self.todo.clear()
-            self.close()
-            raise
-
-    def _carry_out_all(self) -> Command | None:
+    def carry_out(self) -> Command | None:
+        """Carry out every pending command; return the last telling what the consumer gets."""
         outcome: Command | None = None
         todo, executor = self.todo, self.executor
         try:
@@ -209,61 +217,54 @@ class Driver:
                 # Taken off only once carried out: an interrupt leaves it to be done again.
                 command = todo[0]
                 kind = type(command)
-                if kind is SendTask:
-                    executor.dispatch(command)  # type: ignore[arg-type]
+                if kind is Deliver or kind is RaiseError or kind is EndEpoch:
+                    outcome = command
                 elif kind is PullIndex:
                     todo.popleft()  # an interrupted draw is abandoned, not repeated
-                    self._pull()
+                    self._draw()
                     continue
-                elif kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                    outcome = command
-                elif kind is ResumeWorker:
-                    executor.resume(command)  # type: ignore[arg-type]
-                elif kind is StopWorker:
-                    executor.stop_worker(command.worker)  # type: ignore[attr-defined]
-                elif kind is Shutdown:
-                    # Once begun, a shutdown finishes: an interrupt is raised after it.
-                    with HeldSignals():
-                        executor.shutdown()
-                else:  # pragma: no cover - the core emits no other command
-                    raise InternalError(f"the driver cannot carry out {command!r}")
+                else:
+                    try:
+                        if kind is SendTask:
+                            executor.dispatch(command)  # type: ignore[arg-type]
+                        elif kind is ResumeWorker:
+                            executor.resume(command)  # type: ignore[arg-type]
+                        elif kind is StopWorker:
+                            executor.stop_worker(command.worker)  # type: ignore[attr-defined]
+                        elif kind is Shutdown:
+                            # Once begun, a shutdown finishes: an interrupt is raised after it.
+                            with HeldSignals():
+                                executor.shutdown()
+                        else:  # pragma: no cover - the core emits no other command
+                            raise InternalError(f"the driver cannot carry out {command!r}")
+                    except Exception as error:
+                        if is_interrupt(error) or isinstance(error, InternalError):
+                            raise
+                        # What the scheduler answers replaces the rest of this run.
+                        todo.clear()
+                        self._feed(ExecutorFailed(error))
+                        continue
                 todo.popleft()
         except BaseException as error:
-            if outcome is not None and is_interrupt(error):
-                self.handed = outcome  # the consumer gets it with its next request
+            if is_interrupt(error):
+                if outcome is not None:
+                    self.handed = outcome
+                self._feed(_INTERRUPTED)
             raise
         return outcome
 
-    def _pull(self) -> None:
+    def _draw(self) -> None:
         try:
             index = self.draw()
         except StopIteration:
             self._feed(_SAMPLER_EXHAUSTED)
         except BaseException as error:
             if is_interrupt(error):
-                raise  # `_carry_out` abandons the draw
-            # The sampler itself failed: nothing sensible can follow, so leave nothing behind.
-            # A batch handed over in this same round still reaches the consumer first, and the
-            # sampler's error comes with the next request, in the order torch raises them.
-            self.todo.clear()
-            self.sampler_failed = True
-            self.close()
-            self.sampler_error = error
+                raise  # `carry_out` tells the scheduler, which abandons the draw
+            self._feed(SamplerFailed(error))
         else:
-            self.state, commands = step(self.state, IndexDrawn(index))
+            self.state, commands = self.step(self.state, IndexDrawn(index))
             self.todo.extend(commands)
-
-    def _raise_sampler_error(self) -> None:
-        error, self.sampler_error = self.sampler_error, None
-        if error is not None:
-            raise error
-
-    def _hand_over(self, outcome: Command) -> Any:
-        if type(outcome) is Deliver:
-            return outcome.payload
-        if type(outcome) is EndEpoch:
-            raise StopIteration
-        raise failure_exception(outcome.failure)  # type: ignore[attr-defined]
 
 
 def failure_exception(failure: Failure) -> BaseException:
@@ -283,6 +284,11 @@ def failure_exception(failure: Failure) -> BaseException:
         return LoaderTimeoutError(failure.describe())
     if isinstance(failure, Cancelled):
         return LoaderCancelledError(failure.describe())
+    if isinstance(failure, (SamplerFailure, ExecutorFailure)):
+        error = failure.error
+        if isinstance(error, BaseException):
+            return error
+        return RuntimeError(failure.describe())
     raise InternalError(f"unknown failure {failure!r}")  # pragma: no cover
 
 

@@ -25,7 +25,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase
+from statecore import Config, Phase, can_restart
 from statecore.executors._driver import Driver
 from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._pinned import Pinned
@@ -301,12 +301,7 @@ class _Iterator(_BaseDataLoaderIter):
     def _usable(self) -> bool:
         """Whether another epoch can start on this iterator's scheduler and executor."""
         driver = self._driver
-        return (
-            driver is not None
-            and driver.state.phase not in (Phase.FAILED, Phase.CLOSED)
-            and driver.broken is None
-            and not driver.sampler_failed
-        )
+        return driver is not None and can_restart(driver.state)
 
     def _shutdown(self) -> None:
         driver, self._driver = self._driver, None

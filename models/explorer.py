@@ -2,8 +2,8 @@
 
 Where the Hypothesis machines sample runs, the explorer visits every world reachable from the
 start of a scenario: every order in which workers answer, every moment at which the consumer
-asks, a worker dies, a wait times out or is interrupted, the consumer closes or starts another
-epoch. Every world
+asks, a worker dies, a wait times out or is interrupted, the sampler raises, the executor
+breaks, the consumer closes or starts another epoch, all through the real driver. Every world
 is checked as it is reached (all the checks of `World.apply`), and two more are made here:
 
 - no world is stuck: a waiting consumer always has some worker that owes it an answer;
@@ -134,7 +134,8 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
 
     Each scenario allows one worker death, one interrupted wait, timeouts and closes at any
     moment; persistent scenarios run a second epoch on the same workers. One task in each dataset
-    raises. Persistent scenarios of one or two workers and prefetch 1 also get a third epoch,
+    raises. Configurations of one or two workers are explored once more with the sampler
+    raising and the executor breaking instead. Persistent scenarios of one or two workers and prefetch 1 also get a third epoch,
     so that an `iter()` interrupted while workers resume is followed by another `iter()`.
     """
     combos = itertools.product(
@@ -154,7 +155,19 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
             dataset = IterableSpec(_shard_lengths(workers, total - 1), frozenset({(0, 1)}))
         else:
             dataset = MapSpec(total, frozenset({1}))
-        yield Scenario(config, dataset, epochs=2 if persistent else 1, interrupts=1)
+        epochs = 2 if persistent else 1
+        yield Scenario(config, dataset, epochs=epochs, interrupts=1)
+        if workers <= 2:
+            # The sampler raising and the executor breaking, at any moment, on their own.
+            yield Scenario(
+                config,
+                dataset,
+                epochs=epochs,
+                deaths=0,
+                timeouts=False,
+                sampler_failures=1,
+                executor_failures=1,
+            )
         if persistent and workers <= 2 and prefetch == 1:
             yield Scenario(config, _short(dataset), epochs=3, deaths=0, interrupts=1)
         if workers == 1 and prefetch == 1 and not persistent:

@@ -1,10 +1,11 @@
 """Hypothesis state machines that drive the scheduler through a simulated world.
 
 `scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
-world's actions (a consumer asking, a worker answering or dying, a timeout, a close, a new
-epoch) and whose invariants are every check of `statecore.models.world`. It takes the step
-function, so the same machine checks the real core, a deliberately broken one
-(`statecore.models.mutants`), or a user's own driver wrapped as a step function.
+world's actions (a consumer asking, a worker answering or dying, a timeout, an interrupt, the
+sampler raising, the executor breaking, a close, a new epoch) and whose invariants are every
+check of `statecore.models.world`, made on the real driver (`statecore.executors._driver`)
+running the core. It takes the step function, so the same machine checks the real core, a
+deliberately broken one (`statecore.models.mutants`), or any other step function.
 
 Failures print as a runnable program: every rule argument is a small integer and every
 scenario a valid Python expression.
@@ -26,12 +27,14 @@ from statecore import step as core_step
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import (
     Action,
+    Break,
     Close,
     Expire,
     Interrupt,
     Kill,
     Next,
     Restart,
+    SamplerRaises,
     Scenario,
     StepFunction,
     Violation,
@@ -83,6 +86,8 @@ def scenarios(
         timeouts=draw(st.booleans(), label="timeouts"),
         closes=draw(st.booleans(), label="closes"),
         interrupts=draw(st.integers(0, 2), label="interrupts"),
+        sampler_failures=draw(st.integers(0, 1), label="sampler_failures"),
+        executor_failures=draw(st.integers(0, 1), label="executor_failures"),
     )
 
 
@@ -144,6 +149,16 @@ def scheduler_machine(
             self._apply(Interrupt())
             if self._enabled(Restart):
                 self._apply(Restart())
+
+        @precondition(lambda self: bool(self._enabled(SamplerRaises)))
+        @rule()
+        def sampler_raises(self) -> None:
+            self._apply(SamplerRaises())
+
+        @precondition(lambda self: bool(self._enabled(Break)))
+        @rule()
+        def executor_breaks(self) -> None:
+            self._apply(Break())
 
         @precondition(lambda self: bool(self._enabled(Close)))
         @rule()

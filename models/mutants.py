@@ -1,9 +1,10 @@
 """Deliberate bugs in the scheduler, to show that the models catch them.
 
 A checker that never fails proves nothing. Each mutant here swaps one piece of policy in
-`statecore._step` for a plausible wrong version, the kind of slip torch's hand-kept counters
-invite. `mutant.applied()` installs it for the duration of a `with` block; the tests then run
-the explorer and the Hypothesis machines and expect a violation.
+`statecore._step`, or one move of the driver loop in `statecore.executors._driver`, for a
+plausible wrong version, the kind of slip torch's hand-kept counters invite. `mutant.applied()`
+installs it for the duration of a `with` block; the tests then run the explorer and the
+Hypothesis machines, which drive the real driver over the core, and expect a violation.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 import attrs
 
 from statecore import (
+    Command,
     Config,
     EndEpoch,
     Event,
+    ExecutorFailure,
     Interrupted,
     Phase,
+    SamplerFailure,
     State,
     Transition,
     WorkerDied,
@@ -27,13 +31,15 @@ from statecore import (
     WorkerStatus,
 )
 from statecore import _step as core
+from statecore.executors._driver import Driver
 
 __all__ = ["MUTANTS", "Mutant"]
 
 
 @attrs.frozen
 class Mutant:
-    """One deliberate bug: `replacements` maps names in `statecore._step` to wrong versions."""
+    """One deliberate bug: `replacements` maps names in `statecore._step` (or, prefixed with
+    `Driver.`, methods of the driver) to wrong versions."""
 
     name: str
     description: str
@@ -43,9 +49,18 @@ class Mutant:
     def applied(self) -> Iterator[None]:
         """Install the bug in the core while the block runs; restore the real code after."""
         replacements = self.replacements()
+        methods = {
+            name.removeprefix("Driver."): value
+            for name, value in replacements.items()
+            if name.startswith("Driver.")
+        }
+        replacements = {n: v for n, v in replacements.items() if not n.startswith("Driver.")}
         saved = {name: getattr(core, name) for name in replacements}
+        saved_methods = {name: vars(Driver)[name] for name in methods}
         saved_handlers = dict(core._HANDLERS)
         try:
+            for name, value in methods.items():
+                setattr(Driver, name, value)
             for name, value in replacements.items():
                 setattr(core, name, value)
             # Handlers are looked up through the dispatch table, not by name.
@@ -55,6 +70,8 @@ class Mutant:
                     core._HANDLERS[event_type] = replacement  # type: ignore[assignment]
             yield
         finally:
+            for name, value in saved_methods.items():
+                setattr(Driver, name, value)
             for name, value in saved.items():
                 setattr(core, name, value)
             core._HANDLERS.clear()
@@ -163,6 +180,78 @@ def _abandoned_acknowledgements_count() -> dict[str, object]:
     return {"_on_resumed": on_resumed}
 
 
+def _sampler_error_overtakes_the_batch() -> dict[str, object]:
+    real = core._on_sampler_failed
+
+    def on_sampler_failed(state: State, event: Event) -> Transition:
+        # Raises the sampler's error at once, as if the consumer were still waiting, although
+        # it was handed a batch in this same call: the batch is lost.
+        return real(state._replace(waiting=True), event)
+
+    return {"_on_sampler_failed": on_sampler_failed}
+
+
+def _sampler_error_repeats() -> dict[str, object]:
+    real = core._on_next
+
+    def on_next(state: State, event: Event) -> Transition:
+        # Forgets that the sampler's error was given: every request raises it again, where
+        # torch's spent sampler ends the epoch.
+        life = state.life
+        if life.phase is Phase.FAILED and type(life.failure) is SamplerFailure:
+            state = state._replace(life=attrs.evolve(life, reported=False))
+        return real(state, event)
+
+    return {"_on_next": on_next}
+
+
+def _sampler_error_passes_iter() -> dict[str, object]:
+    real = core._on_sampler_failed
+
+    def on_sampler_failed(state: State, event: Event) -> Transition:
+        # Overlooks that the consumer is inside iter(): iter() returns, and the error waits for
+        # the first next().
+        life = attrs.evolve(state.life, resetting=False)
+        return real(state._replace(life=life), event)
+
+    return {"_on_sampler_failed": on_sampler_failed}
+
+
+def _executor_failure_forgotten() -> dict[str, object]:
+    real = core._on_next
+
+    def on_next(state: State, event: Event) -> Transition:
+        # After the executor broke, later requests are told the epoch ended, not the failure.
+        if state.life.phase is Phase.FAILED and type(state.life.failure) is ExecutorFailure:
+            return Transition(state, (EndEpoch(),))
+        return real(state, event)
+
+    return {"_on_next": on_next}
+
+
+def _driver_forgets_interrupts() -> dict[str, object]:
+    real = Driver._feed
+
+    def feed(self: Driver, event: Event) -> None:
+        # The driver re-raises an interrupt without telling the scheduler, which goes on
+        # believing the consumer waits.
+        if type(event) is not Interrupted:
+            real(self, event)
+
+    return {"Driver._feed": feed}
+
+
+def _driver_waits_only_in_next() -> dict[str, object]:
+    def finish(self: Driver, outcome: Command | None) -> Command | None:
+        # Waits while a batch is awaited, but not while iter() is still resetting: iter()
+        # returns before every persistent worker resumed.
+        while outcome is None and self.state.waiting:
+            outcome = self.wait()
+        return outcome
+
+    return {"Driver.finish": finish}
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch-off-by-one",
@@ -203,5 +292,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "abandoned-acknowledgements-count",
         "after an interrupted iter(), acknowledgements of the abandoned reset count for the new",
         _abandoned_acknowledgements_count,
+    ),
+    Mutant(
+        "sampler-error-overtakes-the-batch",
+        "the sampler's error is raised in the call that was handed a batch, which is lost",
+        _sampler_error_overtakes_the_batch,
+    ),
+    Mutant(
+        "sampler-error-repeats",
+        "after the sampler's error was raised, later requests raise it again instead of ending",
+        _sampler_error_repeats,
+    ),
+    Mutant(
+        "sampler-error-passes-iter",
+        "a sampler failing while iter() draws the first indices does not fail iter()",
+        _sampler_error_passes_iter,
+    ),
+    Mutant(
+        "executor-failure-forgotten",
+        "after the executor broke, later requests end the epoch instead of raising",
+        _executor_failure_forgotten,
+    ),
+    Mutant(
+        "driver-forgets-interrupts",
+        "the driver does not tell the scheduler that a wait was interrupted",
+        _driver_forgets_interrupts,
+    ),
+    Mutant(
+        "driver-waits-only-in-next",
+        "the driver's iter() returns without waiting for persistent workers to resume",
+        _driver_waits_only_in_next,
     ),
 )

@@ -1,68 +1,71 @@
-"""A simulated world around the scheduler: a sampler, workers, and a consumer, all in memory.
+"""A simulated world around the real driver and core: a sampler, workers and a consumer.
 
-The world drives the core exactly as a driver loop would (it answers `PullIndex` at once, queues
-tasks per worker, hands batches to the consumer) but lets the caller choose what happens next:
-which worker answers, when the consumer asks, when a worker dies, when a wait times out or is
-interrupted (Ctrl-C), when the consumer closes or starts a new epoch. The Hypothesis machines
-pick those choices at random (`statecore.models.machines`); the explorer tries every one
-(`statecore.models.explorer`).
+The world runs the code that runs in a loader: `statecore.executors._driver.Driver` over the
+core's `step`, with the world itself as the driver's executor and sampler. It lets the caller
+choose what happens next: which worker answers, when the consumer asks, when a worker dies, when
+a wait times out or is interrupted (Ctrl-C), when the sampler raises or the executor breaks, when
+the consumer closes or starts a new epoch. The Hypothesis machines pick those choices at random
+(`statecore.models.machines`); the explorer tries every one (`statecore.models.explorer`).
 
-Workers behave like our executors promise: each answers its tasks first in, first out, answers
-every task exactly once (a dry iterable worker answers "exhausted"), and answers a resume after
-every task sent before it.
+A consumer's call runs the driver until it returns, raises, or waits on the executor with
+nothing to poll: the world's `poll` then raises `Blocked`, which leaves the driver and the core
+exactly as before the poll (as a real blocking poll would), and the call goes on when a later
+action gives the executor something to report. Workers behave as our executors promise: each
+answers its work first in, first out, every task exactly once (a dry iterable worker answers
+"exhausted"), a resume after every task sent before it. Workers answer while the consumer
+waits, since the driver polls only then; a death may come at any time, and waits in the
+executor's outbox until the driver polls.
 
 Every action is checked. `World.apply` raises `Violation` when the core refuses an event,
 breaks its own invariants (`statecore.violations`), moves along an edge missing from the
-transition table, or does something the consumer or the workers can see is wrong: a batch out
-of order or from an earlier epoch, a task for a dry worker, more tasks than the prefetch bound,
-a task before every resume was acknowledged, an epoch that does not match the reference model,
-an epoch finished (or its workers stopped) other than by the request told that it ended, work
-after shutdown, or a consumer left waiting with nothing that could answer it.
+transition table, or when the consumer or the workers can see something wrong: a batch out of
+order or from an earlier epoch, or lost after the scheduler handed it over; a task for a dry
+worker, over the prefetch bound, or before every resume was acknowledged; an epoch that does not
+match the reference model, or finished (or its workers stopped) other than by the request told
+that it ended; a failure (a death, a timeout, the sampler or the executor) not raised to the
+consumer in its turn, or a call that goes on after it; work after shutdown; or a consumer left
+waiting with nothing that could answer it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 
 from statecore import (
     TRANSITIONS,
-    Cancelled,
-    CloseRequested,
     Command,
     Config,
     Deliver,
-    EndEpoch,
     Event,
-    IndexDrawn,
-    Interrupted,
-    NextRequested,
+    ExecutorFailed,
+    InternalError,
+    LoaderCancelledError,
+    LoaderTimeoutError,
     Phase,
     ProtocolError,
-    PullIndex,
     RaiseError,
-    ResetRequested,
     ResumeWorker,
-    SamplerExhausted,
+    SamplerFailed,
     SendTask,
-    Shutdown,
     State,
-    StopWorker,
     TaskCompleted,
     TaskFailed,
     TaskFailure,
     TimedOut,
-    Timeout,
     Transition,
-    WorkerDeath,
     WorkerDied,
+    WorkerDiedError,
     WorkerExhausted,
     WorkerResumed,
     initial_state,
     violations,
 )
 from statecore import step as core_step
+from statecore.executors._driver import Driver
 from statecore.models.reference import (
     IterableSpec,
     MapSpec,
@@ -74,14 +77,17 @@ from statecore.models.reference import (
 
 __all__ = [
     "Action",
+    "Blocked",
+    "Break",
     "Close",
+    "EdgeObserver",
     "Expire",
     "Interrupt",
     "Kill",
     "Next",
     "Restart",
+    "SamplerRaises",
     "Scenario",
-    "EdgeObserver",
     "StepFunction",
     "Violation",
     "Work",
@@ -92,9 +98,37 @@ StepFunction = Callable[[State, Event], Transition]
 EdgeObserver = Callable[[Phase, type, Phase], None]
 """Called with (phase before, event type, phase after) for every event fed to the scheduler."""
 
+_TIMEOUT = 5.0
+
 
 class Violation(AssertionError):
-    """The scheduler did something a correct scheduler never does."""
+    """The scheduler or its driver did something a correct one never does."""
+
+
+class Blocked(Exception):
+    """The driver polled the world's executor, which has nothing to report yet.
+
+    The driver takes whatever its executor's poll raises for the executor failing, and tells
+    the scheduler `ExecutorFailed`; the world's step function recognises its own `Blocked`
+    there and raises it before the scheduler sees it, so the driver unwinds with its state and
+    the scheduler's exactly as they were before the poll.
+    """
+
+
+class _TaskError(Exception):
+    """What a worker raised for one task, as the consumer receives it."""
+
+    def __init__(self, task: int, worker: int, value: object) -> None:
+        super().__init__(task, worker, value)
+        self.task, self.worker, self.value = task, worker, value
+
+
+class _SamplerError(Exception):
+    """What the world's sampler raises when told to fail."""
+
+
+class _ExecutorError(OSError):
+    """What the world's executor raises once broken, as a broken pipe would."""
 
 
 @attrs.frozen
@@ -111,6 +145,10 @@ class Scenario:
     closes: bool = True
     interrupts: int = 0
     """Waits (in `next()` or `iter()`) that may be interrupted during a run."""
+    sampler_failures: int = 0
+    """Times the sampler may raise (on the draw after the action that arms it)."""
+    executor_failures: int = 0
+    """Times the executor may break (every later call to it raises)."""
 
     def __attrs_post_init__(self) -> None:
         if self.config.iterable != isinstance(self.dataset, IterableSpec):
@@ -156,6 +194,16 @@ class Interrupt:
 
 
 @attrs.frozen
+class SamplerRaises:
+    """The sampler raises on its next draw."""
+
+
+@attrs.frozen
+class Break:
+    """The executor breaks: every later call to it raises."""
+
+
+@attrs.frozen
 class Close:
     """The consumer closes the iterator."""
 
@@ -165,28 +213,38 @@ class Restart:
     """The consumer starts the next epoch on the same (persistent) workers."""
 
 
-Action = Next | Work | Kill | Expire | Interrupt | Close | Restart
+Action = Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart
 
 _TASK = "task"
 _RESUME = "resume"
 Item = tuple[object, ...]  # (_TASK, task, index) or (_RESUME, epoch)
 
+# What a consumer's call ended with, as the world records it.
+_BATCH, _ERROR, _END, _RETURNED = "batch", "error", "end", "returned"
+_DEATH, _TIMEOUT_KIND, _SAMPLER, _EXECUTOR = "death", "timeout", "sampler", "executor"
+_FATAL = (_DEATH, _TIMEOUT_KIND, _EXECUTOR)
+
 
 @attrs.frozen
 class World:
-    """The scheduler's state together with everything around it. A hashable value."""
+    """The driver's and scheduler's state together with everything around them. A value."""
 
     scenario: Scenario
     core: State
+    todo: tuple[Command, ...]
+    handed: Command | None
+    """The driver's own state between calls (see `Driver`)."""
     epoch: int
     drawn: int
     """Indices the sampler gave out this epoch."""
     sampler_done: bool
+    sampler_armed: bool
     queues: tuple[tuple[Item, ...], ...]
+    outbox: tuple[Event, ...]
+    """What workers reported and the driver has not polled yet, oldest first."""
     shards: tuple[tuple[int, int], ...]
     """Per worker, (epoch of its dataset iterator, batches it has yielded from it)."""
     alive: tuple[bool, ...]
-    stopped: frozenset[int]
     open_tasks: frozenset[tuple[int, int]]
     """(task, worker) sent this epoch and not yet resolved, as the consumer sees it."""
     answers: frozenset[tuple[int, Outcome]]
@@ -195,6 +253,7 @@ class World:
     dry: frozenset[int]
     """Workers that answered "exhausted" this epoch."""
     awaiting: bool
+    """The consumer is inside `next()`, which waits on the executor."""
     resetting: bool
     """The consumer is inside `iter()`, which returns once every worker resumed."""
     delivered: tuple[Outcome, ...]
@@ -206,13 +265,20 @@ class World:
     """Workers that have not acknowledged the resume of the current epoch."""
     outcome: str | None
     """None while in use, then "failed" or "closed"."""
-    doomed: bool
-    """A worker died or a wait expired: the consumer's next answer must be that error."""
+    expect: str | None
+    """The failure the scheduler was told of and the consumer is owed (see `_FATAL`)."""
+    served: bool
+    """The call in which a sampler failed had already been handed its batch."""
+    told: str | None
+    """The failure the consumer was given: later requests get it again (the sampler's: the end)."""
     ended: bool
     shut: bool
+    broken: bool
     deaths_left: int
     closes_left: int
     interrupts_left: int
+    sampler_failures_left: int
+    executor_failures_left: int
 
     @classmethod
     def start(
@@ -226,45 +292,58 @@ class World:
         world = cls(
             scenario=scenario,
             core=initial_state(scenario.config),
+            todo=(),
+            handed=None,
             epoch=1,
             drawn=0,
             sampler_done=False,
+            sampler_armed=False,
             queues=((),) * n,
+            outbox=(),
             shards=((1, 0),) * n,
             alive=(True,) * n,
-            stopped=frozenset(),
             open_tasks=frozenset(),
             answers=frozenset(),
             skipped=frozenset(),
             dry=frozenset(),
             awaiting=False,
-            resetting=False,
+            resetting=True,
             delivered=(),
             last_task=-1,
             sent_max=-1,
             resumes_owed=frozenset(),
             outcome=None,
-            doomed=False,
+            expect=None,
+            served=False,
+            told=None,
             ended=False,
             shut=False,
+            broken=False,
             deaths_left=scenario.deaths,
             closes_left=2 if scenario.closes else 0,
             interrupts_left=scenario.interrupts,
+            sampler_failures_left=scenario.sampler_failures,
+            executor_failures_left=scenario.executor_failures,
         )
         sim = _Sim(world, step, on_edge)
-        sim.feed(ResetRequested())
+        sim.call(sim.driver.start_epoch, iterating=True)
         return sim.freeze()
 
     def actions(self) -> Iterator[Action]:
         """Every action the environment may take now."""
         n = self.scenario.config.num_workers
         blocked = self.awaiting or self.resetting
+        if self.outcome != "closed" and not blocked:
+            # After the end or a failure too: asking again is answered again, as in torch.
+            yield Next()
         if self.outcome is None:
-            if not blocked:
-                yield Next()  # after the end too: asking again is told again, as in torch
-            for w in range(n):
-                if self.alive[w] and self.queues[w]:
-                    yield Work(w)
+            if blocked:
+                # An answer given while the consumer is away would wait in the executor until
+                # the driver polls, and it polls only in a wait: answering then is the same to
+                # the driver and the scheduler, and keeps the space the explorer walks small.
+                for w in range(n):
+                    if self.alive[w] and self.queues[w]:
+                        yield Work(w)
             if self.deaths_left:
                 for w in range(n):
                     if self.alive[w]:
@@ -273,29 +352,31 @@ class World:
                 yield Expire()
             if blocked and self.interrupts_left:
                 yield Interrupt()
+            if self.sampler_failures_left and not self.sampler_armed:
+                yield SamplerRaises()
+            if self.executor_failures_left and not self.broken:
+                yield Break()
             # iter() returns once every worker acknowledged the resume, as torch's does; only
             # an interrupted iter() leaves a reset unacknowledged when the next one comes.
-            restartable = not (blocked or self.doomed)
+            restartable = not (blocked or self.expect)
             if restartable and self.epoch < self.scenario.epochs:
                 yield Restart()
-        if self.deaths_left:
-            # A worker that was told to stop exits; an executor may still report that.
-            for w in sorted(self.stopped):
-                yield Kill(w)
-        if self.closes_left:
+        if self.closes_left and not blocked:
             yield Close()
 
     def apply(
         self, action: Action, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
     ) -> World:
-        """The world after `action`; raises `Violation` if the scheduler misbehaves."""
+        """The world after `action`; raises `Violation` if the scheduler or driver misbehaves."""
         sim = _Sim(self, step, on_edge)
         sim.act(action)
         return sim.freeze()
 
     def stuck(self) -> bool:
-        """A consumer waits and no worker has anything to answer: it would wait forever."""
-        owed = any(a and q for a, q in zip(self.alive, self.queues, strict=True))
+        """A consumer waits and nothing could answer it: it would wait forever."""
+        owed = bool(self.outbox) or any(
+            a and q for a, q in zip(self.alive, self.queues, strict=True)
+        )
         return self.outcome is None and (self.awaiting or self.resetting) and not owed
 
     def finished(self) -> bool:
@@ -307,7 +388,8 @@ _FIELDS = [a.name for a in attrs.fields(World)]
 
 
 class _Sim:
-    """A mutable copy of a World for the duration of one action."""
+    """A mutable copy of a World for one action: the driver's executor and sampler, and the
+    consumer that calls the driver."""
 
     def __init__(
         self, world: World, step: StepFunction, on_edge: EdgeObserver | None = None
@@ -317,20 +399,37 @@ class _Sim:
         self.step = step
         self.on_edge = on_edge
         self.pending_index: object = None
+        self.violation: Violation | None = None
+        self.poll_with: str | None = None
+        """What the next poll does instead of reporting: "expire" or "interrupt"."""
+        self.handed_in_call = False
+        self.in_hand: tuple[int, int] | None = None
+        """(task, worker) the scheduler handed over in this call: the consumer's, not a load."""
+        self.resumed: set[int] = set()
+        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)  # type: ignore[arg-type]
+        driver.state = self.core
+        driver.todo = deque(self.todo)
+        driver.handed = self.handed
+        self.driver = driver
 
     def freeze(self) -> World:
+        driver = self.driver
+        self.core, self.todo, self.handed = driver.state, tuple(driver.todo), driver.handed
         return World(**{name: getattr(self, name) for name in _FIELDS})
 
     # These annotations let mypy see the fields copied from World.
     scenario: Scenario
     core: State
+    todo: tuple[Command, ...]
+    handed: Command | None
     epoch: int
     drawn: int
     sampler_done: bool
+    sampler_armed: bool
     queues: tuple[tuple[Item, ...], ...]
+    outbox: tuple[Event, ...]
     shards: tuple[tuple[int, int], ...]
     alive: tuple[bool, ...]
-    stopped: frozenset[int]
     open_tasks: frozenset[tuple[int, int]]
     answers: frozenset[tuple[int, Outcome]]
     skipped: frozenset[int]
@@ -339,30 +438,43 @@ class _Sim:
     resetting: bool
     delivered: tuple[Outcome, ...]
     last_task: int
-    """In order: the last task handed over, or the last task of earlier epochs."""
     sent_max: int
-    """The highest task number sent so far, in any epoch."""
     resumes_owed: frozenset[int]
     outcome: str | None
-    doomed: bool
+    expect: str | None
+    served: bool
+    told: str | None
     ended: bool
     shut: bool
+    broken: bool
     deaths_left: int
     closes_left: int
     interrupts_left: int
+    sampler_failures_left: int
+    executor_failures_left: int
 
-    # --- feeding the core ----------------------------------------------------------------------
+    def _violate(self, message: str) -> Violation:
+        # Kept, because the driver takes an exception from its executor for the executor's own
+        # failure: the world raises it again once the driver's call is over.
+        violation = Violation(message)
+        if self.violation is None:
+            self.violation = violation
+        return violation
 
-    def feed(self, event: Event) -> tuple[Command, ...]:
-        before = self.core
+    # --- the scheduler, as the driver calls it -------------------------------------------------
+
+    def checked_step(self, before: State, event: Event) -> Transition:
+        if type(event) is ExecutorFailed and type(event.error) is Blocked:  # type: ignore[attr-defined]
+            raise event.error  # type: ignore[attr-defined]
+        self._raise_violation()  # one the driver took for an executor failure
         try:
             transition = self.step(before, event)
         except ProtocolError as error:
-            raise Violation(f"the scheduler refused {event!r}: {error}") from error
+            raise self._violate(f"the scheduler refused {event!r}: {error}") from error
         after = transition.state
         allowed = TRANSITIONS[before.phase].get(type(event), frozenset())
         if after.phase not in allowed:
-            raise Violation(
+            raise self._violate(
                 f"{event!r} moved {before.phase!r} to {after.phase!r}, "
                 "an edge the transition table does not have"
             )
@@ -370,105 +482,262 @@ class _Sim:
             self.on_edge(before.phase, type(event), after.phase)
         broken = violations(after)
         if broken:
-            raise Violation(f"after {event!r}: " + "; ".join(broken))
-        self.core = after
+            raise self._violate(f"after {event!r}: " + "; ".join(broken))
+        kind = type(event)
+        if (
+            kind is WorkerDied
+            and event.exitcode != 0
+            and before.phase
+            not in (  # type: ignore[attr-defined]
+                Phase.FAILED,
+                Phase.CLOSED,
+            )
+        ):
+            self._owe(_DEATH)
+        elif kind is TimedOut:
+            self._owe(_TIMEOUT_KIND)
+        elif kind is SamplerFailed:
+            self._owe(_SAMPLER)
+            self.served = self.handed_in_call
+        elif kind is ExecutorFailed:
+            self._owe(_EXECUTOR)
+        elif kind is WorkerExhausted:
+            # Known to the scheduler from now on: no task may go to the worker any more.
+            task, w = event.task, event.worker  # type: ignore[attr-defined]
+            if (task, w) in self.open_tasks:
+                self.open_tasks = self.open_tasks - {(task, w)}
+                self.skipped = self.skipped | {task}
+                self.dry = self.dry | {w}
         for command in transition.commands:
-            self.carry_out(command)
-        if after.phase is Phase.FINISHED and not self.ended:
-            # As in torch, an epoch ends only in the request that finds it over, and says so.
-            raise Violation(f"{event!r} finished the epoch without telling the consumer")
-        if self.resetting and self.outcome is None and not self.doomed:
-            # iter() returns exactly when the last worker has acknowledged this epoch's resume.
-            if after.life.resetting != bool(self.resumes_owed):
-                raise Violation(
-                    f"after {event!r} iter() would {'wait' if after.life.resetting else 'return'}"
-                    f" with workers {sorted(self.resumes_owed)} still owing their resume"
-                )
-            if not after.life.resetting:
-                self.resetting = False
-        return transition.commands
-
-    def carry_out(self, command: Command) -> None:
-        kind = type(command)
-        cleanup = kind is StopWorker or kind is Shutdown or kind is RaiseError
-        if not cleanup and self.outcome is not None:
-            raise Violation(f"{command!r} after the loader {self.outcome}")
-        if isinstance(command, PullIndex):
-            self._pull()
-        elif isinstance(command, SendTask):
-            self._send(command)
-        elif isinstance(command, Deliver):
-            self._hand_over(command.task, command.worker, ("data", command.payload))
-        elif isinstance(command, RaiseError):
-            self._raise(command)
-        elif isinstance(command, EndEpoch):
-            self._end_epoch()
-        elif isinstance(command, ResumeWorker):
-            if command.epoch != self.epoch:
-                raise Violation(f"{command!r} names the wrong epoch, not {self.epoch}")
-            self._enqueue(command.worker, (_RESUME, command.epoch))
-            self.resumes_owed = self.resumes_owed | {command.worker}
-        elif isinstance(command, StopWorker):
-            if self.core.phase is Phase.FINISHED and (self.open_tasks or not self.awaiting):
-                # A normal end stops the workers in the request it answers with EndEpoch, so
-                # never before the last batch was handed over, nor along with it.
-                raise Violation(f"{command!r} before the consumer asked past the last batch")
-            self.alive = _replace(self.alive, command.worker, False)
-            self.stopped = self.stopped | {command.worker}
-            self.queues = _replace(self.queues, command.worker, ())
-        elif isinstance(command, Shutdown):
-            if self.shut:
-                raise Violation("Shutdown was emitted twice")
-            if any(self.alive):
-                raise Violation("Shutdown was emitted while workers were left running")
-            self.shut = True
-        else:  # pragma: no cover - every command type is handled above
-            raise Violation(f"unknown command {command!r}")
-
-    def _pull(self) -> None:
-        spec = self.scenario.dataset
-        if isinstance(spec, MapSpec):
-            if self.drawn < spec.batches:
-                index: object = (self.epoch, self.drawn)
-                self.drawn += 1
+            if type(command) is Deliver:
+                self.in_hand = (command.task, command.worker)  # type: ignore[attr-defined]
+            elif type(command) is RaiseError and type(command.failure) is TaskFailure:  # type: ignore[attr-defined]
+                self.in_hand = (command.failure.task, command.failure.worker)  # type: ignore[attr-defined]
             else:
-                self.sampler_done = True
-                self.feed(SamplerExhausted())
-                return
-        else:
-            index = None  # torch's sampler for iterable datasets yields None forever
-        self.pending_index = index
-        self.feed(IndexDrawn(index))
+                continue
+            self.handed_in_call = True
+        return transition
 
-    def _send(self, command: SendTask) -> None:
+    def _owe(self, kind: str) -> None:
+        # The executor failing is raised in the call that met it, ahead of anything else owed.
+        if kind == _EXECUTOR or (self.expect is None and self.told not in _FATAL):
+            self.expect = kind
+
+    # --- the executor, as the driver calls it --------------------------------------------------
+
+    def _check_working(self) -> None:
+        if self.broken:
+            raise _ExecutorError("the executor's pipe is broken")
+        if self.shut:
+            raise self._violate("the executor was used after its shutdown")
+
+    def start(self) -> None:  # pragma: no cover - the world's workers start with it
+        pass
+
+    def dispatch(self, command: SendTask) -> None:
+        self._check_working()
         w = command.worker
+        if self.outcome is not None:
+            raise self._violate(f"{command!r} after the loader {self.outcome}")
         if self.resumes_owed:
-            raise Violation(f"{command!r} before workers {sorted(self.resumes_owed)} resumed")
+            raise self._violate(f"{command!r} before workers {sorted(self.resumes_owed)} resumed")
         if w in self.dry:
-            raise Violation(f"{command!r} sent to worker {w}, which had run dry")
-        if not self.alive[w]:
-            raise Violation(f"{command!r} sent to worker {w}, which is not running")
+            raise self._violate(f"{command!r} sent to worker {w}, which had run dry")
+        if not self.alive[w] and not self._death_unreported(w):
+            raise self._violate(f"{command!r} sent to worker {w}, which is not running")
         if command.index != self.pending_index:
-            raise Violation(f"{command!r} does not carry the index just drawn")
+            raise self._violate(f"{command!r} does not carry the index just drawn")
         if command.task <= self.sent_max:
-            raise Violation(f"{command!r} reuses or goes back on a task number")
+            raise self._violate(f"{command!r} reuses or goes back on a task number")
         self.sent_max = command.task
         self.pending_index = None
         self.open_tasks = self.open_tasks | {(command.task, w)}
-        held = sum(1 for _, worker in self.open_tasks if worker == w)
+        held = sum(1 for t in self.open_tasks if t[1] == w and t != self.in_hand)
         limit = self.scenario.config.prefetch_factor
         if held > limit:
-            raise Violation(f"worker {w} holds {held} unresolved tasks, over prefetch {limit}")
+            raise self._violate(f"worker {w} holds {held} unresolved tasks, over prefetch {limit}")
         self._enqueue(w, (_TASK, command.task, command.index))
 
+    def resume(self, command: ResumeWorker) -> None:
+        self._check_working()
+        if command.epoch != self.epoch:
+            raise self._violate(f"{command!r} names the wrong epoch, not {self.epoch}")
+        self._enqueue(command.worker, (_RESUME, command.epoch))
+        self.resumes_owed = self.resumes_owed | {command.worker}
+        self.resumed.add(command.worker)
+
+    def poll(self, timeout: float | None) -> Event | None:
+        self._check_working()
+        what, self.poll_with = self.poll_with, None
+        if what == "interrupt":
+            raise KeyboardInterrupt
+        if what == "expire":
+            return None
+        if not self.outbox:
+            raise Blocked
+        event, self.outbox = self.outbox[0], self.outbox[1:]
+        return event
+
+    def stop_worker(self, worker: int) -> None:
+        self._check_working()
+        if self.driver.state.phase is Phase.FINISHED and (self.open_tasks or not self.awaiting):
+            # A normal end stops the workers in the request it answers with EndEpoch, so
+            # never before the last batch was handed over, nor along with it.
+            raise self._violate(
+                f"worker {worker} was stopped before the consumer asked past the last batch"
+            )
+        self.alive = _replace(self.alive, worker, False)
+        self.queues = _replace(self.queues, worker, ())
+
+    def shutdown(self) -> None:
+        self._check_working()
+        if any(self.alive):
+            raise self._violate("Shutdown was emitted while workers were left running")
+        self.shut = True
+        self.outbox = ()  # what stopped workers still had to say is dropped with the queues
+
+    # --- the sampler, as the driver calls it ---------------------------------------------------
+
+    def draw(self) -> object:
+        if self.sampler_armed:
+            self.sampler_armed = False
+            raise _SamplerError("the sampler raised")
+        spec = self.scenario.dataset
+        if isinstance(spec, MapSpec):
+            if self.drawn >= spec.batches:
+                self.sampler_done = True
+                raise StopIteration
+            index: object = (self.epoch, self.drawn)
+            self.drawn += 1
+        else:
+            index = None  # torch's sampler for iterable datasets yields None forever
+        self.pending_index = index
+        return index
+
+    def _death_unreported(self, worker: int) -> bool:
+        # A worker may die after the driver polled last: work sent to it then is lost with it,
+        # and its death, still to be polled, fails the loader.
+        return any(type(e) is WorkerDied and e.worker == worker for e in self.outbox)  # type: ignore[attr-defined]
+
     def _enqueue(self, worker: int, item: Item) -> None:
-        self.queues = _replace(self.queues, worker, self.queues[worker] + (item,))
+        if self.alive[worker]:
+            self.queues = _replace(self.queues, worker, self.queues[worker] + (item,))
+
+    # --- the consumer's calls ------------------------------------------------------------------
+
+    def call(self, run: Callable[[], Any], iterating: bool = False) -> None:
+        """Run a consumer's call on the driver (or go on with one) and check what it gave."""
+        self.handed_in_call = False
+        if iterating:
+            self.resetting = True
+        else:
+            self.awaiting = True
+        try:
+            value = run()
+        except Blocked:
+            self._raise_violation()
+            if self.expect in _FATAL:
+                raise Violation(
+                    f"the consumer still waits after the {self.expect} was reported"
+                ) from None
+            return
+        except StopIteration:
+            result: tuple[Any, ...] = (_END,)
+        except _TaskError as error:
+            result = (_ERROR, error.task, error.worker, ("error", error.value))
+        except WorkerDiedError:
+            result = (_DEATH,)
+        except LoaderTimeoutError:
+            result = (_TIMEOUT_KIND,)
+        except _SamplerError:
+            result = (_SAMPLER,)
+        except _ExecutorError:
+            result = (_EXECUTOR,)
+        except LoaderCancelledError:
+            raise Violation("a consumer's own call was cancelled") from None
+        except InternalError as error:
+            raise Violation(f"the driver failed: {error}") from error
+        else:
+            if iterating:
+                result = (_RETURNED,)
+            else:
+                task, worker, outcome = value
+                result = (_BATCH, task, worker, outcome)
+        self._raise_violation()
+        self.awaiting = False
+        self.resetting = False
+        self._receive(result, iterating)
+        if self.driver.state.phase is Phase.FINISHED and not self.ended and self.outcome is None:
+            # As in torch, an epoch ends only in the request that finds it over, and says so.
+            raise Violation("the epoch finished without telling the consumer")
+
+    def _raise_violation(self) -> None:
+        if self.violation is not None:
+            raise self.violation
+
+    def _go_on(self) -> Any:
+        """The rest of a call that waited: what `Driver.next` or `start_epoch` does after it."""
+        driver = self.driver
+        outcome = driver.finish(None)
+        if self.awaiting and outcome is None:
+            raise InternalError("the scheduler left a request unanswered")
+        if outcome is not None:
+            return driver.hand_over(outcome)
+        return None
+
+    def _go_on_if_waiting(self) -> None:
+        if (self.awaiting or self.resetting) and (self.outbox or self.poll_with or self.broken):
+            self.call(self._go_on, iterating=self.resetting)
+
+    def _receive(self, result: tuple[Any, ...], iterating: bool) -> None:
+        kind = result[0]
+        told = self.told
+        if told is not None:
+            # After a failure reached the consumer: the same again, or after the sampler's, the end.
+            wanted = _END if told == _SAMPLER else told
+            if kind != wanted:
+                raise Violation(
+                    f"after the {told} was raised, a request gave {result[:1]}, not {wanted}"
+                )
+            return
+        expect = self.expect
+        in_hand, self.in_hand = self.in_hand, None
+        if kind in (_BATCH, _ERROR):
+            if (result[1], result[2]) != in_hand:
+                raise Violation(
+                    f"the consumer got task {result[1]}, but the scheduler handed over {in_hand}"
+                )
+            if expect in _FATAL or (expect == _SAMPLER and not self.served):
+                raise Violation(f"a batch was handed over although the {expect} was due")
+            self.served = False  # the sampler's error comes with the next request
+            self._hand_over(result[1], result[2], result[3])
+            return
+        if in_hand is not None and kind != _EXECUTOR:
+            # Only the executor failing takes the place of what the call was to return.
+            raise Violation(f"task {in_hand[0]} was handed over, and the consumer got {kind}")
+        if kind == _RETURNED:
+            if expect is not None:
+                raise Violation(f"iter() returned although the {expect} was due")
+            if self.resumes_owed:
+                raise Violation(
+                    f"iter() returned with workers {sorted(self.resumes_owed)} owing their resume"
+                )
+            return
+        if kind == _END:
+            if expect is not None:
+                raise Violation(f"the epoch ended although the {expect} was due")
+            self._end_epoch()
+            return
+        if kind != expect:
+            raise Violation(
+                f"the consumer got a {kind} error although {expect or 'nothing'} failed"
+            )
+        self.told, self.expect = kind, None
+        self.outcome = "failed"
+        if not self.shut and not self.broken:
+            raise Violation(f"the {kind} was raised but the workers were not shut down")
 
     def _hand_over(self, task: int, worker: int, outcome: Outcome) -> None:
-        if not self.awaiting:
-            raise Violation(f"task {task} was handed over with no consumer waiting")
-        if self.doomed:
-            raise Violation(f"task {task} was handed over after the loader should have failed")
         if (task, worker) not in self.open_tasks:
             raise Violation(f"task {task} was handed over but is not an open task of this epoch")
         if (task, outcome) not in self.answers:
@@ -483,31 +752,14 @@ class _Sim:
         self.open_tasks = self.open_tasks - {(task, worker)}
         self.answers = self.answers - {(task, outcome)}
         self.delivered = self.delivered + (outcome,)
-        self.awaiting = False
-
-    def _raise(self, command: RaiseError) -> None:
-        failure = command.failure
-        if isinstance(failure, TaskFailure):
-            self._hand_over(failure.task, failure.worker, ("error", failure.error))
-            return
-        if not (self.awaiting or self.resetting):
-            raise Violation(f"{command!r} with no consumer waiting")
-        if isinstance(failure, (WorkerDeath, Timeout)) and not self.doomed:
-            raise Violation(f"{command!r} although nothing died or timed out")
-        if isinstance(failure, Cancelled) and self.core.phase is not Phase.CLOSED:
-            raise Violation(f"{command!r} although the loader was not closed")
-        self.awaiting = False
-        self.resetting = False
-        self.doomed = False
-        self.outcome = self.outcome or "failed"
 
     def _end_epoch(self) -> None:
-        if not self.awaiting:
-            raise Violation("the epoch was ended with no consumer waiting")
-        if self.core.phase is not Phase.FINISHED:
-            raise Violation(f"the epoch was ended while the scheduler is {self.core.phase.value}")
-        if self.doomed:
-            raise Violation("the epoch was ended normally after the loader should have failed")
+        if self.ended:
+            return  # asking again after the end is told again, as in torch
+        if self.driver.state.phase is not Phase.FINISHED:
+            raise Violation(
+                f"the epoch was ended while the scheduler is {self.driver.state.phase.value}"
+            )
         if self.open_tasks:
             raise Violation(f"the epoch was ended with tasks unresolved: {sorted(self.open_tasks)}")
         spec = self.scenario.dataset
@@ -521,47 +773,41 @@ class _Sim:
         if got != expected:
             raise Violation(f"the epoch handed over {got}, the reference model says {expected}")
         self.ended = True
-        self.awaiting = False
 
     # --- the environment's moves ---------------------------------------------------------------
 
     def act(self, action: Action) -> None:
         if isinstance(action, Next):
-            self.awaiting = True
-            self.feed(NextRequested())
-            if self.doomed and self.awaiting:
-                raise Violation("the consumer still waits after a worker died: it would hang")
+            self.call(self.driver.next)
         elif isinstance(action, Work):
             self._work(action.worker)
-        elif isinstance(action, Kill) and action.worker in self.stopped:
-            self.deaths_left -= 1
-            self.stopped = self.stopped - {action.worker}
-            commands = self.feed(WorkerDied(action.worker, pid=None, exitcode=0))
-            if commands:
-                raise Violation(f"the exit of a stopped worker emitted {commands!r}")
         elif isinstance(action, Kill):
             self.alive = _replace(self.alive, action.worker, False)
             self.queues = _replace(self.queues, action.worker, ())
             self.deaths_left -= 1
-            self.doomed = True
-            self.feed(WorkerDied(action.worker, pid=None, exitcode=-9))
-            if self.awaiting or self.resetting:
-                raise Violation(f"the consumer still waits after worker {action.worker} died")
+            self.outbox = self.outbox + (WorkerDied(action.worker, pid=None, exitcode=-9),)
         elif isinstance(action, Expire):
-            self.doomed = True
-            self.feed(TimedOut(5.0))
-            if self.awaiting or self.resetting:
-                raise Violation("the consumer still waits after its timeout ran out")
+            self.poll_with = "expire"
         elif isinstance(action, Interrupt):
+            self.interrupts_left -= 1
+            self.poll_with = "interrupt"
             self._interrupt()
+            return
+        elif isinstance(action, SamplerRaises):
+            self.sampler_failures_left -= 1
+            self.sampler_armed = True
+        elif isinstance(action, Break):
+            self.executor_failures_left -= 1
+            self.broken = True
         elif isinstance(action, Close):
             self._close()
+            return
         elif isinstance(action, Restart):
             self._restart()
+            return
         else:  # pragma: no cover
             raise TypeError(f"unknown action {action!r}")
-        if self.outcome is None and self.core.phase is Phase.FAILED and not self.doomed:
-            raise Violation("the loader failed but nothing died or timed out")
+        self._go_on_if_waiting()
 
     def _work(self, w: int) -> None:
         head, *rest = self.queues[w]
@@ -572,7 +818,7 @@ class _Sim:
             self.shards = _replace(self.shards, w, (epoch, 0))
             if epoch == self.epoch:  # not the answer to a reset abandoned since
                 self.resumes_owed = self.resumes_owed - {w}
-            self.feed(WorkerResumed(w, epoch))
+            self.outbox = self.outbox + (WorkerResumed(w, epoch),)
             return
         _, task, index = head
         assert isinstance(task, int)
@@ -587,30 +833,58 @@ class _Sim:
             if outcome is not None:
                 self.shards = _replace(self.shards, w, (shard_epoch, k + 1))
         current = (task, w) in self.open_tasks
+        event: Event
         if outcome is None:
+            event = WorkerExhausted(task, w)
+        else:
             if current:
-                self.open_tasks = self.open_tasks - {(task, w)}
-                self.skipped = self.skipped | {task}
-                self.dry = self.dry | {w}
-            self.feed(WorkerExhausted(task, w))
-            return
-        if current:
-            self.answers = self.answers | {(task, outcome)}
-        kind, value = outcome
-        self.feed(TaskCompleted(task, w, value) if kind == "data" else TaskFailed(task, w, value))
+                self.answers = self.answers | {(task, outcome)}
+            kind, value = outcome
+            if kind == "data":
+                event = TaskCompleted(task, w, (task, w, outcome))
+            else:
+                event = TaskFailed(task, w, _TaskError(task, w, value))
+        self.outbox = self.outbox + (event,)
+
+    def _interrupt(self) -> None:
+        # The consumer is back in its own code: in the middle of the epoch, or before it, if
+        # iter() was interrupted; either way it may ask again, or start the next epoch.
+        before = self.driver.state
+        iterating = self.resetting
+        try:
+            self._go_on()
+        except KeyboardInterrupt:
+            pass
+        except Blocked:  # pragma: no cover - the poll raises the interrupt first
+            raise Violation("the interrupt did not reach the driver's wait") from None
+        else:
+            raise Violation("the interrupted call went on as if nothing happened")
+        self._raise_violation()
+        self.awaiting = self.resetting = False
+        after = self.driver.state
+        if after.waiting or after.life.resetting:
+            raise Violation(
+                f"the scheduler waits on after {'iter()' if iterating else 'next()'} was cut short"
+            )
+        if self.driver.todo or after.window != before.window:
+            raise Violation("an interrupted wait changed what was owed")
 
     def _close(self) -> None:
-        again = self.core.phase is Phase.CLOSED
+        again = self.driver.state.phase is Phase.CLOSED
         self.closes_left -= 1
-        commands = self.feed(CloseRequested())
-        if again and commands:
-            raise Violation(f"a second close emitted {commands!r}")
-        if not self.shut:
+        shut_before = self.shut
+        try:
+            self.driver.close()
+        except _ExecutorError:
+            if not self.broken:
+                raise Violation("close raised an executor failure that did not happen") from None
+        self._raise_violation()
+        if again and self.shut != shut_before:
+            raise Violation("a second close shut the workers down again")
+        if not self.shut and not self.broken:
             raise Violation("close did not shut the workers down")
-        if self.awaiting or self.resetting:
-            raise Violation("the consumer still waits after close")
         self.outcome = "closed"
-        self.doomed = False
+        self.expect = None
 
     def _restart(self) -> None:
         self.epoch += 1
@@ -623,21 +897,10 @@ class _Sim:
         self.delivered = ()
         self.last_task = self.sent_max
         self.ended = False
-        self.resetting = True
-        commands = self.feed(ResetRequested(seed=self.epoch))
-        resumed = sorted(c.worker for c in commands if isinstance(c, ResumeWorker))
-        if resumed != list(range(self.scenario.config.num_workers)):
-            raise Violation(f"a new epoch resumed workers {resumed}, not every worker")
-
-    def _interrupt(self) -> None:
-        # The consumer is back in its own code: in the middle of the epoch, or before it, if
-        # iter() was interrupted; either way it may ask again, or start the next epoch.
-        self.interrupts_left -= 1
-        self.awaiting = False
-        self.resetting = False
-        commands = self.feed(Interrupted())
-        if commands:
-            raise Violation(f"an interrupted wait emitted {commands!r}")
+        self.call(lambda: self.driver.start_epoch(seed=self.epoch), iterating=True)
+        everyone = set(range(self.scenario.config.num_workers))
+        if not self.broken and self.resumed != everyone:
+            raise Violation(f"a new epoch resumed workers {sorted(self.resumed)}, not every worker")
 
 
 def _replace(values: tuple, index: int, value: object) -> tuple:  # type: ignore[type-arg]

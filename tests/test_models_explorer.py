@@ -10,9 +10,11 @@ from statecore import (
     Config,
     Event,
     IndexDrawn,
+    Interrupted,
     Phase,
     PullIndex,
     SamplerExhausted,
+    SamplerFailed,
     State,
     TaskCompleted,
     TaskFailed,
@@ -27,12 +29,26 @@ from statecore.models.world import Next, Scenario, Work
 
 # Edges of the table that the simulated world does not produce, and why. The world answers
 # PullIndex at once, its workers answer first in, first out, and it starts the first epoch right
-# away; real executors may race in these ways, so tests/test_step_*.py cover these edges.
+# away; the driver polls only in a wait, never once the workers are stopped, and tells the
+# scheduler of a close only once; the world interrupts waits only. Real executors and signals
+# may race in these ways, so tests/test_step_*.py cover these edges.
+_LATE_REPORT = "a worker's exit reported when the driver no longer polls"
+_INTERRUPT_ELSEWHERE = "an interrupt landing outside a wait"
 NOT_IN_THE_WORLD = {
     (Phase.DRAINING, IndexDrawn, Phase.DRAINING): "every worker ran dry during a draw",
     (Phase.DRAINING, IndexDrawn, Phase.FINISHED): "every worker ran dry during a draw",
     (Phase.DRAINING, SamplerExhausted, Phase.DRAINING): "every worker ran dry during a draw",
     (Phase.DRAINING, SamplerExhausted, Phase.FINISHED): "every worker ran dry during a draw",
+    (Phase.DRAINING, SamplerFailed, Phase.FAILED): "every worker ran dry during a draw",
+    (Phase.FINISHED, WorkerDied, Phase.FINISHED): _LATE_REPORT,
+    (Phase.FINISHED, WorkerDied, Phase.FAILED): _LATE_REPORT,
+    (Phase.FAILED, WorkerDied, Phase.FAILED): _LATE_REPORT,
+    (Phase.CLOSED, WorkerDied, Phase.CLOSED): _LATE_REPORT,
+    (Phase.CLOSED, CloseRequested, Phase.CLOSED): "the driver tells the scheduler of one close",
+    (Phase.IDLE, Interrupted, Phase.IDLE): _INTERRUPT_ELSEWHERE,
+    (Phase.FINISHED, Interrupted, Phase.FINISHED): _INTERRUPT_ELSEWHERE,
+    (Phase.FAILED, Interrupted, Phase.FAILED): _INTERRUPT_ELSEWHERE,
+    (Phase.CLOSED, Interrupted, Phase.CLOSED): _INTERRUPT_ELSEWHERE,
     (Phase.FINISHED, TaskCompleted, Phase.FINISHED): "a stale answer overtook a resume",
     (Phase.FINISHED, TaskFailed, Phase.FINISHED): "a stale answer overtook a resume",
     (Phase.FINISHED, WorkerExhausted, Phase.FINISHED): "a stale answer overtook a resume",
