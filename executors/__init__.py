@@ -14,21 +14,29 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from statecore.executors._driver import Driver, failure_exception
-    from statecore.executors._launch import ExecutorFactory, Launch
     from statecore.executors._loader import DataLoader
     from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
-    from statecore.executors._protocol import Executor
+    from statecore.executors._protocol import (
+        Capabilities,
+        Declared,
+        Executor,
+        ExecutorFactory,
+        Launch,
+        capabilities_of,
+    )
     from statecore.executors._registry import ENTRY_POINT_GROUP, available
     from statecore.executors._remote import RemoteError
     from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
 
 _WHERE = {
     "ENTRY_POINT_GROUP": "_registry",
+    "Capabilities": "_protocol",
     "DataLoader": "_loader",
+    "Declared": "_protocol",
     "Driver": "_driver",
     "Executor": "_protocol",
-    "ExecutorFactory": "_launch",
-    "Launch": "_launch",
+    "ExecutorFactory": "_protocol",
+    "Launch": "_protocol",
     "Pinned": "_pinned",
     "PinnedExecutor": "_pinned",
     "RemoteError": "_remote",
@@ -36,6 +44,7 @@ _WHERE = {
     "WorkerSetup": "_worker",
     "as_worker": "_worker",
     "available": "_registry",
+    "capabilities_of": "_protocol",
     "failure_exception": "_driver",
     "get_worker_info": "_worker",
     "pinned": "_pinned",
@@ -43,7 +52,9 @@ _WHERE = {
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Capabilities",
     "DataLoader",
+    "Declared",
     "Driver",
     "Executor",
     "ExecutorFactory",
@@ -55,6 +66,7 @@ __all__ = [
     "WorkerSetup",
     "as_worker",
     "available",
+    "capabilities_of",
     "failure_exception",
     "get_worker_info",
     "pinned",

@@ -66,7 +66,7 @@ from statecore import (
     initial_state,
     step,
 )
-from statecore.executors._protocol import Executor
+from statecore.executors._protocol import Executor, capabilities_of
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
 
@@ -102,7 +102,7 @@ class Driver:
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
-        self.confirms = hasattr(executor, "unconfirmed")
+        self.confirms = capabilities_of(executor).confirms_answers
         """Whether the executor keeps the answer it returned until told it was recorded."""
         self.handed: Command | None = None
         """An outcome given in a call that an interrupt then cut short: the next request's."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import ClassVar
 
 from statecore import Event, ResumeWorker, SendTask
-from statecore.executors._launch import Launch
+from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._worker import WorkerRuntime
 
 __all__ = ["InlineExecutor"]
@@ -17,6 +18,8 @@ class InlineExecutor:
     Loading at poll time rather than at dispatch keeps torch's single-process timing: a batch
     is produced when the consumer asks for it, not ahead of time.
     """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
 
     def __init__(self, launch: Launch) -> None:
         if launch.num_workers != 1:

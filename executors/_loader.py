@@ -27,9 +27,14 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase, can_restart
 from statecore.executors._driver import Driver
-from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._pinned import Pinned
-from statecore.executors._protocol import Executor
+from statecore.executors._protocol import (
+    Capabilities,
+    Executor,
+    ExecutorFactory,
+    Launch,
+    capabilities_of,
+)
 from statecore.executors._registry import resolve_executor
 from statecore.executors._worker import WorkerSetup
 
@@ -190,9 +195,9 @@ class _Checked:
     factory: ExecutorFactory
 
     @property
-    def poll_from_any_thread(self) -> bool:
+    def capabilities(self) -> Capabilities:
         # The pin stage asks the factory it wraps; the answer is the checked factory's.
-        return bool(getattr(self.factory, "poll_from_any_thread", False))
+        return capabilities_of(self.factory)
 
     def __call__(self, launch: Launch) -> Executor:
         executor = self.factory(launch)

@@ -3,8 +3,8 @@
 `DataLoader(..., pin_memory=True)` wraps whatever executor loads the batches (inline, mp,
 thread or a plug-in) in this stage; `executor="pinned"` (or `pinned(...)`) names it outright.
 
-Over an executor whose factory has a true `poll_from_any_thread` attribute (mp and thread do),
-the stage is one thread of the main process. It is the only caller of the inner executor's
+Over an executor whose factory declares `poll_from_any_thread` (`Capabilities`; mp and thread
+do), the stage is one thread of the main process. It is the only caller of the inner executor's
 `poll`: it takes each answer as it arrives, pins a batch's
 tensors (torch's `pin_memory` semantics: tensors inside mappings, sequences, tuples and
 namedtuples; `.pin_memory()` on a custom batch type; strings and other objects unchanged), and
@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import torch
@@ -46,8 +46,13 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
 from statecore.executors._handoff import Handoff
-from statecore.executors._launch import ExecutorFactory, Launch
-from statecore.executors._protocol import Executor
+from statecore.executors._protocol import (
+    Capabilities,
+    Executor,
+    ExecutorFactory,
+    Launch,
+    capabilities_of,
+)
 
 __all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
 
@@ -147,6 +152,10 @@ def default_pin() -> PinFunction | None:
 class PinnedExecutor:
     """An executor that pins (and optionally moves) every batch another executor produces."""
 
+    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
+    """Read from the executor: only `confirms_answers`. Whether the stage loads in-process is
+    its factory's to say (`Pinned.capabilities`)."""
+
     def __init__(
         self,
         inner: Executor,
@@ -162,7 +171,7 @@ class PinnedExecutor:
         self.answers: Handoff[Event | BaseException] = Handoff()
         self.unconfirmed: Event | None = None
         """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
-        self.inner_confirms = hasattr(inner, "unconfirmed")
+        self.inner_confirms = capabilities_of(inner).confirms_answers
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
@@ -304,6 +313,12 @@ class Pinned:
     in_process: bool = False
     """Whether `inner` loads in the calling thread; set when `inner` is resolved."""
 
+    @property
+    def capabilities(self) -> Capabilities:
+        # Its executor keeps every answer until the driver has recorded it, whatever `inner`
+        # does; its own thread, if any, is the only caller of the inner `poll`.
+        return Capabilities(in_process=self.in_process, confirms_answers=True)
+
     def __call__(self, launch: Launch) -> Executor:
         if self.inner is None or isinstance(self.inner, str):
             raise TypeError(
@@ -323,7 +338,7 @@ class Pinned:
             pin = _unchanged
         # A thread of our own may poll only an executor that says it can be polled from any
         # thread while the driver's thread dispatches: most that load when polled cannot.
-        threaded = not self.in_process and bool(getattr(self.inner, "poll_from_any_thread", False))
+        threaded = not self.in_process and capabilities_of(self.inner).poll_from_any_thread
         if threaded:
             launch = attrs.evolve(launch, start_all_at_once=True)
         return PinnedExecutor(self.inner(launch), pin, threaded=threaded, copy=copy)

@@ -12,26 +12,30 @@ What an executor promises, and the models assume:
   before it (`WorkerResumed`);
 - a worker that ends without being stopped is reported once with `WorkerDied`.
 
-An executor may also offer an attribute `unconfirmed` (None at first), to be interruptible
-without losing answers: `poll` sets it to the answer it returns before it removes that answer
-from wherever it kept it, with no call in between, and the driver sets it back to None once it
-has recorded the answer. Ctrl-C may land just after `poll` took an answer, where the return
-value is dropped; the driver then finds the answer in `unconfirmed` and records it on its next
-wait. Without the attribute an interrupt landing there loses that answer, and the loader waits
-for it in vain. The mp and thread executors offer it.
-
-Every method is called from one thread, the driver's, unless the executor's factory has a
-true `poll_from_any_thread` attribute: then the pin-memory stage may call `poll` from a thread
-of its own while the driver's thread calls the others.
+This module holds the whole contract: the methods (`Executor`), what an executor is given to
+start (`Launch`, `ExecutorFactory`), and what it declares beyond its methods (`Capabilities`,
+read only through `capabilities_of`). Everything an executor may declare defaults to False,
+which is what an executor that declares nothing gets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from statecore import Event, ResumeWorker, SendTask
+import attrs
 
-__all__ = ["Executor"]
+from statecore import Event, ResumeWorker, SendTask
+from statecore.executors._worker import WorkerSetup
+
+__all__ = [
+    "Capabilities",
+    "Declared",
+    "Executor",
+    "ExecutorFactory",
+    "Launch",
+    "capabilities_of",
+]
 
 
 @runtime_checkable
@@ -59,3 +63,89 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Release everything: join or terminate workers, close queues, free shared memory."""
+
+
+@attrs.frozen
+class Capabilities:
+    """What an executor declares beyond the protocol's methods.
+
+    Declare it as a class attribute `capabilities` of the executor class (a class taking a
+    `Launch` is its own factory; a subclass inherits it), or wrap a factory function in
+    `Declared`, as the registry does for the built-in names. `in_process` and
+    `poll_from_any_thread` are read from the factory, before any executor exists;
+    `confirms_answers` is read from the executor the factory returned. Every field defaults to
+    False: an executor declaring nothing loads in workers, is polled from the driver's thread
+    only, and may lose an answer to an interrupt that lands as `poll` returns.
+    """
+
+    in_process: bool = False
+    """It loads in the calling thread: it takes `num_workers=0` and is given one worker."""
+
+    poll_from_any_thread: bool = False
+    """`poll` may run in a thread of its own while the driver's thread calls `dispatch`,
+    `resume` and `stop_worker` (it only reads pipes or a thread-safe queue). The pin-memory
+    stage then polls from its own thread, and asks for `Launch.start_all_at_once`: an executor
+    declaring this must start no worker from `poll` when that is set."""
+
+    confirms_answers: bool = False
+    """The executor has an attribute `unconfirmed` (None at first), so that an interrupt loses
+    no answer. Ctrl-C may land just after `poll` took an answer from wherever it kept it, and
+    the answer is then dropped along with `poll`'s return value. So `poll` sets `unconfirmed`
+    to the answer it returns before it removes that answer from wherever it kept it, with no
+    call in between; the driver sets it back to None once it has recorded the answer, and after
+    an interrupt it records the answer it finds there on its next wait."""
+
+
+def capabilities_of(declarer: object) -> Capabilities:
+    """What `declarer` (an executor factory, or an executor) declares.
+
+    Its `capabilities` attribute, if that is a `Capabilities`. An object without one is read
+    the way the protocol was written before `Capabilities` existed, so that plug-ins written
+    then keep working: a true `in_process` or `poll_from_any_thread` attribute declares that
+    capability, and an attribute `unconfirmed` declares `confirms_answers`.
+    """
+    declared = getattr(declarer, "capabilities", None)
+    if isinstance(declared, Capabilities):
+        return declared
+    return Capabilities(
+        in_process=bool(getattr(declarer, "in_process", False)),
+        poll_from_any_thread=bool(getattr(declarer, "poll_from_any_thread", False)),
+        confirms_answers=hasattr(declarer, "unconfirmed"),
+    )
+
+
+@attrs.frozen
+class Launch:
+    """Everything an executor needs: what each worker runs, and how many workers."""
+
+    setup: WorkerSetup
+    num_workers: int
+    """Workers the scheduler addresses: the loader's num_workers, or 1 to load in-process."""
+    multiprocessing_context: object = None
+    """A start method name or a context object (stdlib or multiprocess), for process executors."""
+    start_all_at_once: bool = False
+    """Whether every worker must be started by the time `start()` returns.
+
+    Asked of the executor, not declared by it. Executors may otherwise start workers as they
+    are needed, from the thread that polls. A pin stage asks for this when its own thread
+    polls (`Capabilities.poll_from_any_thread`): starting (forking) workers there would fork
+    while the training loop runs, holding locks the children would inherit as held.
+    """
+
+
+ExecutorFactory = Callable[[Launch], Executor]
+
+
+@attrs.frozen
+class Declared:
+    """An executor factory function together with the capabilities it declares.
+
+    `Declared(make_executor, Capabilities(in_process=True))` is itself a factory. A class
+    declares its `capabilities` as a class attribute instead, and needs no wrapper.
+    """
+
+    factory: ExecutorFactory
+    capabilities: Capabilities
+
+    def __call__(self, launch: Launch) -> Executor:
+        return self.factory(launch)

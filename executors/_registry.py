@@ -1,10 +1,11 @@
-"""Executors by name: `DataLoader(executor="mp")`.
+"""Executors by name, and what `num_workers` means for the one chosen: `resolve_executor`.
 
 The built-in names are "inline", "mp", "thread" and "pinned" (the pin-memory stage over the
 executor num_workers would choose: "inline" or "mp"). Other packages add executors through the
 entry-point group `statecore.executors`: each entry point names an executor factory, a callable
-taking a `Launch` and returning an `Executor`. A factory with a true `in_process` attribute loads
-in the calling thread and takes `num_workers=0`; any other takes `num_workers > 0`.
+taking a `Launch` and returning an `Executor`. What an executor loads with comes from what it
+declares (`Capabilities`, read by `capabilities_of`): one that declares `in_process` loads in
+the calling thread and takes `num_workers=0`; any other takes `num_workers > 0`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from importlib.metadata import EntryPoint, entry_points
 
 import attrs
 
-from statecore.executors._launch import ExecutorFactory, Launch
 from statecore.executors._pinned import Pinned
-from statecore.executors._protocol import Executor
+from statecore.executors._protocol import (
+    Capabilities,
+    Declared,
+    Executor,
+    ExecutorFactory,
+    Launch,
+    capabilities_of,
+)
 
 __all__ = [
     "BUILT_IN",
@@ -51,18 +58,22 @@ def _thread(launch: Launch) -> Executor:
     return ThreadExecutor(launch)
 
 
-# Their poll only reads pipes or a queue, safe beside dispatch from another thread: the pin
-# stage may poll them from a thread of its own.
-_mp.poll_from_any_thread = True  # type: ignore[attr-defined]
-_thread.poll_from_any_thread = True  # type: ignore[attr-defined]
+def _built_in(make: ExecutorFactory, capabilities: Capabilities) -> tuple[ExecutorFactory, bool]:
+    return Declared(make, capabilities), capabilities.in_process
 
 
-# name -> (factory, loads in the calling thread?)
+# Each imports its executor when it first makes one: choosing an executor imports none, and the
+# mp executor's modules (which teach multiprocess's pickler torch's reductions) load only for a
+# loader that starts workers. mp and thread only read pipes or a hand-off in `poll`, safe beside
+# `dispatch` from another thread: the pin stage may poll them from a thread of its own. Their
+# classes declare `confirms_answers` themselves; subclasses (tests, plug-ins) passed as
+# factories promise nothing more than they declare.
 BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
-    "inline": (_inline, True),
-    "mp": (_mp, False),
-    "thread": (_thread, False),
+    "inline": _built_in(_inline, Capabilities(in_process=True)),
+    "mp": _built_in(_mp, Capabilities(poll_from_any_thread=True)),
+    "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True)),
 }
+"""name -> (factory, whether it loads in the calling thread, as the factory declares)."""
 
 
 def _plugins() -> dict[str, EntryPoint]:
@@ -97,14 +108,14 @@ def lookup(name: str) -> tuple[ExecutorFactory, bool]:
         raise TypeError(
             f"the executor {name!r} registered by {point.value!r} is not a callable factory"
         )
-    return factory, bool(getattr(factory, "in_process", False))
+    return factory, capabilities_of(factory).in_process
 
 
 def loads_in_process(executor: str | ExecutorFactory | None) -> bool:
-    """Whether `executor` loads in the calling thread, so takes num_workers=0.
+    """Whether `executor` declares that it loads in the calling thread, so takes num_workers=0.
 
-    A name asks the registry ("pinned" wraps "mp" unless told otherwise); a factory answers with
-    its `in_process` attribute, and one without it starts workers.
+    A name asks the registry ("pinned" and None choose "mp" unless told otherwise); a factory
+    answers with what it declares (`Capabilities.in_process`).
     """
     if isinstance(executor, Pinned):
         return executor.in_process or (
@@ -114,13 +125,25 @@ def loads_in_process(executor: str | ExecutorFactory | None) -> bool:
         return False
     if isinstance(executor, str):
         return lookup(executor)[1]
-    return bool(getattr(executor, "in_process", False))
+    return capabilities_of(executor).in_process
 
 
 def resolve_executor(
     executor: str | Callable[..., Executor] | None, num_workers: int
 ) -> tuple[ExecutorFactory, bool]:
-    """The factory for `executor`, and whether it loads in-process; errors say what to do."""
+    """The factory for `executor`, and whether it loads in-process; errors say what to do.
+
+    The one place that decides what `num_workers` means for an executor:
+
+    - left out, `num_workers=0` chooses "inline" and any other "mp", as torch does;
+    - an executor that declares `in_process` takes `num_workers=0` only, and loads in the
+      calling thread as one worker;
+    - a named executor that does not takes `num_workers > 0`, one worker per `num_workers`;
+    - a factory passed as it is that does not declare `in_process` follows `num_workers`: with
+      0 it is given one worker and loads as in-process loading does (no timeout, each batch
+      loaded when asked for), otherwise it is given `num_workers` workers;
+    - the pin-memory stage resolves what it wraps by these same rules.
+    """
     if executor is None:
         executor = "inline" if num_workers == 0 else "mp"
     if executor == PINNED:
@@ -130,23 +153,28 @@ def resolve_executor(
             raise ValueError("the pinned executor cannot wrap another pinned executor")
         inner, in_process = resolve_executor(executor.inner, num_workers)
         return attrs.evolve(executor, inner=inner, in_process=in_process), in_process
-    if callable(executor):
-        return executor, bool(getattr(executor, "in_process", num_workers == 0))
-    if not isinstance(executor, str):
+    if isinstance(executor, str):
+        factory, in_process = lookup(executor)
+        named = repr(executor)
+    elif callable(executor):
+        factory, in_process = executor, loads_in_process(executor)
+        named = getattr(executor, "__qualname__", None) or repr(executor)
+    else:
         raise TypeError(
             f"executor must be a name ({', '.join(available())}) or an executor factory, "
             f"but got {executor!r}"
         )
-    factory, in_process = lookup(executor)
     if in_process and num_workers > 0:
         raise ValueError(
-            f"executor={executor!r} loads in the calling thread and needs num_workers=0, but "
+            f"executor={named} loads in the calling thread and needs num_workers=0, but "
             f"got num_workers={num_workers}; leave executor out (or use executor='mp') to load "
             "in worker processes"
         )
-    if not in_process and num_workers == 0:
+    if num_workers == 0 and not in_process:
+        if not isinstance(executor, str):
+            return factory, True  # it follows num_workers: one worker, loading in-process
         raise ValueError(
-            f"executor={executor!r} loads in workers and needs num_workers > 0, but got "
+            f"executor={named} loads in workers and needs num_workers > 0, but got "
             "num_workers=0; set num_workers, or use executor='inline'"
         )
     return factory, in_process

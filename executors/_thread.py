@@ -63,7 +63,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -73,7 +73,7 @@ from torch.utils.data import Dataset, IterDataPipe, MapDataPipe
 
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
 from statecore.executors._handoff import Handoff
-from statecore.executors._launch import Launch
+from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._worker import WorkerRuntime, WorkerSetup, prepare_dataset
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
@@ -258,6 +258,8 @@ def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
 
 class ThreadExecutor:
     """Runs each worker in its own thread of this process."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch

@@ -18,8 +18,9 @@ reference here: whatever it hands over, statecore must hand over too.
   survive it (a bounded wait on /proc; skipped where there is no /proc).
 
 Whether the executor loads in the calling thread decides num_workers: 0 for an in-process
-executor, 1..max_workers otherwise. For a name it comes from the executor registry; for a
-factory pass `in_process=` (default: False, worker processes).
+executor, 1..max_workers otherwise. For a name it comes from the executor registry, for a
+factory from what it declares (`Capabilities.in_process`; one declaring nothing starts
+workers); `in_process=` overrides either.
 
 Run it with `run_state_machine_as_test(executor_machine("mp"), settings=settings(...))`: every
 example starts real loaders (and, for process executors, real processes), so keep
@@ -47,7 +48,7 @@ from hypothesis.stateful import (
 )
 
 from statecore import violations
-from statecore.executors._launch import ExecutorFactory
+from statecore.executors._protocol import ExecutorFactory
 from statecore.executors._registry import loads_in_process
 
 __all__ = [
@@ -320,10 +321,10 @@ def executor_machine(
 
     `executor` is anything `statecore.DataLoader(executor=...)` accepts. `in_process` says
     whether it loads in the calling thread (num_workers=0); left out, a name is looked up in
-    the executor registry and a factory is taken to start worker processes. `exit_timeout` is
-    how long teardown waits for child processes to end. `setup_strategy` replaces the
-    configurations drawn by default (`setups(in_process, max_workers, ...)`); its num_workers
-    must suit the executor.
+    the executor registry and a factory says so by declaring `Capabilities.in_process`.
+    `exit_timeout` is how long teardown waits for child processes to end. `setup_strategy`
+    replaces the configurations drawn by default (`setups(in_process, max_workers, ...)`); its
+    num_workers must suit the executor.
 
     The machine lets go of statecore's iterators and loader the way a training loop does, by
     dropping the last reference: that alone must stop their workers, as it does torch's.

@@ -135,8 +135,9 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     Each scenario allows one worker death, one interrupted wait, timeouts and closes at any
     moment; persistent scenarios run a second epoch on the same workers. One task in each dataset
     raises. Configurations of one or two workers are explored once more with the sampler
-    raising and the executor breaking instead. Persistent scenarios of one or two workers and prefetch 1 also get a third epoch,
-    so that an `iter()` interrupted while workers resume is followed by another `iter()`.
+    raising and the executor breaking instead. Persistent scenarios of one or two workers and
+    prefetch 1 also get a third epoch, so that an `iter()` interrupted while workers resume is
+    followed by another `iter()`.
     """
     combos = itertools.product(
         bounds.workers, bounds.prefetch, (False, True), (True, False), (False, True)

@@ -29,7 +29,7 @@ import torch.utils.data
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from statecore.executors._launch import ExecutorFactory
+from statecore.executors._protocol import ExecutorFactory
 from statecore.models.conformance import (
     ConformanceError,
     MapDataset,

@@ -186,7 +186,7 @@ def _sampler_error_overtakes_the_batch() -> dict[str, object]:
     def on_sampler_failed(state: State, event: Event) -> Transition:
         # Raises the sampler's error at once, as if the consumer were still waiting, although
         # it was handed a batch in this same call: the batch is lost.
-        return real(state._replace(waiting=True), event)
+        return real(state._replace(waiting=True), event)  # type: ignore[arg-type]
 
     return {"_on_sampler_failed": on_sampler_failed}
 
@@ -200,7 +200,7 @@ def _sampler_error_repeats() -> dict[str, object]:
         life = state.life
         if life.phase is Phase.FAILED and type(life.failure) is SamplerFailure:
             state = state._replace(life=attrs.evolve(life, reported=False))
-        return real(state, event)
+        return real(state, event)  # type: ignore[arg-type]
 
     return {"_on_next": on_next}
 
@@ -212,7 +212,7 @@ def _sampler_error_passes_iter() -> dict[str, object]:
         # Overlooks that the consumer is inside iter(): iter() returns, and the error waits for
         # the first next().
         life = attrs.evolve(state.life, resetting=False)
-        return real(state._replace(life=life), event)
+        return real(state._replace(life=life), event)  # type: ignore[arg-type]
 
     return {"_on_sampler_failed": on_sampler_failed}
 
@@ -224,7 +224,7 @@ def _executor_failure_forgotten() -> dict[str, object]:
         # After the executor broke, later requests are told the epoch ended, not the failure.
         if state.life.phase is Phase.FAILED and type(state.life.failure) is ExecutorFailure:
             return Transition(state, (EndEpoch(),))
-        return real(state, event)
+        return real(state, event)  # type: ignore[arg-type]
 
     return {"_on_next": on_next}
 

@@ -406,7 +406,7 @@ class _Sim:
         self.in_hand: tuple[int, int] | None = None
         """(task, worker) the scheduler handed over in this call: the consumer's, not a load."""
         self.resumed: set[int] = set()
-        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)  # type: ignore[arg-type]
+        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)
         driver.state = self.core
         driver.todo = deque(self.todo)
         driver.handed = self.handed
@@ -464,8 +464,8 @@ class _Sim:
     # --- the scheduler, as the driver calls it -------------------------------------------------
 
     def checked_step(self, before: State, event: Event) -> Transition:
-        if type(event) is ExecutorFailed and type(event.error) is Blocked:  # type: ignore[attr-defined]
-            raise event.error  # type: ignore[attr-defined]
+        if type(event) is ExecutorFailed and type(event.error) is Blocked:
+            raise event.error
         self._raise_violation()  # one the driver took for an executor failure
         try:
             transition = self.step(before, event)
@@ -484,15 +484,8 @@ class _Sim:
         if broken:
             raise self._violate(f"after {event!r}: " + "; ".join(broken))
         kind = type(event)
-        if (
-            kind is WorkerDied
-            and event.exitcode != 0
-            and before.phase
-            not in (  # type: ignore[attr-defined]
-                Phase.FAILED,
-                Phase.CLOSED,
-            )
-        ):
+        late = before.phase in (Phase.FAILED, Phase.CLOSED)
+        if isinstance(event, WorkerDied) and event.exitcode != 0 and not late:
             self._owe(_DEATH)
         elif kind is TimedOut:
             self._owe(_TIMEOUT_KIND)
@@ -510,9 +503,9 @@ class _Sim:
                 self.dry = self.dry | {w}
         for command in transition.commands:
             if type(command) is Deliver:
-                self.in_hand = (command.task, command.worker)  # type: ignore[attr-defined]
-            elif type(command) is RaiseError and type(command.failure) is TaskFailure:  # type: ignore[attr-defined]
-                self.in_hand = (command.failure.task, command.failure.worker)  # type: ignore[attr-defined]
+                self.in_hand = (command.task, command.worker)
+            elif type(command) is RaiseError and type(command.failure) is TaskFailure:
+                self.in_hand = (command.failure.task, command.failure.worker)
             else:
                 continue
             self.handed_in_call = True
@@ -617,7 +610,7 @@ class _Sim:
     def _death_unreported(self, worker: int) -> bool:
         # A worker may die after the driver polled last: work sent to it then is lost with it,
         # and its death, still to be polled, fails the loader.
-        return any(type(e) is WorkerDied and e.worker == worker for e in self.outbox)  # type: ignore[attr-defined]
+        return any(type(e) is WorkerDied and e.worker == worker for e in self.outbox)
 
     def _enqueue(self, worker: int, item: Item) -> None:
         if self.alive[worker]:

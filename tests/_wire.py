@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from statecore.executors import _buffers
-from statecore.executors._buffers import BufferReceiver, BufferSender
+from statecore.executors._mp import BufferReceiver, BufferSender, pool
 
 __all__ = ["NUMEL", "Filled", "LocalHandle", "in_buffer", "origin", "pair"]
 
@@ -32,7 +31,7 @@ class LocalHandle:
 @pytest.fixture
 def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BufferSender, BufferReceiver]]:
     """A worker's sender and a main process's receiver, joined in this process."""
-    monkeypatch.setattr(_buffers, "DupFd", LocalHandle)
+    monkeypatch.setattr(pool, "DupFd", LocalHandle)
     receiver = BufferReceiver()
     yield BufferSender(), receiver
     receiver.close()

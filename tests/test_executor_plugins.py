@@ -13,7 +13,18 @@ import torch
 
 import statecore
 from statecore import SendTask
-from statecore.executors import ENTRY_POINT_GROUP, available
+from statecore.executors import (
+    ENTRY_POINT_GROUP,
+    Capabilities,
+    Declared,
+    Launch,
+    PinnedExecutor,
+    available,
+    capabilities_of,
+)
+from statecore.executors._inline import InlineExecutor
+from statecore.executors._mp import MultiprocessExecutor
+from statecore.executors._registry import BUILT_IN, loads_in_process
 from statecore.executors._thread import ThreadExecutor
 from statecore.models.kit import check_executor, matrix
 
@@ -54,7 +65,7 @@ def test_a_registered_executor_loads_torchs_batches(acme: str) -> None:
 
 def test_a_plugin_cannot_take_a_built_in_name(acme: str) -> None:
     loader = statecore.DataLoader(torch.arange(4), executor="inline")
-    assert loader.executor_factory.__module__ == "statecore.executors._registry"
+    assert loader.executor_factory is BUILT_IN["inline"][0]
 
 
 def test_a_misspelt_name_lists_the_registered_executors_too(acme: str) -> None:
@@ -95,3 +106,69 @@ def test_an_executor_that_cannot_carry_out_a_command_fails_the_loader_cleanly() 
     assert FailsToDispatch.shutdowns == 1
     gc.collect()
     assert FailsToDispatch.shutdowns == 1
+
+
+# --- what an executor declares -------------------------------------------------------------------
+
+
+def test_the_registry_says_what_each_built_in_factory_declares() -> None:
+    for name, (factory, in_process) in BUILT_IN.items():
+        assert capabilities_of(factory).in_process == in_process, name
+    assert capabilities_of(BUILT_IN["mp"][0]).poll_from_any_thread
+    assert capabilities_of(BUILT_IN["thread"][0]).poll_from_any_thread
+    assert not capabilities_of(BUILT_IN["inline"][0]).poll_from_any_thread
+    # What an executor itself declares is read from the executor.
+    for executor_class in (InlineExecutor, ThreadExecutor, MultiprocessExecutor, PinnedExecutor):
+        assert capabilities_of(executor_class).confirms_answers, executor_class
+
+
+def make_inline(launch: Launch) -> InlineExecutor:
+    return InlineExecutor(launch)
+
+
+def legacy_inline(launch: Launch) -> InlineExecutor:
+    return InlineExecutor(launch)
+
+
+legacy_inline.in_process = True  # type: ignore[attr-defined]
+
+
+class Confirming:
+    """An executor as written before `Capabilities`: it has `unconfirmed`, and declares nothing."""
+
+    unconfirmed = None
+
+
+def test_an_object_declaring_nothing_gets_the_defaults() -> None:
+    assert capabilities_of(make_inline) == Capabilities()
+    assert capabilities_of(object()) == Capabilities()
+
+
+def test_attributes_of_plugins_written_before_capabilities_still_declare() -> None:
+    assert capabilities_of(legacy_inline) == Capabilities(in_process=True)
+    assert capabilities_of(Confirming()) == Capabilities(confirms_answers=True)
+    assert loads_in_process(legacy_inline)
+    loader = statecore.DataLoader(torch.arange(5), batch_size=2, executor=legacy_inline)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_factory_function_declares_through_declared() -> None:
+    factory = Declared(make_inline, Capabilities(in_process=True, confirms_answers=True))
+    assert capabilities_of(factory).in_process and loads_in_process(factory)
+    loader = statecore.DataLoader(torch.arange(3), executor=factory)
+    assert loader.loads_in_process
+    assert [b.tolist() for b in loader] == [[0], [1], [2]]
+
+
+def test_an_in_process_factory_with_workers_is_refused_as_a_named_one_is() -> None:
+    factory = Declared(make_inline, Capabilities(in_process=True))
+    with pytest.raises(ValueError, match=r"loads in the calling thread.*num_workers=2"):
+        statecore.DataLoader(torch.arange(4), num_workers=2, executor=factory)
+
+
+def test_a_factory_passed_as_it_is_and_not_in_process_follows_num_workers() -> None:
+    without = statecore.DataLoader(torch.arange(4), executor=ThreadExecutor)
+    assert without.loads_in_process  # one worker, loading as in-process loading does
+    assert [b.tolist() for b in without] == [[0], [1], [2], [3]]
+    with_workers = statecore.DataLoader(torch.arange(4), num_workers=2, executor=FailsToDispatch)
+    assert not with_workers.loads_in_process

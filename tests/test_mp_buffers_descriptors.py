@@ -22,8 +22,7 @@ import torch.multiprocessing
 from _wire import NUMEL, Filled
 
 import statecore
-from statecore.executors import _buffers
-from statecore.executors._buffers import BufferSender
+from statecore.executors._mp import BufferSender, pool
 
 GONE_WITHIN = 120
 # A float32 sample this long is 1 MiB: large enough for a buffer.
@@ -163,7 +162,7 @@ def test_under_the_file_system_strategy_the_main_process_holds_no_descriptor_per
 
 def test_a_buffer_can_be_read_and_written_by_its_owner_only(monkeypatch: pytest.MonkeyPatch):
     # Nothing fetches the buffer's descriptor here: no handle for the resource sharer.
-    monkeypatch.setattr(_buffers, "DupFd", lambda fd: None)
+    monkeypatch.setattr(pool, "DupFd", lambda fd: None)
     sender = BufferSender()
     batch = sender.begin()
     _, lent = sender.dumps(torch.full((NUMEL,), 1.0), batch)

@@ -22,7 +22,7 @@ from _wire import in_buffer
 from torch.utils.data import Dataset
 
 import statecore
-from statecore.executors._buffers import (
+from statecore.executors._mp import (
     BUFFERS_PER_WORKER,
     MIN_BUFFER_BYTES,
     BufferOpened,

@@ -1,4 +1,4 @@
-"""The main process's end of a worker's task pipe (executors/_channel.py).
+"""The main process's end of a worker's task pipe (executors/_mp/taskpipe.py).
 
 The writer must never block the main thread, must keep messages in order whether or not they
 fitted in the pipe at once, and must frame them so that the worker's `Connection` reads them.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import multiprocess.connection
 import pytest
 
-from statecore.executors._channel import TaskWriter
+from statecore.executors._mp import TaskWriter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,13 +17,13 @@ import statecore
 
 def test_a_worker_module_imports_the_core_but_not_the_loader_facade() -> None:
     code = (
-        "import sys, statecore.executors._mp\n"
+        "import sys, statecore.executors._mp.worker\n"
         "print(sorted(m for m in sys.modules if m.startswith('statecore.executors.')))"
     )
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
-    assert "statecore.executors._mp" in loaded
+    assert "statecore.executors._mp.worker" in loaded
     for facade in ("_loader", "_driver", "_registry", "_pinned"):
         assert f"statecore.executors.{facade}'" not in loaded
 
@@ -65,7 +65,7 @@ class WhoLoads(torch.utils.data.Dataset[int]):
 def test_a_worker_module_has_numpy_random_before_any_worker_seeds_it() -> None:
     # Every worker seeds numpy's generator as torch's do; a forked worker that had to import
     # numpy.random first would spend over 10 ms on it before its first batch.
-    code = "import sys, statecore.executors._mp\nprint('numpy.random' in sys.modules)"
+    code = "import sys, statecore.executors._mp.worker\nprint('numpy.random' in sys.modules)"
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout

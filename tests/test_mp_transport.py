@@ -28,8 +28,12 @@ from _wire import NUMEL, Filled, in_buffer, origin
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
-from statecore.executors._buffers import BUFFERS_PER_WORKER, BufferReceiver, BufferSender
-from statecore.executors._mp import _Answers
+from statecore.executors._mp import (
+    BUFFERS_PER_WORKER,
+    AnswerSender,
+    BufferReceiver,
+    BufferSender,
+)
 
 # Most tests here start worker processes; none may hang the suite.
 pytestmark = pytest.mark.timeout(120)
@@ -496,7 +500,7 @@ def test_the_pools_of_all_workers_use_at_most_a_quarter_of_the_descriptor_limit(
 ) -> None:
     import resource
 
-    from statecore.executors._buffers import buffers_per_worker
+    from statecore.executors._mp import buffers_per_worker
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, limit))
     assert buffers_per_worker(workers) == expected
@@ -565,7 +569,7 @@ def test_an_idle_sending_thread_holds_no_batch() -> None:
     # once its answer is sent the thread must let go of it, even with nothing more to send.
     reader, writer = multiprocess.Pipe(duplex=False)
     buffers = BufferSender(workers=1)
-    answers = _Answers(0, writer, buffers)
+    answers = AnswerSender(0, writer, buffers)
     try:
         payload = Tracked()
         alive = weakref.ref(payload)

@@ -22,7 +22,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 import statecore
 from statecore import LoaderTimeoutError, WorkerDiedError
-from statecore.executors import Launch, PinnedExecutor, pinned
+from statecore.executors import Capabilities, Declared, Launch, PinnedExecutor, pinned
 from statecore.executors._thread import ThreadExecutor
 
 WORKERS = pytest.mark.timeout(120)
@@ -246,9 +246,9 @@ def test_persistent_workers_keep_one_stage_across_epochs() -> None:
 
 @WORKERS
 def test_over_an_executor_not_known_to_be_thread_safe_batches_are_pinned_in_the_caller() -> None:
-    # A thread executor's own factory says it may be polled from any thread; a bare class
-    # (like most plug-ins, which load when polled) says nothing, so nothing polls it but the
-    # driver's thread.
+    # The "thread" factory declares that its executor may be polled from any thread; the bare
+    # class (like most plug-ins, which load when polled) declares nothing, so nothing polls it
+    # but the driver's thread.
     got = batches(
         statecore.DataLoader(range(4), num_workers=2, executor=pinned(ThreadExecutor, pin=mark))
     )
@@ -272,6 +272,7 @@ def breaks_once(launch: Launch) -> BreaksOnce:
     return BreaksOnce(launch)
 
 
+# Declared as plug-ins did before `Capabilities`, with a function attribute: still honoured.
 breaks_once.poll_from_any_thread = True  # type: ignore[attr-defined]
 
 
@@ -318,11 +319,11 @@ class RecordingThreads(ThreadExecutor):
         super().shutdown()
 
 
-def recording_threads(launch: Launch) -> RecordingThreads:
+def record_threads(launch: Launch) -> RecordingThreads:
     return RecordingThreads(launch)
 
 
-recording_threads.poll_from_any_thread = True  # type: ignore[attr-defined]
+recording_threads = Declared(record_threads, Capabilities(poll_from_any_thread=True))
 
 
 @WORKERS

@@ -1,5 +1,8 @@
 """The main process's end of a worker's task pipe: writes that never block the main thread.
 
+Run by the main process: its main thread (or the pin stage's) puts, and a flusher thread of
+its own writes what the pipe had no room for.
+
 A task is a few hundred bytes and most of the time the pipe has room for it, so the main
 thread writes it at once, without waking a thread (a `multiprocess` queue hands every message
 to a feeder thread, which then competes with the main thread for the GIL on every batch). When
@@ -20,7 +23,7 @@ import select
 import struct
 import threading
 
-__all__ = ["TaskWriter"]
+__all__ = ["TaskWriter", "frame"]
 
 _SHORT = struct.Struct("!i")
 _LONG = struct.Struct("!Q")

@@ -1,4 +1,7 @@
-"""Reused shared-memory buffers: how the large tensors of a batch reach the main process.
+"""A worker's pool of shared-memory buffers, and the pickler that places batches in it.
+
+Run by a worker process (the main process's side is `leases`; what the pickle holds is
+`wire`'s).
 
 Torch gives every tensor of a batch a shared-memory segment of its own: the worker creates it
 and faults in every page, and the main process fetches its file descriptor through the
@@ -26,46 +29,25 @@ tensors reach: a storage whose tensors reach at least half of it travels whole, 
 only *windows* travel, the ranges its tensors reach (tensors that overlap share one window, so
 they still share their storage on arrival), packed together in one buffer, or in the message
 when they are small. The tensors then arrive with their offsets counted from their window.
-The decisions go in a table pickled ahead of the batch (see `_Framed`).
+The decisions go in a table pickled ahead of the batch (`wire.Framed`).
 
-Unlike torch's, those tensors are not `is_shared()`: their memory is the worker's to reuse,
-so it must not be handed to a third process. A consumer that sends such a tensor on (a
-torch.multiprocessing queue, `share_memory_()`) makes torch move it to a segment of its own,
-as it does for any tensor, and that move gives the buffer back.
+A buffer is never overwritten while anyone can still read it. A buffer a message refers to is
+*lent* from the moment the worker places a storage in it until the main process gives it back
+(with a later task, once nothing there uses it: see `leases`). In the worker, a storage carved
+from a buffer holds the worker's own view of the buffer, so a batch that user code kept in the
+worker keeps its buffers too. A worker writes into a buffer only when it is not lent and its
+own view is gone.
 
-A buffer is never overwritten while anyone can still read it:
-
-- A buffer a message refers to is *lent* from the moment the worker places a storage in it
-  until the main process gives it back. There the storages built on it hold a *lease*, a view
-  of the buffer's mapping, for as long as their memory is in use: the lease goes only when the
-  storages are freed (no tensor, view or numpy array on them is left) or moved. The main
-  process gives a buffer back, with the next task it sends that worker, once its lease is gone.
-- In the worker, a storage carved from a buffer holds the worker's own view of the buffer, so
-  a batch that user code kept in the worker keeps its buffers too.
-- A worker writes into a buffer only when it is not lent and its own view is gone.
-
-Every message names the buffers it refers to in its header, so that the main process gives
-them back even when the message fails to unpickle. Buffers are anonymous memory: nothing of
-them appears in /dev/shm, and their pages go back to the system once no process maps them.
-Like torch's segments, they can be opened by their owner only (mode 0600).
-
-File descriptors: a worker keeps one per buffer. Under torch's default sharing strategy,
-`file_descriptor`, the main process keeps one per buffer it maps too, as it does for every
-tensor torch shares; under `file_system` it maps each buffer and closes the descriptor at once,
-so the buffers hold none there. A process that runs out of descriptors gets an error saying
-so, with the limit, what holds them and what to do (`_out_of_descriptors`), rather than the
-symptom deep in the resource sharer ("received 0 items of ancdata").
+Buffers are anonymous memory: nothing of them appears in /dev/shm, and their pages go back to
+the system once no process maps them. Like torch's segments, they can be opened by their owner
+only (mode 0600). A worker keeps one file descriptor per buffer.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import contextvars
 import copyreg
 import ctypes
-import errno
-import functools
 import io
 import mmap
 import os
@@ -76,23 +58,29 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
 
-import attrs
 import torch
-import torch.multiprocessing
 from torch.multiprocessing import reductions
+
+from statecore.executors._mp.wire import (
+    BufferClosed,
+    BufferOpened,
+    Framed,
+    Inline,
+    Shared,
+    TorchWay,
+    Windows,
+    tensor_at,
+    tensor_on,
+)
 
 __all__ = [
     "AVAILABLE",
     "BUFFERS_PER_WORKER",
-    "Batch",
     "BYTES_PER_WORKER",
-    "buffers_per_worker",
     "MIN_BUFFER_BYTES",
-    "BufferClosed",
-    "BufferOpened",
-    "BufferReceiver",
+    "Batch",
     "BufferSender",
-    "explain_exhaustion",
+    "buffers_per_worker",
 ]
 
 # Storages this large go in a buffer. A smaller one costs little whichever way it goes, and
@@ -164,143 +152,6 @@ def _plain(tensor: torch.Tensor) -> bool:
     )
 
 
-# --- the wire ----------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class BufferOpened:
-    """A worker made buffer `ident`; `handle` fetches its file descriptor from the worker."""
-
-    ident: int
-    capacity: int
-    handle: Any = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen
-class BufferClosed:
-    """A worker closed buffer `ident`, which was not lent: the main process may forget it."""
-
-    ident: int
-
-
-class _Shared:
-    """Bytes of a buffer, from `start`: one storage, or one window of a storage."""
-
-    __slots__ = ("buffer", "nbytes", "start")
-
-    def __init__(self, buffer: int, start: int, nbytes: int) -> None:
-        self.buffer, self.start, self.nbytes = buffer, start, nbytes
-
-    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[int, int, int]]:
-        return (_shared_storage, (self.buffer, self.start, self.nbytes))
-
-
-class _Inline:
-    """A small storage's bytes, or a small window's, carried in the message."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[bytes]]:
-        return (_inline_storage, (self.data,))
-
-
-class _TorchWay:
-    """A large storage that no buffer could take: it travels whole, as torch sends it."""
-
-    __slots__ = ("storage",)
-
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.storage = storage
-
-    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[torch.Tensor]]:
-        # Pickled outside any batch, so the tensor goes through torch's reductions.
-        whole = torch.empty((0,), dtype=torch.uint8).set_(self.storage)
-        return (_storage_of, (whole,))
-
-
-_Windows = tuple[tuple[int, "_Shared | _Inline | _TorchWay"], ...]
-"""Where one large storage of a batch went: (start in the storage, where those bytes went),
-by start; the windows do not overlap."""
-
-
-class _Framed:
-    """A batch whose large storages were placed after it was pickled: the table of where each
-    went, then the batch's own pickle, whose tensors refer to the table by number."""
-
-    __slots__ = ("batch", "table")
-
-    def __init__(self, table: tuple[_Windows, ...], batch: bytes) -> None:
-        self.table, self.batch = table, batch
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[tuple[_Windows, ...], bytes]]:
-        return (_unframe, (self.table, self.batch))
-
-
-def _receipt(what: str) -> _Receipt:
-    receipt = _RECEIVING.get()
-    if receipt is None:
-        raise pickle.UnpicklingError(
-            f"{what} can only be unpickled by the executor receiving it from its worker"
-        )
-    return receipt
-
-
-def _shared_storage(buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
-    return _receipt("a tensor in a worker's buffer").storage(buffer, start, nbytes)
-
-
-def _inline_storage(data: bytes) -> torch.UntypedStorage:
-    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
-
-
-def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
-    return tensor.untyped_storage()
-
-
-def _unframe(table: tuple[tuple[tuple[int, torch.UntypedStorage], ...], ...], batch: bytes) -> Any:
-    # By now the table's storages are built (the pickle builds arguments before the call).
-    receipt = _receipt("a batch placed in a worker's buffers")
-    receipt.table = tuple(
-        (tuple(start for start, _ in windows), tuple(storage for _, storage in windows))
-        for windows in table
-    )
-    # Should the batch fail to unpickle, its traceback keeps this frame: it must not keep the
-    # storages too, or their buffers would stay lent for as long as the error is kept.
-    del table
-    return pickle.loads(batch)
-
-
-def _tensor(
-    storage: torch.UntypedStorage,
-    dtype: torch.dtype,
-    offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-) -> torch.Tensor:
-    return torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
-
-
-def _tensor_at(
-    ref: int,
-    dtype: torch.dtype,
-    start: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-) -> torch.Tensor:
-    """The tensor whose data starts `start` bytes into large storage `ref` of the batch."""
-    table = _receipt("a tensor in a worker's buffer").table
-    if table is None:
-        raise pickle.UnpicklingError("a tensor refers to a batch's table, but none came first")
-    starts, storages = table[ref]
-    # Its window is the last one to start at or before its data: the windows do not overlap.
-    window = bisect.bisect_right(starts, start) - 1
-    offset = (start - starts[window]) // dtype.itemsize
-    return _tensor(storages[window], dtype, offset, size, stride)
-
-
 def _reach(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage a tensor reaches: from its first element to past its last."""
     itemsize = tensor.element_size()
@@ -341,9 +192,6 @@ def _align(nbytes: int) -> int:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole storage as a tensor of bytes."""
     return torch.empty((0,), dtype=torch.uint8).set_(storage)
-
-
-# --- the worker's side -------------------------------------------------------------------------
 
 
 class _Buffer:
@@ -411,7 +259,7 @@ class Batch:
         """Small storages travel in the message (False where there are no buffers at all)."""
         self.collating = False
         self.carved: dict[int, _Buffer] = {}
-        self.placed: dict[tuple[int, int], _Inline | None] = {}
+        self.placed: dict[tuple[int, int], Inline | None] = {}
         """The small storages pickled so far, by address and size."""
         self.deferred: dict[tuple[int, int], _Deferred] = {}
         """The large storages pickled so far, by address and size, placed once all are seen."""
@@ -540,7 +388,7 @@ class BufferSender:
         if batch.deferred:
             with self.lock:
                 table = self._place(batch)
-            payload = self._pickle(_Framed(table, payload))
+            payload = self._pickle(Framed(table, payload))
             # The batch object lives on until the next one begins: it must not keep the
             # storages, whose carvings would keep their buffers from reuse meanwhile.
             batch.deferred.clear()
@@ -620,27 +468,27 @@ class BufferSender:
             if _ALIGNMENT % tensor.element_size():
                 # No window could start where this tensor's elements line up: it takes all.
                 reach = (0, storage.nbytes())
-            return (_tensor_at, (batch.defer(storage, reach), tensor.dtype, reach[0], size, stride))
+            return (tensor_at, (batch.defer(storage, reach), tensor.dtype, reach[0], size, stride))
         place = self._inline(batch, storage)
         if place is None:
             return _torch_reduce_tensor(tensor)
-        return (_tensor, (place, tensor.dtype, tensor.storage_offset(), size, stride))
+        return (tensor_on, (place, tensor.dtype, tensor.storage_offset(), size, stride))
 
     @staticmethod
-    def _inline(batch: Batch, storage: torch.UntypedStorage) -> _Inline | None:
+    def _inline(batch: Batch, storage: torch.UntypedStorage) -> Inline | None:
         """A small storage's bytes, once per batch; None for an empty one (torch's way)."""
         address, nbytes = storage.data_ptr(), storage.nbytes()
         key = (address, nbytes)
         if key not in batch.placed:
-            batch.placed[key] = _Inline(ctypes.string_at(address, nbytes)) if nbytes else None
+            batch.placed[key] = Inline(ctypes.string_at(address, nbytes)) if nbytes else None
         return batch.placed[key]
 
-    def _place(self, batch: Batch) -> tuple[_Windows, ...]:
+    def _place(self, batch: Batch) -> tuple[Windows, ...]:
         """Where each large storage of `batch` goes, now that all its tensors are known.
 
         With the lock held.
         """
-        table: list[_Windows] = [()] * len(batch.deferred)
+        table: list[Windows] = [()] * len(batch.deferred)
         partial: list[tuple[_Deferred, list[tuple[int, int]]]] = []
         for deferred in batch.deferred.values():
             storage = deferred.storage
@@ -652,12 +500,12 @@ class BufferSender:
                 continue
             buffer = carved or self._acquire(batch, nbytes)
             if buffer is None:
-                table[deferred.ref] = ((0, _TorchWay(storage)),)
+                table[deferred.ref] = ((0, TorchWay(storage)),)
                 continue
             if buffer is not carved:
                 buffer.writable(nbytes).copy_(_bytes_of(storage))
             self._lend(batch, buffer)
-            table[deferred.ref] = ((0, _Shared(buffer.ident, 0, nbytes)),)
+            table[deferred.ref] = ((0, Shared(buffer.ident, 0, nbytes)),)
         if partial:
             self._pack(batch, partial, table)
         return tuple(table)
@@ -666,7 +514,7 @@ class BufferSender:
         self,
         batch: Batch,
         partial: list[tuple[_Deferred, list[tuple[int, int]]]],
-        table: list[_Windows],
+        table: list[Windows],
     ) -> None:
         """Place the windows of storages that travel in part: together in one buffer, or in the
         message when they are small. With the lock held."""
@@ -675,7 +523,7 @@ class BufferSender:
             for deferred, windows in partial:
                 address = deferred.storage.data_ptr()
                 table[deferred.ref] = tuple(
-                    (start, _Inline(ctypes.string_at(address + start, end - start)))
+                    (start, Inline(ctypes.string_at(address + start, end - start)))
                     for start, end in windows
                 )
             return
@@ -683,19 +531,19 @@ class BufferSender:
         if buffer is None:
             # The pool is spent: these storages go whole, as torch sends them.
             for deferred, _ in partial:
-                table[deferred.ref] = ((0, _TorchWay(deferred.storage)),)
+                table[deferred.ref] = ((0, TorchWay(deferred.storage)),)
             return
         target = buffer.writable(total)
         at = 0
         for deferred, windows in partial:
             source = _bytes_of(deferred.storage)
-            places: list[tuple[int, _Shared | _Inline | _TorchWay]] = []
+            places: list[tuple[int, Shared | Inline | TorchWay]] = []
             for start, end in windows:
                 if end == start:  # an empty tensor's: no bytes to hold
-                    places.append((start, _Inline(b"")))
+                    places.append((start, Inline(b"")))
                     continue
                 target[at : at + end - start].copy_(source[start:end])
-                places.append((start, _Shared(buffer.ident, at, end - start)))
+                places.append((start, Shared(buffer.ident, at, end - start)))
                 at += _align(end - start)
             table[deferred.ref] = tuple(places)
         self._lend(batch, buffer)
@@ -769,285 +617,3 @@ class BufferSender:
         del self.buffers[buffer.ident]
         buffer.close()
         self.pending.append(BufferClosed(buffer.ident))
-
-
-# --- the main process's side -------------------------------------------------------------------
-
-
-class _Receipt:
-    """The leases made while one message is unpickled, one per buffer it refers to."""
-
-    def __init__(self, receiver: BufferReceiver, worker: int) -> None:
-        self.receiver = receiver
-        self.worker = worker
-        self.leases: dict[int, weakref.ref[memoryview]] = {}
-        self.table: tuple[tuple[tuple[int, ...], tuple[torch.UntypedStorage, ...]], ...] | None
-        self.table = None
-        """Per large storage of the batch, its windows: their starts, and their storages."""
-
-    def storage(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
-        known = self.leases.get(buffer)
-        lease = None if known is None else known()
-        if lease is None:
-            receiver = self.receiver
-            with receiver.lock:
-                memory = receiver.mapped.get((self.worker, buffer))
-                if memory is None:
-                    raise RuntimeError(
-                        receiver.missing.get(
-                            (self.worker, buffer),
-                            f"buffer {buffer} of worker {self.worker} is unknown: "
-                            "it was never announced",
-                        )
-                    )
-                # The lease: a view of the mapping that the storages built on the buffer keep
-                # for as long as their memory is in use, and release when they are freed or
-                # moved (by share_memory_(), say).
-                lease = memoryview(memory)
-            self.leases[buffer] = weakref.ref(lease)
-        return torch.frombuffer(
-            lease, dtype=torch.uint8, count=nbytes, offset=start
-        ).untyped_storage()
-
-
-_RECEIVING: contextvars.ContextVar[_Receipt | None] = contextvars.ContextVar(
-    "statecore_buffer_receipt", default=None
-)
-
-_Mapping = mmap.mmap | ctypes.Array[ctypes.c_char]
-
-
-class BufferReceiver:
-    """The main process's side of every worker's pool: its mappings, and what is lent."""
-
-    def __init__(self) -> None:
-        self.mapped: dict[tuple[int, int], _Mapping] = {}
-        self.missing: dict[tuple[int, int], str] = {}
-        """Why a buffer announced could not be mapped, as the error to raise when used."""
-        self.lent: dict[int, dict[int, weakref.ref[memoryview] | None]] = {}
-        """Per worker, the buffers lent to this process, each with the lease of its storages."""
-        # Messages may be received on one thread (a pin stage's) while tasks are sent and the
-        # executor shut down on another (the driver's).
-        self.lock = threading.Lock()
-
-    def notice(self, worker: int, notice: BufferOpened | BufferClosed) -> None:
-        key = (worker, notice.ident)
-        if isinstance(notice, BufferClosed):
-            with self.lock:
-                self.mapped.pop(key, None)  # not lent, so nothing on it is left to read
-            return
-        which = f"buffer {notice.ident} of worker {worker}"
-        try:
-            fd = notice.handle.detach()
-        except Exception as error:  # the worker died, most likely; its death is reported
-            self.missing[key] = _failure(error, which, "its descriptor could not be fetched")
-            return
-        try:
-            memory = _map(fd, notice.capacity)
-        except OSError as error:
-            self.missing[key] = _failure(error, which, "it could not be mapped")
-            return
-        finally:
-            os.close(fd)  # the mapping keeps a duplicate of its own, or (file_system) none
-        with self.lock:
-            self.mapped[key] = memory
-
-    def loads(self, worker: int, lent: tuple[int, ...], payload: bytes | memoryview) -> Any:
-        """Unpickle a message from `worker` that refers to the buffers `lent`."""
-        receipt = _Receipt(self, worker)
-        token = _RECEIVING.set(receipt)
-        try:
-            return pickle.loads(payload)
-        except Exception as error:
-            # Fetching a tensor torch's way is where a process short of descriptors fails.
-            clear = explain_exhaustion(error)
-            if clear is error:
-                raise
-            raise clear from error
-        finally:
-            _RECEIVING.reset(token)
-            receipt.table = None  # the storages are the batch's now, or garbage
-            with self.lock:
-                held = self.lent.setdefault(worker, {})
-                for ident in lent:
-                    # None where nothing was built on it (the message failed): give it back.
-                    held[ident] = receipt.leases.get(ident)
-
-    def returns_for(self, worker: int) -> tuple[int, ...]:
-        """The buffers to give back to `worker` with the next message it is sent."""
-        with self.lock:
-            held = self.lent.get(worker)
-            if not held:
-                return ()
-            back = tuple(ident for ident, lease in held.items() if lease is None or not lease())
-            for ident in back:
-                del held[ident]
-            return back
-
-    def close(self) -> None:
-        """Forget every mapping; one that a kept batch still uses goes when the batch goes."""
-        with self.lock:
-            self.mapped.clear()
-            self.missing.clear()
-            self.lent.clear()
-
-
-def _map(fd: int, length: int) -> _Mapping:
-    """Map a buffer's descriptor in the main process; the caller closes `fd`.
-
-    Under torch's default sharing strategy (file_descriptor) Python's mmap keeps a duplicate of
-    the descriptor, as torch keeps one per segment it maps. Under file_system the mapping is
-    made through libc, which keeps none: the buffers then cost this process no descriptors.
-    """
-    if _sharing_strategy() != "file_system":
-        return mmap.mmap(fd, length)
-    libc = _libc()
-    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address is None or address == _MAP_FAILED:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mmap: {os.strerror(code)}")
-    memory = (ctypes.c_char * length).from_address(address)
-    # Unmapped once nothing uses it: the array goes with the last lease on it. Not at exit,
-    # while a tensor still on it might yet be read.
-    finalizer = weakref.finalize(memory, libc.munmap, address, length)
-    finalizer.atexit = False
-    return memory
-
-
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _sharing_strategy() -> str:
-    """torch.multiprocessing's sharing strategy, as set_sharing_strategy() last set it."""
-    strategy: str = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]
-    return strategy
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
-# --- running out of descriptors ----------------------------------------------------------------
-
-# A descriptor sent over a socket to a process with no room for it is dropped by the kernel, and
-# the standard library reports "received 0 items of ancdata". That is taken for exhaustion when
-# the process holds at least its limit less this many.
-_NEAR_LIMIT = 8
-
-
-def explain_exhaustion(error: BaseException) -> BaseException:
-    """`error`, or where it comes from this process running out of file descriptors, an error
-    that says so: the limit, what holds the descriptors, and what to do (`error` its cause)."""
-    explained = _out_of_descriptors(error)
-    if explained is None:
-        return error
-    clear = RuntimeError(explained)
-    clear.__cause__ = error
-    return clear
-
-
-def _failure(error: BaseException, which: str, what: str) -> str:
-    """The error to raise when a message uses buffer `which`, which failed to arrive."""
-    explained = _out_of_descriptors(error)
-    if explained is not None:
-        return f"{explained} ({which} could not be received)"
-    return f"{which} is unknown: {what}: {error!r}"
-
-
-def _out_of_descriptors(error: BaseException) -> str | None:
-    """What to tell the user if `error` (or what caused it) is this process out of descriptors."""
-    limit = _descriptor_limit()
-    held: dict[str, int] | None = None
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno == errno.EMFILE:
-            break
-        if isinstance(cause, RuntimeError) and "ancdata" in str(cause) and limit is not None:
-            held = _held_descriptors()
-            if sum(held.values()) + _NEAR_LIMIT >= limit:
-                break
-        cause = cause.__cause__ or cause.__context__
-    else:
-        return None
-    if held is None:
-        held = _held_descriptors()
-    kinds = ", ".join(f"{count} {kind}" for kind, count in held.items() if count) or "none listed"
-    if _sharing_strategy() == "file_system":
-        holders = ""
-        remedies = ""
-    else:
-        holders = (
-            " Under torch's sharing strategy 'file_descriptor' (its default), every tensor "
-            "torch shares with this process holds one for as long as it lives (a batch kept "
-            "beyond what the workers' buffers hold travels that way), and so does each buffer "
-            "of the workers that this process maps."
-        )
-        remedies = (
-            ", or call torch.multiprocessing.set_sharing_strategy('file_system') at the start "
-            "of the program, so that neither holds one"
-        )
-    return (
-        f"this process (pid {os.getpid()}) ran out of file descriptors: its limit "
-        f"(RLIMIT_NOFILE) is {'unlimited' if limit is None else limit}, and it has "
-        f"{sum(held.values())} open ({kinds}). Each DataLoader worker process holds a few "
-        f"here (its task and result pipes, and its sentinel).{holders} Raise the limit "
-        "(`ulimit -n` in the shell that starts Python, or "
-        "resource.setrlimit(resource.RLIMIT_NOFILE, ...) before the loader starts)"
-        f"{remedies}, or keep fewer batches alive at once."
-    )
-
-
-def _descriptor_limit() -> int | None:
-    """This process's limit on open descriptors (the soft RLIMIT_NOFILE); None if there is none."""
-    try:
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return None
-    return None if limit == resource.RLIM_INFINITY else limit
-
-
-# What a descriptor's target starts with, in /proc/self/fd, and what to call it.
-_KINDS = (
-    (("/dev/shm/", "/memfd:"), "shared-memory segments"),
-    (("pipe:",), "pipes"),
-    (("socket:",), "sockets"),
-    (("",), "other files"),
-)
-
-
-def _held_descriptors() -> dict[str, int]:
-    """This process's open descriptors, counted by kind; empty where /proc cannot tell."""
-    try:
-        numbers = [int(entry) for entry in os.listdir("/proc/self/fd")]
-    except OSError as error:
-        # Listing the directory takes a descriptor itself; at the limit, try every number.
-        limit = _descriptor_limit()
-        if error.errno != errno.EMFILE or limit is None or limit > 1 << 16:
-            return {}
-        numbers = list(range(limit))
-    held = dict.fromkeys((name for _, name in _KINDS), 0)
-    for number in numbers:
-        try:
-            target = os.readlink(f"/proc/self/fd/{number}")
-        except OSError:
-            continue  # not open, or the directory's own descriptor, closed since
-        kind = next(name for prefixes, name in _KINDS if target.startswith(prefixes))
-        held[kind] += 1
-    return held

@@ -1,0 +1,70 @@
+"""The multiprocessing executor: worker processes from the `multiprocess` package.
+
+Split by which process runs what:
+
+- `executor`: the parent (the loader's process): starts workers, sends tasks, polls, shuts down;
+- `taskpipe`: the parent's end of a worker's task pipe, written without ever blocking;
+- `leases`: the parent's side of the shared-memory buffers: its mappings, and leases;
+- `descriptors`: the parent's diagnosis of running out of file descriptors;
+- `worker`: the body of a worker process and the thread that sends its answers;
+- `pool`: a worker's side of the buffers: its pool, and the pickler that places batches;
+- `wire`: what crosses and how it is encoded, for both sides.
+
+What crosses process boundaries, and how:
+
+- *User code* (dataset, collate_fn, worker_init_fn) goes to spawn and forkserver workers pickled
+  with dill, so lambdas, closures and classes defined in functions work: pickled once for all
+  workers, except for tensors (and pipes), whose pickle is a handle only one process can fetch,
+  pickled for each worker as it starts (`wire.Shipment`). Under fork nothing is pickled, as in
+  torch. Under forkserver the server preloads the worker's module, and so torch, before it
+  forks any worker.
+- *Tasks* go through a pipe per worker, pickled by the C pickler (dill only as a fallback).
+  The main thread writes them itself, and what the pipe has no room for is left to a flusher
+  thread (`taskpipe`), so sending a task never blocks the main process.
+- *Results* come back pickled with the standard library's C pickler. Large tensors travel in
+  shared-memory buffers that each worker reuses (`pool`, `leases`): default_collate writes the
+  batch straight into one, and the message says which. Other tensors travel as torch sends
+  them, each in a shared-memory segment of its own whose file descriptor crosses through the
+  resource sharer. Only a batch the C pickler refuses falls back to dill (with torch's
+  reductions).
+- *Buffers* cross once each: a notice carrying the file descriptor precedes the first message
+  that uses one. The main process gives a buffer back, once the consumer has freed the storage
+  built on it, with the next task it sends that worker.
+
+A worker exits on its own the moment its loader's process ends, however that process was
+killed and whatever the worker is doing (`worker.watch_loader`).
+"""
+
+from __future__ import annotations
+
+from statecore.executors._mp.descriptors import explain_exhaustion
+from statecore.executors._mp.executor import MultiprocessExecutor, resolve_context
+from statecore.executors._mp.leases import BufferReceiver
+from statecore.executors._mp.pool import (
+    AVAILABLE,
+    BUFFERS_PER_WORKER,
+    MIN_BUFFER_BYTES,
+    Batch,
+    BufferSender,
+    buffers_per_worker,
+)
+from statecore.executors._mp.taskpipe import TaskWriter
+from statecore.executors._mp.wire import BufferClosed, BufferOpened
+from statecore.executors._mp.worker import AnswerSender
+
+__all__ = [
+    "AVAILABLE",
+    "BUFFERS_PER_WORKER",
+    "MIN_BUFFER_BYTES",
+    "AnswerSender",
+    "Batch",
+    "BufferClosed",
+    "BufferOpened",
+    "BufferReceiver",
+    "BufferSender",
+    "MultiprocessExecutor",
+    "TaskWriter",
+    "buffers_per_worker",
+    "explain_exhaustion",
+    "resolve_context",
+]

@@ -1,0 +1,430 @@
+"""The mp executor's parent side: it starts the workers, sends tasks, polls, shuts down.
+
+Run by the main process (the loader's), from the driver's thread, and for `poll` from the pin
+stage's thread when there is one (`Capabilities.poll_from_any_thread`).
+
+Each worker has its own task pipe and its own result pipe. The parent waits on every result
+pipe and every worker's process sentinel at once (`multiprocess.connection.wait`), so a worker
+that dies is noticed the moment it dies, not after a polling interval. While it reads a
+message it holds back Python signal handlers (`_signals`), since a message read in half is lost.
+
+Each worker is started when the scheduler first gives it something to do (or the main process
+first waits for answers), so the first worker loads its first batch while the others are
+still being started, instead of every worker waiting for the last one to be started. Every
+start goes through `_launch`. Under forkserver the fork server preloads the worker's module,
+and so torch, before it forks any worker (`preload_in_forkserver`).
+
+Both picklers share tensors through the standard library's resource sharer, which
+authenticates with `multiprocessing.current_process().authkey`. In a worker started by
+`multiprocess` that key is not the parent's, so each worker takes the parent's key (`Home`)
+before it unpickles anything. The sharer's sockets go in a directory of the executor's, which
+shutdown removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as stdlib_multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, ClassVar
+
+import multiprocess
+import multiprocess.connection
+import multiprocess.context
+import multiprocess.util
+
+from statecore import (
+    Event,
+    ResumeWorker,
+    SendTask,
+    TaskCompleted,
+    TaskFailed,
+    WorkerDied,
+)
+from statecore.executors._mp import worker as worker_module
+from statecore.executors._mp.descriptors import explain_exhaustion
+from statecore.executors._mp.leases import BufferReceiver
+from statecore.executors._mp.taskpipe import TaskWriter
+from statecore.executors._mp.wire import BATCH, NOTICE, Shipment, decode, encode_task
+from statecore.executors._mp.worker import Home, worker_main
+from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._remote import RemoteError
+from statecore.executors._signals import HeldSignals
+from statecore.executors._worker import WorkerSetup
+
+__all__ = ["MultiprocessExecutor", "preload_in_forkserver", "resolve_context"]
+
+# How long shutdown lets workers exit by themselves before terminating them. An idle worker
+# exits at once; one still busy with a batch nobody will read is simply terminated.
+SHUTDOWN_GRACE = 1.0
+# How long to wait for a process that has ended, or was terminated, to be reaped.
+JOIN_TIMEOUT = 5.0
+
+
+def resolve_context(spec: object) -> multiprocess.context.BaseContext:
+    """A multiprocess context from a start method name or a context object of either package."""
+    if spec is None:
+        return multiprocess.get_context()
+    if isinstance(spec, str):
+        return multiprocess.get_context(spec)
+    if isinstance(spec, multiprocess.context.BaseContext):
+        return spec
+    if isinstance(spec, stdlib_multiprocessing.context.BaseContext):
+        return multiprocess.get_context(spec.get_start_method())
+    raise TypeError(
+        "multiprocessing_context should be a start method name or a context object, "
+        f"but got {spec!r}"
+    )
+
+
+def preload_in_forkserver() -> None:
+    """Have the fork server import the worker's module (and so torch) before it forks any worker.
+
+    A worker forked from the server then starts with torch already imported, rather than each
+    worker importing it anew: seconds per worker, and on few cores the workers queue for them.
+    The server imports once, when it starts, and stays single-threaded, which is what makes
+    forking from it safe. Only a server not yet started takes the hint; what its preload list
+    already holds (by default `__main__`) stays.
+    """
+    from multiprocess import forkserver
+
+    server = forkserver._forkserver
+    preload = list(getattr(server, "_preload_modules", ["__main__"]))
+    if worker_module.__name__ not in preload:
+        forkserver.set_forkserver_preload([*preload, worker_module.__name__])
+
+
+class MultiprocessExecutor:
+    """Runs each worker in its own process; see the package docstring for what crosses."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
+
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        self.context = resolve_context(launch.multiprocessing_context)
+        # Keyed by worker, for the workers started so far.
+        self.processes: dict[int, Any] = {}
+        self.tasks: dict[int, TaskWriter] = {}
+        self.readers: dict[int, Any] = {}
+        self.task_readers: dict[int, Any] = {}
+        self.held: dict[int, list[bytes]] = {}
+        """Task messages for workers not started yet, written once each starts."""
+        # The pin stage polls from its own thread while the driver's thread dispatches.
+        self.launching = threading.Lock()
+        self.shipped: WorkerSetup | Shipment | None = None
+        self.authkey = b""
+        self.home: Home | None = None
+        """Made when the first worker starts: a loader that starts none leaves no directory."""
+        self.remove_tempdir: Any = None
+        self.ready: list[Event] = []
+        self.unconfirmed: Event | None = None
+        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
+        self.signals_held = HeldSignals()
+        self.stopping: set[int] = set()
+        self.shutting_down: Any = None
+        self.gone: set[int] = set()
+        self.buffers = BufferReceiver()
+        self.closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Get ready to start the workers: the first starts with its first task (`_send`)."""
+        ctx = self.context
+        if ctx.get_start_method() == "forkserver":
+            preload_in_forkserver()
+        setup = self.launch.setup
+        self.shipped = setup if ctx.get_start_method() == "fork" else Shipment.pack(setup)
+        self.authkey = bytes(stdlib_multiprocessing.current_process().authkey)
+        # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
+        # killed while checking it, and shutdown would then block on it.
+        self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
+        if self.launch.start_all_at_once:
+            for worker in range(self.launch.num_workers):
+                self._launch(worker)
+
+    def _launch(self, worker: int) -> None:
+        """Start `worker`'s process, unless it runs, was stopped, or shutdown has begun."""
+        failure: BaseException | None = None
+        # A fork cut short would leave a child nobody recorded: an interrupt is raised once the
+        # worker is started and recorded, from the end of this block (see _signals).
+        with self.signals_held, self.launching:
+            if worker in self.processes or worker in self.stopping or self.closed:
+                return
+            try:
+                self._start_process(worker)
+            except BaseException as error:
+                failure = explain_exhaustion(error)  # while the descriptors are still held
+        if failure is not None:
+            self.shutdown()
+            raise failure
+
+    def _start_process(self, worker: int) -> None:
+        # Each worker's pipes are made just before it starts, and the writing end of its
+        # result pipe is closed here just after: a worker started earlier does not hold it, so
+        # EOF on a result pipe means that its worker is gone. (A worker forked later does
+        # inherit this process's ends of earlier workers' pipes, and never uses them.)
+        ctx = self.context
+        # Before any pipe is made, so that a setup that fails to pickle leaves none open.
+        shipped = self.shipped.for_worker() if isinstance(self.shipped, Shipment) else self.shipped
+        home = self._home()
+        task_reader, task_writer = ctx.Pipe(duplex=False)
+        reader, writer = ctx.Pipe(duplex=False)
+        try:
+            tasks = TaskWriter(os.dup(task_writer.fileno()), f"statecore-tasks-{worker}")
+        finally:
+            task_writer.close()
+        process = ctx.Process(
+            target=worker_main,
+            args=(
+                shipped,
+                worker,
+                task_reader,
+                writer,
+                home,
+                self.shutting_down,
+            ),
+            name=f"statecore-worker-{worker}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            for end in (task_reader, writer, reader):
+                end.close()
+            tasks.close()
+            raise
+        # This process keeps its copy of the task pipe's reading end: writing to the pipe of a
+        # worker that died then fills the pipe rather than raising SIGPIPE, which would kill a
+        # main process that restored the signal's default. The death is reported by its
+        # sentinel.
+        self.task_readers[worker] = task_reader
+        writer.close()
+        for message in self.held.pop(worker, ()):
+            tasks.put(message)
+        self.readers[worker], self.processes[worker] = reader, process
+        self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
+
+    def _home(self) -> Home:
+        if self.home is None:
+            tempdir = tempfile.mkdtemp(prefix="statecore-")
+            # Removed at shutdown; for a loader never shut down, at interpreter exit once its
+            # workers are terminated (unlike weakref.finalize, not in a forked child's exit).
+            self.remove_tempdir = multiprocess.util.Finalize(
+                self, shutil.rmtree, args=(tempdir, True), exitpriority=-50
+            )
+            self.home = Home(pid=os.getpid(), authkey=self.authkey, tempdir=tempdir)
+        return self.home
+
+    def _next_to_launch(self) -> int | None:
+        if self.closed or len(self.processes) == self.launch.num_workers:
+            return None
+        for worker in range(self.launch.num_workers):
+            if worker not in self.processes and worker not in self.stopping:
+                return worker
+        return None
+
+    def _send(self, worker: int, command: SendTask | ResumeWorker) -> None:
+        message = encode_task(command, self.buffers.returns_for(worker))
+        tasks = self.tasks.get(worker)
+        if tasks is None:
+            with self.launching:
+                tasks = self.tasks.get(worker)
+                if tasks is None:
+                    if worker not in self.stopping and not self.closed:
+                        self.held.setdefault(worker, []).append(message)
+                    first = not self.processes
+            if tasks is None:
+                if first:
+                    # The first worker given a task starts at once; the others start while
+                    # the main process waits for answers (see `poll`).
+                    self._launch(worker)
+                return
+        tasks.put(message)
+
+    def dispatch(self, command: SendTask) -> None:
+        self._send(command.worker, command)
+
+    def resume(self, command: ResumeWorker) -> None:
+        self._send(command.worker, command)
+
+    def stop_worker(self, worker: int) -> None:
+        if worker in self.stopping:
+            return
+        with self.launching:
+            self.stopping.add(worker)  # a worker not started yet never will be
+            self.held.pop(worker, None)
+        if worker in self.processes and worker not in self.gone:
+            # At interpreter exit the pipe may already be closed; shutdown then terminates
+            # the worker instead.
+            with contextlib.suppress(ValueError, OSError):
+                self.tasks[worker].put(b"")  # the stop message
+
+    # --- answers -----------------------------------------------------------------------------
+
+    def poll(self, timeout: float | None) -> Event | None:
+        """The next answer from any worker, a death, or None once `timeout` seconds pass.
+
+        Workers not started yet are started here, one at a time, and only while no answer is
+        waiting to be read: starting one takes milliseconds (fork copies the page tables of
+        the whole main process), which an answer already here should not wait for.
+        """
+        if self.ready:
+            return self._hand_over()
+        deadline = None
+        while not self.ready:
+            watched = self._watched()
+            starting = self._next_to_launch()
+            if starting is not None:
+                fired = multiprocess.connection.wait(list(watched), 0) if watched else []
+                if not fired:
+                    self._launch(starting)
+                    continue
+            else:
+                if not watched:
+                    return None
+                # The timeout counts from here: starting workers is not waiting for them.
+                if deadline is None and timeout is not None:
+                    deadline = time.monotonic() + timeout
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                fired = multiprocess.connection.wait(list(watched), left)
+                if not fired:
+                    return None
+            # Reading a message is not interruptible without losing it (see _signals).
+            with self.signals_held:
+                for handle in fired:
+                    self._collect(*watched[handle])
+        return self._hand_over()
+
+    def _hand_over(self) -> Event:
+        # Read, recorded, then removed, with no call in between: an interrupt landing as this
+        # returns cannot lose the answer (see _protocol).
+        event = self.ready[0]
+        self.unconfirmed = event
+        del self.ready[0]
+        return event
+
+    def _watched(self) -> dict[Any, tuple[str, int]]:
+        watched: dict[Any, tuple[str, int]] = {}
+        # A snapshot: another thread may start a worker meanwhile.
+        for worker, process in tuple(self.processes.items()):
+            if worker in self.gone:
+                continue
+            watched[self.readers[worker]] = ("answer", worker)
+            watched[process.sentinel] = ("exit", worker)
+        return watched
+
+    def _collect(self, kind: str, worker: int) -> None:
+        reader = self.readers[worker]
+        if kind == "answer":
+            try:
+                message = reader.recv_bytes()
+            except (EOFError, OSError):
+                self._exited(worker)
+            else:
+                self._receive(worker, message)
+            return
+        # The process ended: first take whatever it sent before ending.
+        try:
+            while reader.poll(0):
+                self._receive(worker, reader.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        self._exited(worker)
+
+    def _receive(self, worker: int, message: bytes) -> None:
+        task, lent, kind, payload = decode(message)
+        if task == NOTICE:
+            self.buffers.notice(worker, pickle.loads(payload))
+        else:
+            self.ready.append(self._decode(worker, task, lent, payload, kind))
+
+    def _exited(self, worker: int) -> None:
+        if worker in self.gone:
+            return
+        self.gone.add(worker)
+        process = self.processes[worker]
+        process.join(JOIN_TIMEOUT)
+        if worker not in self.stopping:
+            self.ready.append(WorkerDied(worker, process.pid, process.exitcode))
+
+    def _decode(
+        self, worker: int, task: int, lent: tuple[int, ...], payload: memoryview, kind: int
+    ) -> Event:
+        try:
+            content = self.buffers.loads(worker, lent, payload)
+        except Exception as error:
+            process = self.processes[worker]
+            process.join(JOIN_TIMEOUT / 5)
+            if not process.is_alive() and worker not in self.stopping:
+                # Its tensors died with it (they are fetched from the worker on unpickling):
+                # the death is the error to report, not the failed fetch.
+                self.gone.add(worker)
+                return WorkerDied(worker, process.pid, process.exitcode)
+            failure = RemoteError.capture(
+                error,
+                worker=worker,
+                pid=self.processes[worker].pid,
+                index=None,
+                where="while receiving a batch in the main process",
+            )
+            return TaskFailed(task, worker, failure)
+        if kind == BATCH:
+            return TaskCompleted(task, worker, content)
+        assert isinstance(content, Event)
+        return content
+
+    # --- shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every worker, terminate the ones that do not stop, release every handle."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.shutting_down is not None:
+            self.shutting_down.value = True
+        with self.launching:  # no worker starts from now on: `closed` is set
+            self.held.clear()
+        for worker in range(self.launch.num_workers):
+            self.stop_worker(worker)
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        running = {w for w, p in self.processes.items() if p.is_alive()}
+        # A pipe at its end stays readable: watching it would spin while its worker exits.
+        ended: set[int] = set()
+        while running and time.monotonic() < deadline:
+            # A worker blocked on sending a batch nobody will read exits once we drain it.
+            handles = {self.readers[w]: w for w in running - ended}
+            handles.update({self.processes[w].sentinel: w for w in running})
+            for handle in multiprocess.connection.wait(
+                list(handles), max(0.0, deadline - time.monotonic())
+            ):
+                worker = handles[handle]
+                try:
+                    while self.readers[worker].poll(0):
+                        self.readers[worker].recv_bytes()
+                except (EOFError, OSError):
+                    ended.add(worker)
+            running = {w for w in running if self.processes[w].is_alive()}
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+                process.join(JOIN_TIMEOUT)
+            if process.is_alive():
+                process.kill()
+            process.join()
+            process.close()
+        for tasks in self.tasks.values():
+            tasks.close()
+        for reader in (*self.readers.values(), *self.task_readers.values()):
+            reader.close()
+        self.ready.clear()
+        self.unconfirmed = None
+        self.buffers.close()
+        if self.remove_tempdir is not None:
+            self.remove_tempdir()  # every worker is gone: the sockets in it are dead

@@ -1,0 +1,201 @@
+"""The main process's side of the workers' buffer pools: the mapped buffers, and leases.
+
+Run by the main process (the loader's; a worker's side is `pool`).
+
+The main process maps each buffer a worker announces (`wire.BufferOpened`), and builds the
+large storages of each batch on its mapping. Those storages are not `is_shared()`, unlike
+torch's: their memory is the worker's to reuse, so it must not be handed to a third process. A
+consumer that sends such a tensor on (a torch.multiprocessing queue, `share_memory_()`) makes
+torch move it to a segment of its own, as it does for any tensor, and that move gives the
+buffer back.
+
+A buffer a message refers to is *lent* to this process until it gives it back. The storages
+built on it hold a *lease*, a view of the buffer's mapping, for as long as their memory is in
+use: the lease goes only when the storages are freed (no tensor, view or numpy array on them
+is left) or moved. A buffer goes back, with the next task sent to its worker, once its lease
+is gone. Every message names the buffers it refers to in its header, so that they go back
+even when the message fails to unpickle.
+
+File descriptors: under torch's default sharing strategy, `file_descriptor`, this process
+keeps one per buffer it maps, as it does for every tensor torch shares; under `file_system` it
+maps each buffer and closes the descriptor at once, so the buffers hold none there. Running out
+of descriptors is reported as such (`descriptors`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import pickle
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from statecore.executors._mp.descriptors import (
+    explain_exhaustion,
+    sharing_strategy,
+    unreceived,
+)
+from statecore.executors._mp.wire import RECEIVING, BufferClosed, BufferOpened
+
+__all__ = ["BufferReceiver"]
+
+
+class _Receipt:
+    """The leases made while one message is unpickled, one per buffer it refers to."""
+
+    def __init__(self, receiver: BufferReceiver, worker: int) -> None:
+        self.receiver = receiver
+        self.worker = worker
+        self.leases: dict[int, weakref.ref[memoryview]] = {}
+        self.table: tuple[tuple[tuple[int, ...], tuple[torch.UntypedStorage, ...]], ...] | None
+        self.table = None
+        """Per large storage of the batch, its windows: their starts, and their storages."""
+
+    def storage(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
+        known = self.leases.get(buffer)
+        lease = None if known is None else known()
+        if lease is None:
+            receiver = self.receiver
+            with receiver.lock:
+                memory = receiver.mapped.get((self.worker, buffer))
+                if memory is None:
+                    raise RuntimeError(
+                        receiver.missing.get(
+                            (self.worker, buffer),
+                            f"buffer {buffer} of worker {self.worker} is unknown: "
+                            "it was never announced",
+                        )
+                    )
+                # The lease: a view of the mapping that the storages built on the buffer keep
+                # for as long as their memory is in use, and release when they are freed or
+                # moved (by share_memory_(), say).
+                lease = memoryview(memory)
+            self.leases[buffer] = weakref.ref(lease)
+        return torch.frombuffer(
+            lease, dtype=torch.uint8, count=nbytes, offset=start
+        ).untyped_storage()
+
+
+_Mapping = mmap.mmap | ctypes.Array[ctypes.c_char]
+
+
+class BufferReceiver:
+    """The main process's side of every worker's pool: its mappings, and what is lent."""
+
+    def __init__(self) -> None:
+        self.mapped: dict[tuple[int, int], _Mapping] = {}
+        self.missing: dict[tuple[int, int], str] = {}
+        """Why a buffer announced could not be mapped, as the error to raise when used."""
+        self.lent: dict[int, dict[int, weakref.ref[memoryview] | None]] = {}
+        """Per worker, the buffers lent to this process, each with the lease of its storages."""
+        # Messages may be received on one thread (a pin stage's) while tasks are sent and the
+        # executor shut down on another (the driver's).
+        self.lock = threading.Lock()
+
+    def notice(self, worker: int, notice: BufferOpened | BufferClosed) -> None:
+        key = (worker, notice.ident)
+        if isinstance(notice, BufferClosed):
+            with self.lock:
+                self.mapped.pop(key, None)  # not lent, so nothing on it is left to read
+            return
+        which = f"buffer {notice.ident} of worker {worker}"
+        try:
+            fd = notice.handle.detach()
+        except Exception as error:  # the worker died, most likely; its death is reported
+            self.missing[key] = unreceived(error, which, "its descriptor could not be fetched")
+            return
+        try:
+            memory = _map(fd, notice.capacity)
+        except OSError as error:
+            self.missing[key] = unreceived(error, which, "it could not be mapped")
+            return
+        finally:
+            os.close(fd)  # the mapping keeps a duplicate of its own, or (file_system) none
+        with self.lock:
+            self.mapped[key] = memory
+
+    def loads(self, worker: int, lent: tuple[int, ...], payload: bytes | memoryview) -> Any:
+        """Unpickle a message from `worker` that refers to the buffers `lent`."""
+        receipt = _Receipt(self, worker)
+        token = RECEIVING.set(receipt)
+        try:
+            return pickle.loads(payload)
+        except Exception as error:
+            # Fetching a tensor torch's way is where a process short of descriptors fails.
+            clear = explain_exhaustion(error)
+            if clear is error:
+                raise
+            raise clear from error
+        finally:
+            RECEIVING.reset(token)
+            receipt.table = None  # the storages are the batch's now, or garbage
+            with self.lock:
+                held = self.lent.setdefault(worker, {})
+                for ident in lent:
+                    # None where nothing was built on it (the message failed): give it back.
+                    held[ident] = receipt.leases.get(ident)
+
+    def returns_for(self, worker: int) -> tuple[int, ...]:
+        """The buffers to give back to `worker` with the next message it is sent."""
+        with self.lock:
+            held = self.lent.get(worker)
+            if not held:
+                return ()
+            back = tuple(ident for ident, lease in held.items() if lease is None or not lease())
+            for ident in back:
+                del held[ident]
+            return back
+
+    def close(self) -> None:
+        """Forget every mapping; one that a kept batch still uses goes when the batch goes."""
+        with self.lock:
+            self.mapped.clear()
+            self.missing.clear()
+            self.lent.clear()
+
+
+def _map(fd: int, length: int) -> _Mapping:
+    """Map a buffer's descriptor in the main process; the caller closes `fd`.
+
+    Under torch's default sharing strategy (file_descriptor) Python's mmap keeps a duplicate of
+    the descriptor, as torch keeps one per segment it maps. Under file_system the mapping is
+    made through libc, which keeps none: the buffers then cost this process no descriptors.
+    """
+    if sharing_strategy() != "file_system":
+        return mmap.mmap(fd, length)
+    libc = _libc()
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mmap: {os.strerror(code)}")
+    memory = (ctypes.c_char * length).from_address(address)
+    # Unmapped once nothing uses it: the array goes with the last lease on it. Not at exit,
+    # while a tensor still on it might yet be read.
+    finalizer = weakref.finalize(memory, libc.munmap, address, length)
+    finalizer.atexit = False
+    return memory
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc

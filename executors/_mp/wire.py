@@ -1,0 +1,370 @@
+"""What crosses between the main process and a worker, and how it is encoded: both sides.
+
+Run by both processes: the main process encodes tasks and the worker setup and decodes
+answers; a worker decodes them and encodes its answers.
+
+- *The worker setup* (`Shipment`) goes to spawn and forkserver workers pickled with dill, once
+  for all workers, except what can be fetched only once (see `Shipment`).
+- *A task* is `(command, buffers given back)`, pickled by the C pickler (dill only for an
+  index the C pickler refuses). Its framing is the pipe's (`taskpipe.frame`).
+- *An answer* (and a buffer notice) is a header, the numbers of the buffers it refers to, then
+  a pickle (`HEADER`): for a completed task only its batch, since the header and the pipe it
+  came by say the rest, and pickling the event object would cost every batch; for anything
+  else the event. The header names the buffers, so that the main process gives them back even
+  when the pickle fails to load.
+- *A batch's large storages* are pickled as records of where the worker placed them (`Shared`,
+  `Inline`, `TorchWay`, in a `Framed` table ahead of the batch): the worker's pool places them
+  (`pool`), and unpickling them in the main process builds each storage on the receipt of the
+  message being received (`RECEIVING`, set by `leases`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextvars
+import functools
+import io
+import pickle
+import struct
+import types
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler as StdlibPickler
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import multiprocess.reduction
+import torch
+import torch.multiprocessing  # registers torch's reductions with the stdlib pickler
+
+from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
+from statecore.executors._remote import RemoteError
+from statecore.executors._worker import WorkerSetup
+
+if TYPE_CHECKING:
+    from statecore.executors._mp.pool import Batch, BufferSender
+
+__all__ = [
+    "BATCH",
+    "EVENT",
+    "HEADER",
+    "NOTICE",
+    "NO_TASK",
+    "RECEIVING",
+    "BufferClosed",
+    "BufferOpened",
+    "Framed",
+    "Inline",
+    "Receiving",
+    "Shared",
+    "Shipment",
+    "TorchWay",
+    "Windows",
+    "decode",
+    "encode_answer",
+    "encode_failure",
+    "encode_notice",
+    "encode_task",
+    "tensor_at",
+    "tensor_on",
+    "unpack_setup",
+]
+
+
+def _share_torch_reductions() -> None:
+    """Teach multiprocess's dill pickler to send tensors through shared memory too."""
+    for kind, reducer in StdlibPickler._extra_reducers.items():  # type: ignore[attr-defined]
+        multiprocess.reduction.ForkingPickler.register(kind, reducer)
+
+
+_share_torch_reductions()
+
+
+# --- answers and notices -----------------------------------------------------------------------
+
+HEADER = struct.Struct("<qiB")
+"""Every answer starts with the task it answers, how many buffers it refers to and what its
+pickle holds, followed by the buffers' numbers (int32 each)."""
+# What a message's pickle holds: an event, or only the batch of a completed task.
+EVENT = 0
+BATCH = 1
+NO_TASK = -1
+"""Answers to resumes carry no task number; this marks them on the wire."""
+NOTICE = -2
+"""A buffer notice is no answer at all."""
+
+
+@attrs.frozen
+class BufferOpened:
+    """A worker made buffer `ident`; `handle` fetches its file descriptor from the worker."""
+
+    ident: int
+    capacity: int
+    handle: Any = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
+class BufferClosed:
+    """A worker closed buffer `ident`, which was not lent: the main process may forget it."""
+
+    ident: int
+
+
+def encode_answer(
+    task: int, event: Event, buffers: BufferSender, batch: Batch | None = None
+) -> bytes:
+    """In a worker: the message answering `task` with `event`, its tensors placed by `buffers`."""
+    kind, content = (BATCH, event.payload) if type(event) is TaskCompleted else (EVENT, event)
+    try:
+        payload, lent = buffers.dumps(content, batch)
+    except Exception:
+        buffers.abandon(batch)
+        payload, lent = bytes(multiprocess.reduction.ForkingPickler.dumps(content)), ()
+    return HEADER.pack(task, len(lent), kind) + struct.pack(f"<{len(lent)}i", *lent) + payload
+
+
+def encode_failure(task: int, worker: int, failure: RemoteError, buffers: BufferSender) -> bytes:
+    """In a worker: a failed task's answer, which must go out whatever the failure holds."""
+    try:
+        return encode_answer(task, TaskFailed(task, worker, failure), buffers)
+    except Exception:
+        # What is left is text: the index as its repr, and no type to rebuild.
+        plain = attrs.evolve(failure, index=_index_text(failure.index), exc_type=None)
+        return encode_answer(task, TaskFailed(task, worker, plain), buffers)
+
+
+def _index_text(index: object) -> str:
+    try:
+        return repr(index)
+    except Exception:
+        return f"<a {type(index).__qualname__} that cannot be shown>"
+
+
+def encode_notice(notice: BufferOpened | BufferClosed) -> bytes:
+    """In a worker: a notice about its pool, sent ahead of the first message it concerns."""
+    return HEADER.pack(NOTICE, 0, EVENT) + bytes(StdlibPickler.dumps(notice))
+
+
+def decode(message: bytes) -> tuple[int, tuple[int, ...], int, memoryview]:
+    """In the main process: a message's task (or NOTICE, NO_TASK), the buffers it refers to,
+    what its pickle holds (EVENT or BATCH), and the pickle."""
+    task, count, kind = HEADER.unpack_from(message)
+    lent = struct.unpack_from(f"<{count}i", message, HEADER.size)
+    return task, lent, kind, memoryview(message)[HEADER.size + 4 * count :]
+
+
+# --- tasks -------------------------------------------------------------------------------------
+
+
+def encode_task(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -> bytes:
+    """In the main process: a task and the buffers given back with it, pickled by the C pickler.
+
+    dill takes about 100 us for a task, which is GIL time taken from the main process on every
+    batch. dill remains the fallback for an index the C pickler refuses.
+    """
+    message = (command, returned)
+    try:
+        return bytes(StdlibPickler.dumps(message))
+    except Exception:
+        return bytes(multiprocess.reduction.ForkingPickler.dumps(message))
+
+
+# --- the worker setup --------------------------------------------------------------------------
+
+# Reductions registered with the picklers that only name what they pickle. Every other one
+# (torch's for tensors and storages, multiprocessing's for pipes and sockets) hands over a
+# resource, typically a file descriptor that one receiving process fetches, once.
+_NAMING_REDUCTIONS = frozenset(
+    {types.MethodType, types.MethodDescriptorType, types.WrapperDescriptorType, functools.partial}
+)
+
+
+@attrs.frozen
+class Shipment:
+    """The worker setup for spawn and forkserver workers, pickled with dill once for them all.
+
+    Except for the objects whose pickle hands over a resource (a tensor shared through torch's
+    reductions, a pipe): their pickle is a handle that a single process can fetch, so the same
+    bytes cannot go to two workers. They are set aside and pickled for each worker as it
+    starts, as torch pickles the whole dataset for each. A tensor's storage moves to shared
+    memory the first time, and every worker maps that same memory: nothing is copied per worker.
+    """
+
+    setup: bytes
+    set_aside: tuple[object, ...]
+
+    @classmethod
+    def pack(cls, setup: WorkerSetup) -> Shipment:
+        handing = frozenset(multiprocess.reduction.ForkingPickler._extra_reducers)
+        handing -= _NAMING_REDUCTIONS
+        set_aside: list[object] = []
+        keys: dict[int, int] = {}  # by id(): an object held twice stays one object
+
+        def persistent_id(obj: object) -> int | None:
+            if type(obj) not in handing:
+                return None
+            key = keys.get(id(obj))
+            if key is None:
+                key = keys[id(obj)] = len(set_aside)
+                set_aside.append(obj)
+            return key
+
+        stream = io.BytesIO()
+        pickler = multiprocess.reduction.ForkingPickler(stream)
+        pickler.persistent_id = persistent_id
+        pickler.dump(setup)
+        return cls(stream.getvalue(), tuple(set_aside))
+
+    def for_worker(self) -> tuple[bytes, bytes]:
+        """What one worker unpacks with `unpack_setup`: handles of its own for what was set
+        aside."""
+        if not self.set_aside:
+            return self.setup, b""
+        return self.setup, bytes(multiprocess.reduction.ForkingPickler.dumps(self.set_aside))
+
+
+def unpack_setup(setup: bytes, set_aside: bytes) -> WorkerSetup:
+    """In a worker: the setup a `Shipment` packed."""
+    objects = pickle.loads(set_aside) if set_aside else ()
+    unpickler = pickle.Unpickler(io.BytesIO(setup))
+    unpickler.persistent_load = objects.__getitem__  # type: ignore[method-assign]
+    unpacked = unpickler.load()
+    assert isinstance(unpacked, WorkerSetup)
+    return unpacked
+
+
+# --- where a batch's storages went -------------------------------------------------------------
+
+
+class Receiving(Protocol):
+    """The main process's receipt for the message being unpickled (`leases`)."""
+
+    table: tuple[tuple[tuple[int, ...], tuple[torch.UntypedStorage, ...]], ...] | None
+    """Per large storage of the batch, its windows: their starts, and their storages."""
+
+    def storage(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
+        """`nbytes` of the worker's buffer `buffer` from `start`, as a storage."""
+
+
+RECEIVING: contextvars.ContextVar[Receiving | None] = contextvars.ContextVar(
+    "statecore_buffer_receipt", default=None
+)
+"""The receipt of the message being unpickled in this thread; None outside `leases`' loads."""
+
+
+class Shared:
+    """Bytes of a buffer, from `start`: one storage, or one window of a storage."""
+
+    __slots__ = ("buffer", "nbytes", "start")
+
+    def __init__(self, buffer: int, start: int, nbytes: int) -> None:
+        self.buffer, self.start, self.nbytes = buffer, start, nbytes
+
+    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[int, int, int]]:
+        return (_shared_storage, (self.buffer, self.start, self.nbytes))
+
+
+class Inline:
+    """A small storage's bytes, or a small window's, carried in the message."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[bytes]]:
+        return (_inline_storage, (self.data,))
+
+
+class TorchWay:
+    """A large storage that no buffer could take: it travels whole, as torch sends it."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Callable[..., torch.UntypedStorage], tuple[torch.Tensor]]:
+        # Pickled outside any batch, so the tensor goes through torch's reductions.
+        whole = torch.empty((0,), dtype=torch.uint8).set_(self.storage)
+        return (_storage_of, (whole,))
+
+
+Windows = tuple[tuple[int, "Shared | Inline | TorchWay"], ...]
+"""Where one large storage of a batch went: (start in the storage, where those bytes went),
+by start; the windows do not overlap."""
+
+
+class Framed:
+    """A batch whose large storages were placed after it was pickled: the table of where each
+    went, then the batch's own pickle, whose tensors refer to the table by number."""
+
+    __slots__ = ("batch", "table")
+
+    def __init__(self, table: tuple[Windows, ...], batch: bytes) -> None:
+        self.table, self.batch = table, batch
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[tuple[Windows, ...], bytes]]:
+        return (_unframe, (self.table, self.batch))
+
+
+def _receipt(what: str) -> Receiving:
+    receipt = RECEIVING.get()
+    if receipt is None:
+        raise pickle.UnpicklingError(
+            f"{what} can only be unpickled by the executor receiving it from its worker"
+        )
+    return receipt
+
+
+def _shared_storage(buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
+    return _receipt("a tensor in a worker's buffer").storage(buffer, start, nbytes)
+
+
+def _inline_storage(data: bytes) -> torch.UntypedStorage:
+    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
+    return tensor.untyped_storage()
+
+
+def _unframe(table: tuple[tuple[tuple[int, torch.UntypedStorage], ...], ...], batch: bytes) -> Any:
+    # By now the table's storages are built (the pickle builds arguments before the call).
+    receipt = _receipt("a batch placed in a worker's buffers")
+    receipt.table = tuple(
+        (tuple(start for start, _ in windows), tuple(storage for _, storage in windows))
+        for windows in table
+    )
+    # Should the batch fail to unpickle, its traceback keeps this frame: it must not keep the
+    # storages too, or their buffers would stay lent for as long as the error is kept.
+    del table
+    return pickle.loads(batch)
+
+
+def tensor_on(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    """The tensor on `storage` at element `offset`, with the worker's size and stride."""
+    return torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
+
+
+def tensor_at(
+    ref: int,
+    dtype: torch.dtype,
+    start: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    """The tensor whose data starts `start` bytes into large storage `ref` of the batch."""
+    table = _receipt("a tensor in a worker's buffer").table
+    if table is None:
+        raise pickle.UnpicklingError("a tensor refers to a batch's table, but none came first")
+    starts, storages = table[ref]
+    # Its window is the last one to start at or before its data: the windows do not overlap.
+    window = bisect.bisect_right(starts, start) - 1
+    offset = (start - starts[window]) // dtype.itemsize
+    return tensor_on(storages[window], dtype, offset, size, stride)
