@@ -114,25 +114,27 @@ class Driver:
         self.handed = None  # an outcome of the epoch being left behind
         outcome = self.finish(self.request(ResetRequested(seed)))
         if outcome is not None:
-            self.hand_over(outcome)
+            try:
+                self.hand_over(outcome)
+            finally:
+                del outcome  # see `hand_over`
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
-        outcome = self.handed
-        if outcome is not None:
-            self.handed = None
-            return self.hand_over(outcome)
-        if self.todo:
+        outcome, self.handed = self.handed, None
+        if outcome is None and self.todo:
             # Left by an interrupt: carried out before anything new is asked.
             outcome = self.carry_out()
-            if outcome is not None:
-                return self.hand_over(outcome)
-        outcome = self.finish(self.request(_NEXT))
-        if type(outcome) is Deliver:
-            return outcome.payload
         if outcome is None:
-            raise InternalError(f"the scheduler left a request unanswered in {self.state!r}")
-        return self.hand_over(outcome)
+            outcome = self.finish(self.request(_NEXT))
+            if type(outcome) is Deliver:
+                return outcome.payload
+            if outcome is None:
+                raise InternalError(f"the scheduler left a request unanswered in {self.state!r}")
+        try:
+            return self.hand_over(outcome)
+        finally:
+            del outcome  # see `hand_over`
 
     def close(self) -> None:
         """Stop the workers and release everything. Idempotent."""
@@ -142,7 +144,10 @@ class Driver:
         # A cancellation is the waiting consumer's, not the closer's; an executor that failed
         # to stop its workers is the closer's to hear.
         if type(outcome) is RaiseError and type(outcome.failure) is not Cancelled:
-            self.hand_over(outcome)
+            try:
+                self.hand_over(outcome)
+            finally:
+                del outcome  # see `hand_over`
 
     # --- the moves of a call -------------------------------------------------------------------
 
@@ -180,12 +185,23 @@ class Driver:
         return self.carry_out()
 
     def hand_over(self, outcome: Command) -> Any:
-        """What the consumer gets for an outcome: the batch, StopIteration, or the error."""
+        """What the consumer gets for an outcome: the batch, StopIteration, or the error.
+
+        A failure may hold the very exception raised (a worker thread's), whose traceback holds
+        the frames it passes: a frame still holding the outcome closes a cycle, and the loader
+        with its workers then lives on until the garbage collector runs. So this frame, and
+        each caller's, lets go of the outcome before the exception leaves it.
+        """
         if type(outcome) is Deliver:
             return outcome.payload
         if type(outcome) is EndEpoch:
             raise StopIteration
-        raise failure_exception(outcome.failure)  # type: ignore[attr-defined]
+        error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
+        del outcome
+        try:
+            raise error
+        finally:
+            del error
 
     # --- the loop ----------------------------------------------------------------------------
 
