@@ -86,8 +86,10 @@ def scenarios(
         timeouts=draw(st.booleans(), label="timeouts"),
         closes=draw(st.booleans(), label="closes"),
         interrupts=draw(st.integers(0, 2), label="interrupts"),
-        sampler_failures=draw(st.integers(0, 1), label="sampler_failures"),
-        executor_failures=draw(st.integers(0, 1), label="executor_failures"),
+        # One run in four each: a broken executor ends a run at once, and would otherwise
+        # crowd out the long runs (several epochs, interrupted resets) other bugs need.
+        sampler_failures=draw(st.sampled_from((0, 0, 0, 1)), label="sampler_failures"),
+        executor_failures=draw(st.sampled_from((0, 0, 0, 1)), label="executor_failures"),
     )
 
 
