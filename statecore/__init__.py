@@ -5,9 +5,10 @@ Layers, from the inside out:
 - `statecore` (this package): the pure scheduler core. `step(state, event)` returns the next
   state and the commands to carry out. No I/O, threads, clocks or torch: importing it loads
   none of them.
-- `statecore.models`: executable specifications of the core (reference semantics, Hypothesis
-  state machines, the exhaustive explorer).
 - `statecore.executors`: the imperative shell that drives the core and moves the data.
+- `statecore.models`: executable specifications (reference semantics, Hypothesis state
+  machines, the exhaustive explorer), which run the shell's driver over the core.
+- `statecore.tools`: the programs (`python -m statecore check | diagram | demo | bench`).
 """
 
 from typing import Any

@@ -6,7 +6,8 @@ A loader iterator lives through phases (see `Phase`). `ResetRequested` starts an
 IDLE the workers are fresh and the scheduler goes straight to RUNNING; later epochs exist only
 with persistent workers, which must first acknowledge a `ResumeWorker` each (RESUMING), because
 a task sent before a worker has reset its dataset iterator would be answered from the old epoch.
-The consumer's `iter()` waits for those acknowledgements (`resetting`), as torch's does.
+The consumer's `iter()` lasts (`resetting`) until those acknowledgements came and the first
+tasks went out, as torch's does; a sampler failing meanwhile fails `iter()`.
 
 While RUNNING the scheduler keeps workers busy up to the prefetch bound. It draws one index at a
 time (`PullIndex` -> `IndexDrawn`), choosing the worker *before* the draw so that a drawn index
@@ -30,9 +31,11 @@ the reset half done; the next `iter()` starts it over with fresh `ResumeWorker`s
 acknowledgements of the abandoned round, which name their epoch, are dropped on arrival.
 
 A worker's exception for one task is delivered in that task's turn and the epoch goes on. A
-worker's death or a timeout is not recoverable: the scheduler emits the shutdown and moves to
-FAILED, where it re-raises the failure on every request. CLOSED refuses everything but another
-close, which does nothing.
+worker's death, a timeout, the sampler raising or the executor itself failing is not
+recoverable: the scheduler emits the shutdown and moves to FAILED, where it re-raises the
+failure on every request (a sampler's once: a consumer already handed a batch gets it with its
+next request, and the request after that finds the end, as torch's spent sampler gives).
+CLOSED refuses everything but another close, which does nothing.
 
 Every event that the current state cannot accept raises a `ProtocolError` naming the phase and
 the event; since states are values, the caller still holds the old state.
