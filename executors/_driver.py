@@ -34,6 +34,7 @@ from statecore import (
     Command,
     Config,
     Deliver,
+    DrawIndex,
     EndEpoch,
     Event,
     ExecutorFailed,
@@ -46,7 +47,6 @@ from statecore import (
     LoaderTimeoutError,
     NextRequested,
     Phase,
-    PullIndex,
     RaiseError,
     ResetRequested,
     ResumeWorker,
@@ -235,7 +235,7 @@ class Driver:
                 kind = type(command)
                 if kind is Deliver or kind is RaiseError or kind is EndEpoch:
                     outcome = command
-                elif kind is PullIndex:
+                elif kind is DrawIndex:
                     todo.popleft()  # an interrupted draw is abandoned, not repeated
                     self._draw()
                     continue

@@ -140,11 +140,11 @@ def _finishes_before_asked() -> dict[str, object]:
         # the shutdown then rides on the last batch, and the consumer is told the end later.
         settled: Transition = real(*arguments)
         after = settled.state
-        over = core._epoch_over(after.window, after.pulling_for)
+        over = core._epoch_over(after.window, after.drawing_for)
         if after.phase is not Phase.DRAINING or not over:
             return settled
         again = (after.config, after.life, after.rcvd_idx, after.window, after.loads, after.cursor)
-        early = real(*again, after.pulling_for, True, list(settled.commands))
+        early = real(*again, after.drawing_for, True, list(settled.commands))
         assert early.commands[-1] == EndEpoch()
         return Transition(early.state, early.commands[:-1])  # no one asked, so no one is told
 

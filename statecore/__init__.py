@@ -16,8 +16,8 @@ from typing import Any
 from statecore._commands import (
     Command,
     Deliver,
+    DrawIndex,
     EndEpoch,
-    PullIndex,
     RaiseError,
     ResumeWorker,
     SendTask,
@@ -105,7 +105,7 @@ __all__ = [
     "Pending",
     "Phase",
     "ProtocolError",
-    "PullIndex",
+    "DrawIndex",
     "RaiseError",
     "Ready",
     "ResetRequested",
@@ -140,12 +140,27 @@ __all__ = [
 ]
 
 
+_RENAMED = {"PullIndex": "DrawIndex"}
+
+
 def __getattr__(name: str) -> Any:
     # The loader needs torch; load it only when asked, so the core stays importable without it.
     if name in ("DataLoader", "get_worker_info"):
         from statecore import executors
 
         return getattr(executors, name)
+    # Renamed in 0.1: one verb for the act (`DrawIndex`, answered by `IndexDrawn`). Embedders
+    # written against the old name keep working, with a warning that says what to write instead.
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(
+            f"statecore.{name} was renamed statecore.{new}; import {new} instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
     raise AttributeError(f"module 'statecore' has no attribute {name!r}")
 
 

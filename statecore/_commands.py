@@ -15,7 +15,7 @@ __all__ = [
     "Command",
     "Deliver",
     "EndEpoch",
-    "PullIndex",
+    "DrawIndex",
     "RaiseError",
     "ResumeWorker",
     "SendTask",
@@ -31,7 +31,7 @@ class Command:
 
 
 @attrs.frozen
-class PullIndex(Command):
+class DrawIndex(Command):
     """Draw the next index from the sampler and answer `IndexDrawn` or `SamplerExhausted`."""
 
 
@@ -87,6 +87,6 @@ class Shutdown(Command):
 
 
 # Commands without fields carry no information: share one instance of each.
-PULL_INDEX = PullIndex()
+DRAW_INDEX = DrawIndex()
 END_EPOCH = EndEpoch()
 SHUTDOWN = Shutdown()

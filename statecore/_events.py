@@ -75,7 +75,7 @@ class CloseRequested(Event):
 
 @attrs.frozen
 class IndexDrawn(Event):
-    """The sampler yielded `index` in answer to `PullIndex`."""
+    """The sampler yielded `index` in answer to `DrawIndex`."""
 
     # Batch samplers yield lists: comparable, not hashable.
     index: object = attrs.field(hash=False)
@@ -83,12 +83,12 @@ class IndexDrawn(Event):
 
 @attrs.frozen
 class SamplerExhausted(Event):
-    """The sampler raised StopIteration in answer to `PullIndex`."""
+    """The sampler raised StopIteration in answer to `DrawIndex`."""
 
 
 @attrs.frozen
 class SamplerFailed(Event):
-    """The sampler raised `error` (not StopIteration) in answer to `PullIndex`."""
+    """The sampler raised `error` (not StopIteration) in answer to `DrawIndex`."""
 
     error: object = attrs.field(default=None, eq=False, repr=False)
 

@@ -42,13 +42,13 @@ def violations(state: State) -> list[str]:
 
     if any(task >= life.base for task, _ in life.stale):
         found.append("a task of the current epoch is marked stale")
-    if state.pulling_for is not None:
+    if state.drawing_for is not None:
         if phase not in (Phase.RUNNING, Phase.DRAINING):
             found.append(f"an index is being drawn while {phase.value}")
-        elif not 0 <= state.pulling_for < n:
-            found.append(f"an index is drawn for worker {state.pulling_for}, who does not exist")
+        elif not 0 <= state.drawing_for < n:
+            found.append(f"an index is drawn for worker {state.drawing_for}, who does not exist")
 
-    if config.lazy and state.pulling_for is not None and not state.waiting:
+    if config.lazy and state.drawing_for is not None and not state.waiting:
         found.append("a lazy scheduler draws an index with no consumer waiting")
     if config.lazy and len(window) > 1:
         found.append("a lazy scheduler holds more than one task")
@@ -60,19 +60,19 @@ def violations(state: State) -> list[str]:
         ):
             found.append("a consumer waits although an answer is ready for it")
         resuming = WorkerStatus.RESUMING in life.workers
-        if not (state.outstanding or state.pulling_for is not None or resuming):
+        if not (state.outstanding or state.drawing_for is not None or resuming):
             found.append("a consumer waits but nothing is outstanding: it would wait forever")
 
     if life.resetting:
         if phase not in _WAITABLE:
             found.append(f"iter() has not returned while the loader is {phase.value}")
-        elif phase is not Phase.RESUMING and state.pulling_for is None:
+        elif phase is not Phase.RESUMING and state.drawing_for is None:
             found.append(
                 "iter() has not returned although every worker resumed and no index is drawn"
             )
         if state.waiting:
             found.append("a batch is awaited while iter() has not returned")
-    if phase is Phase.RESUMING and (window or state.pulling_for is not None):
+    if phase is Phase.RESUMING and (window or state.drawing_for is not None):
         found.append("tasks exist before every worker acknowledged the resume")
     if phase is Phase.FINISHED and (window or state.waiting):
         found.append("the epoch finished with tasks unresolved or a consumer waiting")

@@ -280,7 +280,7 @@ class State(NamedTuple):
     """Per worker: unresolved tasks of this epoch it was given."""
     cursor: int
     """Where the round-robin scan for the next worker starts."""
-    pulling_for: int | None
+    drawing_for: int | None
     """The worker that the index being drawn from the sampler will go to, if one is drawn."""
     waiting: bool
     """A consumer asked for the next batch and has not had it."""
@@ -355,6 +355,6 @@ def initial_state(config: Config) -> State:
         window=(),
         loads=(0,) * config.num_workers,
         cursor=0,
-        pulling_for=None,
+        drawing_for=None,
         waiting=False,
     )

@@ -10,7 +10,7 @@ The consumer's `iter()` lasts (`resetting`) until those acknowledgements came an
 tasks went out, as torch's does; a sampler failing meanwhile fails `iter()`.
 
 While RUNNING the scheduler keeps workers busy up to the prefetch bound. It draws one index at a
-time (`PullIndex` -> `IndexDrawn`), choosing the worker *before* the draw so that a drawn index
+time (`DrawIndex` -> `IndexDrawn`), choosing the worker *before* the draw so that a drawn index
 always has a place to go: torch draws first and drops the index when no worker has room.
 In order, workers take turns round-robin, torch's order, so the same batches come out in the
 same order; out of order, the least-loaded worker with room gets the task, so one slow sample
@@ -49,8 +49,8 @@ from typing import NamedTuple
 import attrs
 
 from statecore._commands import (
+    DRAW_INDEX,
     END_EPOCH,
-    PULL_INDEX,
     SHUTDOWN,
     Command,
     Deliver,
@@ -306,9 +306,9 @@ def _resume_complete(workers: tuple[WorkerStatus, ...]) -> bool:
     return WorkerStatus.RESUMING not in workers
 
 
-def _epoch_over(window: tuple[Slot, ...], pulling_for: int | None) -> bool:
+def _epoch_over(window: tuple[Slot, ...], drawing_for: int | None) -> bool:
     """Once draining, the epoch ends when every task is resolved and no index is on its way."""
-    return not window and pulling_for is None
+    return not window and drawing_for is None
 
 
 def _deliverable(window: tuple[Slot, ...], in_order: bool) -> int | None:
@@ -367,7 +367,7 @@ def _settle(
     window: tuple[Slot, ...],
     loads: tuple[int, ...],
     cursor: int,
-    pulling_for: int | None,
+    drawing_for: int | None,
     waiting: bool,
     out: list[Command],
 ) -> Transition:
@@ -387,12 +387,12 @@ def _settle(
             waiting = False
     phase = life.phase
     if phase is RUNNING:
-        if pulling_for is None and (not config.lazy or (waiting and not window)):
+        if drawing_for is None and (not config.lazy or (waiting and not window)):
             w = _pick_worker(config, life.workers, loads, cursor)
             if w is not None:
-                pulling_for = w
-                out.append(PULL_INDEX)
-    elif phase is DRAINING and waiting and _epoch_over(window, pulling_for):
+                drawing_for = w
+                out.append(DRAW_INDEX)
+    elif phase is DRAINING and waiting and _epoch_over(window, drawing_for):
         # Only a request after the last batch finishes the epoch, as in torch: the last batch
         # is handed over first, and stopping the workers is not charged to it.
         workers = life.workers
@@ -401,16 +401,16 @@ def _settle(
         out.append(END_EPOCH)  # after the shutdown, as with errors: clean up, then tell
         waiting = False
         life = attrs.evolve(life, phase=FINISHED, workers=workers)
-    if life.resetting and pulling_for is None and life.phase is not RESUMING:
+    if life.resetting and drawing_for is None and life.phase is not RESUMING:
         # iter() returns here: every worker resumed and the first tasks went out.
         life = attrs.evolve(life, resetting=False)
     # tuple.__new__ skips the NamedTuple constructor's Python frame: this runs on every event.
-    state = _tuple_new(State, (config, life, rcvd_idx, window, loads, cursor, pulling_for, waiting))
+    state = _tuple_new(State, (config, life, rcvd_idx, window, loads, cursor, drawing_for, waiting))
     return _tuple_new(Transition, (state, tuple(out)))
 
 
 def _settle_same(
-    state: State, life: Lifecycle, pulling_for: int | None, waiting: bool
+    state: State, life: Lifecycle, drawing_for: int | None, waiting: bool
 ) -> Transition:
     """`_settle` for a transition that leaves the window, loads and cursor as they were."""
     return _settle(
@@ -420,7 +420,7 @@ def _settle_same(
         state.window,
         state.loads,
         state.cursor,
-        pulling_for,
+        drawing_for,
         waiting,
         [],
     )
@@ -492,7 +492,7 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
     n = config.num_workers
     if state.waiting:
         raise _refuse(state, event, "a batch is still awaited")
-    if state.pulling_for is not None:
+    if state.drawing_for is not None:
         raise _refuse(state, event, "an index is still being drawn from the previous sampler")
     if life.resetting:
         raise _refuse(state, event, "the previous reset still waits for its workers to resume")
@@ -551,11 +551,11 @@ def _on_next(state: State, event: NextRequested) -> Transition:
         if not life.reported:
             state = state._replace(life=attrs.evolve(life, reported=True))
         return Transition(state, (RaiseError(failure),))
-    return _settle_same(state, state.life, state.pulling_for, True)
+    return _settle_same(state, state.life, state.drawing_for, True)
 
 
 def _on_index(state: State, event: IndexDrawn) -> Transition:
-    w = state.pulling_for
+    w = state.drawing_for
     if w is None:
         raise _refuse(state, event, "no index was asked of the sampler")
     config, life = state.config, state.life
@@ -581,7 +581,7 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
 
 
 def _on_sampler_exhausted(state: State, event: SamplerExhausted) -> Transition:
-    if state.pulling_for is None:
+    if state.drawing_for is None:
         raise _refuse(state, event, "no index was asked of the sampler")
     life = state.life
     if life.phase is RUNNING:
@@ -612,7 +612,7 @@ def _on_answer(
         window,
         state.loads,
         state.cursor,
-        state.pulling_for,
+        state.drawing_for,
         state.waiting,
         [],
     )
@@ -649,7 +649,7 @@ def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
         window,
         _add(state.loads, event.worker, -1),
         state.cursor,
-        state.pulling_for,
+        state.drawing_for,
         state.waiting,
         out,
     )
@@ -675,7 +675,7 @@ def _on_resumed(state: State, event: WorkerResumed) -> Transition:
         life = attrs.evolve(life, phase=RUNNING, workers=workers)
     else:
         life = attrs.evolve(life, workers=workers)
-    return _settle_same(state, life, state.pulling_for, state.waiting)
+    return _settle_same(state, life, state.drawing_for, state.waiting)
 
 
 def _on_died(state: State, event: WorkerDied) -> Transition:
@@ -696,9 +696,9 @@ def _on_timeout(state: State, event: TimedOut) -> Transition:
 def _on_interrupted(state: State, event: Interrupted) -> Transition:
     # An interrupt may land anywhere, so it is never refused: with nothing awaited, nothing changes.
     life = state.life
-    if state.pulling_for is not None:
+    if state.drawing_for is not None:
         # The sampler was cut short mid-draw: whatever it yields next goes to a later request.
-        state = state._replace(pulling_for=None)
+        state = state._replace(drawing_for=None)
     # A half-done reset stays half done, and the next iter() starts it over (see `_on_reset`);
     # what a request waited for stays owed and arrives into the window for the next request.
     if life.resetting:
@@ -707,7 +707,7 @@ def _on_interrupted(state: State, event: Interrupted) -> Transition:
 
 
 def _on_sampler_failed(state: State, event: SamplerFailed) -> Transition:
-    if state.pulling_for is None:
+    if state.drawing_for is None:
         raise _refuse(state, event, "no index was asked of the sampler")
     # Nothing sensible can follow a sampler that raised: stop everything. A consumer served in
     # this same call keeps its batch and gets the error next (see `_abandon`), as in torch.

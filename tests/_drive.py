@@ -68,9 +68,9 @@ def start(cfg: Config, *events: Event) -> tuple[State, list[Command]]:
 
 
 def fill(state: State) -> tuple[State, list[Command]]:
-    """Answer each PullIndex with the task number as index until no worker has room."""
+    """Answer each DrawIndex with the task number as index until no worker has room."""
     commands: list[Command] = []
-    while state.pulling_for is not None:
+    while state.drawing_for is not None:
         state, emitted = feed(state, IndexDrawn(state.send_idx))
         commands.extend(emitted)
     return state, commands

@@ -140,3 +140,9 @@ def test_reprs_are_python_that_rebuilds_the_value() -> None:
         statecore.initial_state(statecore.Config(num_workers=2)),
     ):
         assert eval(repr(value), dict(namespace)) == value
+
+
+def test_the_old_name_for_draw_index_still_imports_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="renamed statecore.DrawIndex"):
+        old = statecore.PullIndex  # type: ignore[attr-defined]
+    assert old is statecore.DrawIndex

@@ -8,11 +8,11 @@ from statecore import (
     TRANSITIONS,
     CloseRequested,
     Config,
+    DrawIndex,
     Event,
     IndexDrawn,
     Interrupted,
     Phase,
-    PullIndex,
     SamplerExhausted,
     SamplerFailed,
     State,
@@ -28,7 +28,7 @@ from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import Next, Scenario, Work
 
 # Edges of the table that the simulated world does not produce, and why. The world answers
-# PullIndex at once, its workers answer first in, first out, and it starts the first epoch right
+# DrawIndex at once, its workers answer first in, first out, and it starts the first epoch right
 # away; the driver polls only in a wait, never once the workers are stopped, and tells the
 # scheduler of a close only once; the world interrupts waits only. Real executors and signals
 # may race in these ways, so tests/test_step_*.py cover these edges.
@@ -115,15 +115,15 @@ def test_a_correct_scheduler_explores_cleanly_and_counts_what_it_saw() -> None:
     assert all(isinstance(state, State) for state in report.states)
 
 
-def _without_pulls(state: State, event: Event) -> Transition:
+def _without_draws(state: State, event: Event) -> Transition:
     """A broken driver contract: the scheduler's requests for indices are never carried out."""
     transition = step(state, event)
-    kept = tuple(c for c in transition.commands if not isinstance(c, PullIndex))
+    kept = tuple(c for c in transition.commands if not isinstance(c, DrawIndex))
     return Transition(transition.state, kept)
 
 
 def test_a_consumer_left_waiting_forever_is_reported_as_a_deadlock() -> None:
-    report = explore(_small(), step=_without_pulls)
+    report = explore(_small(), step=_without_draws)
     assert not report.ok
     assert report.violation is not None and "deadlock" in report.violation
     # iter() returns once its first indices were drawn: without draws, iter() itself waits.

@@ -151,7 +151,7 @@ def test_the_epoch_goes_on_after_a_task_failure() -> None:
 def test_a_raised_task_failure_frees_its_workers_room() -> None:
     state, _ = feed(_full(), NextRequested(), TaskFailed(task=0, worker=0))
     assert state.loads == (1, 2)
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
 
 
 # --- after the epoch -----------------------------------------------------------------------------

@@ -8,11 +8,11 @@ from statecore import (
     CloseRequested,
     Command,
     Deliver,
+    DrawIndex,
     EndEpoch,
     IndexDrawn,
     NextRequested,
     Phase,
-    PullIndex,
     RaiseError,
     ResetRequested,
     ResumeWorker,
@@ -27,19 +27,19 @@ from statecore import (
 )
 
 
-def test_the_first_reset_starts_epoch_one_and_pulls_a_single_index() -> None:
+def test_the_first_reset_starts_epoch_one_and_draws_a_single_index() -> None:
     state, commands = start(config())
     assert state.phase is Phase.RUNNING
     assert state.life.epoch == 1
-    assert commands == [PullIndex()]
+    assert commands == [DrawIndex()]
 
 
 def test_the_worker_is_chosen_before_the_index_is_drawn() -> None:
     state, _ = start(config(num_workers=3))
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
     state, commands = feed(state, IndexDrawn("a"))
     assert commands[0] == SendTask(worker=0, task=0, index="a")
-    assert state.pulling_for == 1
+    assert state.drawing_for == 1
 
 
 def test_a_drawn_index_goes_to_the_worker_chosen_for_it_with_the_next_task_number() -> None:
@@ -49,19 +49,19 @@ def test_a_drawn_index_goes_to_the_worker_chosen_for_it_with_the_next_task_numbe
     assert only(commands, SendTask) == [SendTask(worker=2, task=2, index="c")]
 
 
-def test_only_one_index_is_pulled_at_a_time() -> None:
+def test_only_one_index_is_drawn_at_a_time() -> None:
     state, _ = fill(start(config())[0])
     state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
-    assert only(commands, PullIndex) == [PullIndex()]
+    assert only(commands, DrawIndex) == [DrawIndex()]
     _, commands = feed(state, TaskCompleted(task=1, worker=1))
-    assert only(commands, PullIndex) == []
+    assert only(commands, DrawIndex) == []
 
 
 def test_each_drawn_index_asks_for_at_most_one_more() -> None:
     state, _ = start(config(num_workers=3, prefetch_factor=2))
     for index in range(6):
         state, commands = feed(state, IndexDrawn(index))
-        assert len(only(commands, PullIndex)) <= 1
+        assert len(only(commands, DrawIndex)) <= 1
 
 
 def test_in_order_dispatch_takes_workers_in_turn_as_torch_does() -> None:
@@ -78,7 +78,7 @@ def test_dispatch_stops_once_every_worker_holds_prefetch_factor_tasks() -> None:
     state, commands = fill(state)
     assert len(only(commands, SendTask)) == 6
     assert state.loads == (3, 3)
-    assert state.pulling_for is None
+    assert state.drawing_for is None
     assert commands[-1] == SendTask(worker=1, task=5, index=5)
 
 
@@ -87,15 +87,15 @@ def test_an_answered_but_undelivered_task_still_counts_against_prefetch() -> Non
     state, commands = feed(state, TaskCompleted(task=0, worker=0, payload="b0"))
     assert commands == []
     assert state.loads == (2, 2)
-    assert state.pulling_for is None
+    assert state.drawing_for is None
 
 
-def test_a_delivery_frees_room_and_pulls_an_index_for_that_worker() -> None:
+def test_a_delivery_frees_room_and_draws_an_index_for_that_worker() -> None:
     state, _ = fill(start(config(num_workers=2, prefetch_factor=2))[0])
     state, _ = feed(state, TaskCompleted(task=0, worker=0, payload="b0"))
     state, commands = feed(state, NextRequested())
-    assert commands[-1] == PullIndex()
-    assert state.pulling_for == 0
+    assert commands[-1] == DrawIndex()
+    assert state.drawing_for == 0
     assert state.loads == (1, 2)
 
 
@@ -108,8 +108,8 @@ def test_out_of_order_spreads_the_first_tasks_evenly_over_the_workers() -> None:
 def test_out_of_order_gives_room_to_whichever_worker_answered_first() -> None:
     state, _ = fill(start(config(num_workers=3, prefetch_factor=2, in_order=False))[0])
     state, commands = feed(state, NextRequested(), TaskCompleted(task=4, worker=1))
-    assert commands[-1] == PullIndex()
-    assert state.pulling_for == 1
+    assert commands[-1] == DrawIndex()
+    assert state.drawing_for == 1
     _, commands = feed(state, IndexDrawn("x"))
     assert only(commands, SendTask) == [SendTask(worker=1, task=6, index="x")]
 
@@ -119,7 +119,7 @@ def test_out_of_order_prefers_the_least_loaded_worker_over_the_next_in_turn() ->
     # Tasks 0..5 went to workers 0, 1, 2, 0, 1, 2. While the index for worker 2 is drawn,
     # worker 0 delivers one task and worker 1 both of its own.
     state, _ = feed(state, NextRequested(), TaskCompleted(task=2, worker=2))
-    assert state.pulling_for == 2
+    assert state.drawing_for == 2
     state, _ = feed(
         state,
         NextRequested(),
@@ -132,7 +132,7 @@ def test_out_of_order_prefers_the_least_loaded_worker_over_the_next_in_turn() ->
     state, _ = feed(state, IndexDrawn("x"))
     assert state.loads == (1, 0, 2)
     assert state.cursor == 0  # worker 0 is next in turn and has room ...
-    assert state.pulling_for == 1  # ... but worker 1 holds less
+    assert state.drawing_for == 1  # ... but worker 1 holds less
 
 
 def test_in_order_never_lets_a_worker_exceed_prefetch_factor() -> None:
@@ -148,14 +148,14 @@ def test_sampler_exhaustion_with_tasks_outstanding_moves_to_draining() -> None:
     state, commands = feed(state, SamplerExhausted())
     assert state.phase is Phase.DRAINING
     assert commands == []
-    assert state.pulling_for is None
+    assert state.drawing_for is None
 
 
 def test_draining_sends_no_more_tasks_as_workers_get_room() -> None:
     state, _ = start(config(), IndexDrawn("a"), IndexDrawn("b"), SamplerExhausted())
     state, commands = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
     assert state.phase is Phase.DRAINING
-    assert only(commands, PullIndex) == []
+    assert only(commands, DrawIndex) == []
 
 
 def test_draining_finishes_on_the_request_after_the_last_delivery() -> None:

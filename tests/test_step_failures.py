@@ -82,7 +82,7 @@ def test_a_failed_loader_lets_go_of_every_task_and_answer() -> None:
     state, _ = feed(_busy(), TaskCompleted(task=0, worker=0), WorkerDied(worker=1))
     assert state.window == ()
     assert state.loads == (0, 0)
-    assert state.pulling_for is None
+    assert state.drawing_for is None
 
 
 def test_a_worker_death_while_idle_fails_the_loader() -> None:
@@ -274,7 +274,7 @@ _BROKEN_SAMPLER = ValueError("bad index")
 def _served_and_drawing() -> State:
     """The consumer was just handed task 0, and the index for its replacement is being drawn."""
     state, _ = feed(_busy(), NextRequested(), TaskCompleted(task=0, worker=0))
-    assert state.pulling_for is not None and not state.waiting
+    assert state.drawing_for is not None and not state.waiting
     return state
 
 

@@ -7,11 +7,11 @@ from _drive import config, feed, fill, only, start
 
 from statecore import (
     Deliver,
+    DrawIndex,
     Interrupted,
     MisuseError,
     NextRequested,
     Phase,
-    PullIndex,
     RaiseError,
     ResetRequested,
     ResumeWorker,
@@ -75,19 +75,19 @@ def test_an_interrupt_with_nobody_waiting_changes_nothing() -> None:
 
 def test_an_interrupt_during_a_draw_abandons_the_draw() -> None:
     state, _ = start(config(2))  # iter() draws the first indices
-    assert state.pulling_for is not None
+    assert state.drawing_for is not None
     state, commands = feed(state, Interrupted())
     assert commands == []
-    assert state.pulling_for is None
+    assert state.drawing_for is None
     assert not state.life.resetting
     # The next request draws again.
     _, commands = feed(state, NextRequested())
-    assert commands == [PullIndex()]
+    assert commands == [DrawIndex()]
 
 
 def test_an_interrupt_during_a_lazy_draw_leaves_no_draw_behind() -> None:
     state, _ = start(config(1, prefetch_factor=1, lazy=True), NextRequested())
-    assert state.pulling_for is not None
+    assert state.drawing_for is not None
     state, _ = feed(state, Interrupted())
     assert violations(state) == []
 
@@ -152,4 +152,4 @@ def test_a_request_after_an_interrupted_reset_is_served_once_workers_resume() ->
     assert state.waiting
     state, _ = feed(state, WorkerResumed(0, epoch=2), WorkerResumed(1, epoch=2))
     assert state.phase is Phase.RUNNING
-    assert state.pulling_for is not None  # drawing the first index of epoch 2 for the request
+    assert state.drawing_for is not None  # drawing the first index of epoch 2 for the request

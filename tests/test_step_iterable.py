@@ -152,7 +152,7 @@ def test_worker_exhausted_for_a_map_style_dataset_is_refused_with_executor_error
     assert caught.value.event == WorkerExhausted(task=0, worker=0)
 
 
-# --- an index drawn for a worker that ran dry between PullIndex and IndexDrawn ------------------
+# --- an index drawn for a worker that ran dry between DrawIndex and IndexDrawn ------------------
 
 
 def test_an_index_drawn_for_a_worker_that_ran_dry_goes_to_the_next_worker_in_turn() -> None:
@@ -163,20 +163,20 @@ def test_an_index_drawn_for_a_worker_that_ran_dry_goes_to_the_next_worker_in_tur
         NextRequested(),
         TaskCompleted(task=1, worker=1),
     )
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
     assert state.loads == (1, 1)
     state, _ = feed(state, WorkerExhausted(task=2, worker=0))  # before the sampler answers
     state, commands = feed(state, IndexDrawn(None))
     assert commands == [SendTask(worker=1, task=4, index=None)]
     assert state.loads == (0, 2)
     assert state.phase is Phase.RUNNING
-    assert state.pulling_for is None  # worker 1 is full and worker 0 dry: nothing more to pull
+    assert state.drawing_for is None  # worker 1 is full and worker 0 dry: nothing more to draw
 
 
 def test_out_of_order_an_index_drawn_for_a_dry_worker_goes_to_the_least_loaded_one() -> None:
     # Tasks 0..5 went to workers 0, 1, 2, 0, 1, 2; the index is drawn for worker 2.
     state, _ = feed(_full(3, 2, in_order=False), NextRequested(), TaskCompleted(task=5, worker=2))
-    assert state.pulling_for == 2
+    assert state.drawing_for == 2
     state, _ = feed(
         state,
         NextRequested(),
@@ -196,7 +196,7 @@ def test_out_of_order_an_index_drawn_for_a_dry_worker_goes_to_the_least_loaded_o
 
 def test_an_index_drawn_for_a_dry_worker_is_dropped_when_no_worker_has_room() -> None:
     state, _ = feed(_full(), NextRequested(), TaskCompleted(task=0, worker=0))
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
     state, _ = feed(state, WorkerExhausted(task=2, worker=0))  # before the sampler answers
     assert state.loads == (0, 2)
     before = state
@@ -204,11 +204,11 @@ def test_an_index_drawn_for_a_dry_worker_is_dropped_when_no_worker_has_room() ->
     assert commands == []
     assert state.send_idx == before.send_idx  # no task number was used up
     assert state.loads == (0, 2)
-    assert state.pulling_for is None
+    assert state.drawing_for is None
     assert state.phase is Phase.RUNNING
     # Once worker 1 has room again, the next index goes to it.
     state, commands = feed(state, NextRequested(), TaskCompleted(task=1, worker=1))
-    assert state.pulling_for == 1
+    assert state.drawing_for == 1
     _, commands = feed(state, IndexDrawn(None))
     assert only(commands, SendTask) == [SendTask(worker=1, task=4, index=None)]
 
@@ -216,7 +216,7 @@ def test_an_index_drawn_for_a_dry_worker_is_dropped_when_no_worker_has_room() ->
 def _dry_while_drawing(waiting: bool) -> State:
     """Every worker ran dry and every task is resolved while an index is drawn for worker 0."""
     state, _ = feed(_full(), NextRequested(), TaskCompleted(task=0, worker=0))
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
     state, _ = feed(
         state,
         WorkerExhausted(task=1, worker=1),
@@ -226,7 +226,7 @@ def _dry_while_drawing(waiting: bool) -> State:
     )
     assert state.phase is Phase.DRAINING
     assert state.window == ()
-    assert state.pulling_for == 0
+    assert state.drawing_for == 0
     return state
 
 
@@ -240,7 +240,7 @@ def test_an_index_dropped_when_every_worker_is_dry_ends_the_epoch_of_a_waiting_c
 
 def test_an_index_dropped_when_every_worker_is_dry_leaves_the_end_to_the_next_request() -> None:
     state, commands = feed(_dry_while_drawing(waiting=False), IndexDrawn(None))
-    assert (state.phase, state.pulling_for, commands) == (Phase.DRAINING, None, [])
+    assert (state.phase, state.drawing_for, commands) == (Phase.DRAINING, None, [])
     state, commands = feed(state, NextRequested())
     assert state.phase is Phase.FINISHED
     assert commands == [StopWorker(0), StopWorker(1), Shutdown(), EndEpoch()]

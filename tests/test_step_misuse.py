@@ -142,7 +142,7 @@ def test_an_answer_for_a_task_already_delivered_out_of_order_is_an_executor_erro
     assert feed(state, IndexDrawn("a"))[0].send_idx == 5
 
 
-def test_an_index_drawn_without_pull_index_is_an_executor_error() -> None:
+def test_an_index_drawn_without_draw_index_is_an_executor_error() -> None:
     state, error = _refused(_full, IndexDrawn("a"), ExecutorError)
     assert "no index was asked" in error.reason
     assert feed(state, TaskCompleted(task=0, worker=0))[0].buffered == 1
@@ -153,7 +153,7 @@ def test_an_index_drawn_before_any_epoch_is_an_executor_error() -> None:
     assert feed(state, ResetRequested())[0].phase is Phase.RUNNING
 
 
-def test_sampler_exhausted_without_pull_index_is_an_executor_error() -> None:
+def test_sampler_exhausted_without_draw_index_is_an_executor_error() -> None:
     state, _ = _refused(_full, SamplerExhausted(), ExecutorError)
     assert feed(state, TaskCompleted(task=0, worker=0))[0].buffered == 1
 

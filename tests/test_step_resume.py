@@ -7,13 +7,13 @@ from _drive import config, feed, fill, only, start
 
 from statecore import (
     Deliver,
+    DrawIndex,
     ExecutorError,
     IndexDrawn,
     Interrupted,
     MisuseError,
     NextRequested,
     Phase,
-    PullIndex,
     ResetRequested,
     ResumeWorker,
     SamplerExhausted,
@@ -63,7 +63,7 @@ def _resumed(state: State) -> State:
 def test_the_first_epoch_of_persistent_workers_needs_no_resume() -> None:
     state, commands = start(config(persistent_workers=True))
     assert state.phase is Phase.RUNNING
-    assert commands == [PullIndex()]
+    assert commands == [DrawIndex()]
 
 
 def test_reset_after_a_finished_epoch_resumes_every_worker_with_the_new_epoch_and_seed() -> None:
@@ -74,16 +74,16 @@ def test_reset_after_a_finished_epoch_resumes_every_worker_with_the_new_epoch_an
     assert state.life.workers == (WorkerStatus.RESUMING,) * 3
 
 
-def test_no_index_is_pulled_until_every_worker_has_resumed() -> None:
+def test_no_index_is_drawn_until_every_worker_has_resumed() -> None:
     state, _ = feed(_finished(num_workers=3), ResetRequested(seed=7))
     state, commands = feed(
         state, WorkerResumed(2, 2), Interrupted(), NextRequested(), WorkerResumed(0, 2)
     )
     assert commands == []
     assert state.phase is Phase.RESUMING
-    assert state.pulling_for is None
+    assert state.drawing_for is None
     state, commands = feed(state, WorkerResumed(1, 2))
-    assert commands == [PullIndex()]
+    assert commands == [DrawIndex()]
     assert state.phase is Phase.RUNNING
 
 

@@ -21,11 +21,11 @@ import attrs
 from statecore import (
     Config,
     Deliver,
+    DrawIndex,
     Event,
     IndexDrawn,
     NextRequested,
     Phase,
-    PullIndex,
     ResetRequested,
     SamplerExhausted,
     SendTask,
@@ -133,7 +133,7 @@ def record_trace(batches: int, workers: int = 8, prefetch: int = 2, seed: int = 
                 task = pending.pop(rng.randrange(min(len(pending), workers)))
                 event = TaskCompleted(task.task, task.worker, task.index)
         for command in feed(event):
-            if isinstance(command, PullIndex):
+            if isinstance(command, DrawIndex):
                 todo.append(IndexDrawn([drawn]) if drawn < batches else SamplerExhausted())
                 drawn += 1
             elif isinstance(command, SendTask):

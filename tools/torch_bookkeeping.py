@@ -33,7 +33,7 @@ class TorchStyleBookkeeping:
         self.workers_num_tasks = [0] * num_workers
         self.worker_queue_idx_cycle = itertools.cycle(range(num_workers))
         self.waiting = False
-        self.pulling_for: int | None = None
+        self.drawing_for: int | None = None
 
     def _want_index(self) -> bool:
         """torch's `_try_put_index` up to the point where it reads the sampler."""
@@ -49,7 +49,7 @@ class TorchStyleBookkeeping:
                     break
         else:
             return False
-        self.pulling_for = worker_queue_idx
+        self.drawing_for = worker_queue_idx
         return True
 
     def start(self) -> bool:
@@ -57,9 +57,9 @@ class TorchStyleBookkeeping:
 
     def index_drawn(self, index: object) -> bool:
         """The rest of `_try_put_index`: put the index, record the task. True: draw another."""
-        worker_queue_idx = self.pulling_for
+        worker_queue_idx = self.drawing_for
         assert worker_queue_idx is not None
-        self.pulling_for = None
+        self.drawing_for = None
         self.send(worker_queue_idx, (self.send_idx, index))
         self.task_info[self.send_idx] = (worker_queue_idx,)
         self.workers_num_tasks[worker_queue_idx] += 1
