@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,26 @@ class ThreadCounts(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> int:
         return torch.get_num_threads()
+
+
+class Items(Dataset):  # type: ignore[type-arg]
+    """Item i is tensor([i, pid of the worker]); the item at `fail_at` fails as `how` says.
+
+    The pids are how tests learn which worker made each item; `fail` lists the ways to fail.
+    """
+
+    def __init__(self, n: int, fail_at: int | None = None, how: str = "value") -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.how = how
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.fail_at:
+            fail(self.how, index)
+        return torch.tensor([index, os.getpid()])
 
 
 # --- iterable datasets -------------------------------------------------------------------------
@@ -265,19 +285,55 @@ def failing_init(worker_id: int) -> None:
 
 
 class FailsAt(Dataset):  # type: ignore[type-arg]
-    """Numbers(n), except that loading any index in `bad` raises KeyError."""
+    """Numbers(n), except that loading any index in `bad` raises KeyError, or `error` if given.
 
-    def __init__(self, n: int, bad: Sequence[int]) -> None:
+    `error` is raised as it is, the same object each time: where nothing pickles it (in
+    process, in worker threads) the consumer can check that it got that very exception.
+    """
+
+    def __init__(self, n: int, bad: Sequence[int], error: BaseException | None = None) -> None:
         self.n = n
         self.bad = frozenset(bad)
+        self.error = error
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> int:
         if index in self.bad:
+            if self.error is not None:
+                raise self.error
             raise KeyError(f"bad index {index}")
         return index
+
+
+class CustomError(Exception):
+    """An exception class of the user's own, defined where the main process can import it."""
+
+
+class TwoArgumentError(Exception):
+    """An exception that cannot be rebuilt from a message alone."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+
+
+def fail(how: str, index: int) -> None:
+    """Fail at dataset index `index` in the way `how` names (how Items fails at `fail_at`)."""
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "exit3":
+        os._exit(3)
+    elif how == "value":
+        raise ValueError(f"bad sample {index} (marker-value-error)")
+    elif how == "custom":
+        raise CustomError(f"custom failure at {index} (marker-custom-error)")
+    elif how == "two-argument":
+        raise TwoArgumentError(7, f"two-argument failure at {index}")
+    else:
+        raise AssertionError(f"unknown failure {how!r}")
 
 
 class BadSample(Exception):
@@ -382,6 +438,33 @@ class DiesAt(Dataset):  # type: ignore[type-arg]
                 self.marker.touch()
                 os.kill(os.getpid(), self.signum)
         return i, os.getpid()
+
+
+class Unsendable:
+    """A sample that cannot be sent back to the main process: pickling it raises `make_error()`.
+
+    The exception is made when the worker tries to send the sample, in the worker: some kinds
+    of exception cannot be pickled themselves, or exist only there.
+    """
+
+    def __init__(self, make_error: Callable[[], BaseException]) -> None:
+        self.make_error = make_error
+
+    def __reduce__(self) -> Any:
+        raise self.make_error()
+
+
+class UnsendableAt(Dataset):  # type: ignore[type-arg]
+    """Item i is (i, pid of the worker), but item `at` is Unsendable(make_error)."""
+
+    def __init__(self, n: int, at: int, make_error: Callable[[], BaseException]) -> None:
+        self.n, self.at, self.make_error = n, at, make_error
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, (Unsendable(self.make_error) if index == self.at else os.getpid())
 
 
 # --- interrupts: Ctrl-C, or a signal handler raising, while the loader works --------------------

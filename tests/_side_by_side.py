@@ -155,9 +155,9 @@ def assert_same_multiset_as_torch(dataset: Any, kwargs: Kwargs, epochs: int = 1)
 # --- the thread executor -----------------------------------------------------------------------
 
 
-def threaded(dataset: Any, **options: Any) -> Any:
-    """statecore's DataLoader with worker threads."""
-    return statecore.DataLoader(dataset, executor="thread", **options)
+def threaded(dataset: Any, num_workers: int = 2, **options: Any) -> Any:
+    """statecore's DataLoader with worker threads: two unless told otherwise."""
+    return statecore.DataLoader(dataset, num_workers=num_workers, executor="thread", **options)
 
 
 def with_thread_workers(rows: list[Any]) -> list[Any]:

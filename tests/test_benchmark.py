@@ -20,6 +20,7 @@ import multiprocess
 import pytest
 import torch
 import torch.utils.data
+from _side_by_side import WORKERS
 
 from statecore.tools import loader_bench
 from statecore.tools.cli import main
@@ -48,7 +49,6 @@ from statecore.tools.workloads import (
     select,
 )
 
-WORKERS = pytest.mark.timeout(120)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

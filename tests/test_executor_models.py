@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.utils.data
 from _broken import Blanking
+from _datasets import LoggingSampler
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
@@ -151,24 +152,10 @@ def test_child_processes_are_seen_until_they_end() -> None:
 # --- bugs these models found (at 6633eee), kept as regression tests -----------------------------
 
 
-class _LoggingSampler(torch.utils.data.Sampler[int]):
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.drawn: list[int] = []
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Any:
-        for index in range(self.size):
-            self.drawn.append(index)
-            yield index
-
-
 @pytest.mark.parametrize("loader_class", [torch.utils.data.DataLoader, statecore.DataLoader])
 def test_in_process_loading_draws_each_index_when_its_batch_is_asked_for(loader_class: Any) -> None:
     # Was: iter() drew the first index, and each next() the index of the batch after it.
-    sampler = _LoggingSampler(3)
+    sampler = LoggingSampler(3)
     iterator = iter(loader_class(list(range(3)), sampler=sampler, batch_size=None))
     assert sampler.drawn == []
     next(iterator)

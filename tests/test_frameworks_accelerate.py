@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import torch
 from _frameworks import ELSEWHERE, STATECORE_THREAD, Marked, MarkedStream
+from _side_by_side import WORKERS
 from accelerate import Accelerator
 
 import statecore
 from statecore.executors.frameworks import prepare_with_accelerate
-
-WORKERS = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")

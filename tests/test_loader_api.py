@@ -27,22 +27,13 @@ from _datasets import (
     record_init_draws,
     sum_and_items,
 )
+from _side_by_side import LOADERS, WORKERS, as_lists
 
 import statecore
 from statecore.executors import Launch
 from statecore.executors._inline import InlineExecutor
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-WORKERS = pytest.mark.timeout(120)
-LOADERS = [
-    pytest.param(torch.utils.data.DataLoader, id="torch"),
-    pytest.param(statecore.DataLoader, id="statecore"),
-]
-
-
-def as_lists(batches: Any) -> list[Any]:
-    return [batch.tolist() if isinstance(batch, torch.Tensor) else batch for batch in batches]
 
 
 # --- the class and its signature -----------------------------------------------------------------
@@ -222,7 +213,7 @@ def yielded_and_warned(loader: Any) -> tuple[list[Any], list[str]]:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", "This DataLoader will create")
         len(loader)
-        batches = as_lists(loader)
+        batches = as_lists(list(loader))
     return batches, [str(warning.message) for warning in caught]
 
 
@@ -282,14 +273,15 @@ def test_executor_that_is_neither_a_name_nor_a_factory_is_refused() -> None:
 
 def test_inline_executor_loads_like_torch_without_workers() -> None:
     loader = statecore.DataLoader(Numbers(10), batch_size=3, executor="inline")
-    assert as_lists(loader) == as_lists(torch.utils.data.DataLoader(Numbers(10), batch_size=3))
+    expected = torch.utils.data.DataLoader(Numbers(10), batch_size=3)
+    assert as_lists(list(loader)) == as_lists(list(expected))
 
 
 @WORKERS
 def test_mp_executor_loads_like_torch_with_workers() -> None:
     loader = statecore.DataLoader(Numbers(10), batch_size=3, num_workers=2, executor="mp")
     expected = torch.utils.data.DataLoader(Numbers(10), batch_size=3, num_workers=2)
-    assert as_lists(loader) == as_lists(expected)
+    assert as_lists(list(loader)) == as_lists(list(expected))
 
 
 def test_executor_factory_is_given_the_launch_and_does_the_loading() -> None:
@@ -300,8 +292,8 @@ def test_executor_factory_is_given_the_launch_and_does_the_loading() -> None:
         return InlineExecutor(launch)
 
     loader = statecore.DataLoader(Numbers(7), batch_size=3, executor=factory)
-    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert as_lists(list(loader)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert as_lists(list(loader)) == [[0, 1, 2], [3, 4, 5], [6]]
     assert len(launches) == 2  # one per epoch, as torch makes one iterator per epoch
     assert launches[0].num_workers == 1
     assert launches[0].setup.dataset is loader.dataset
@@ -325,7 +317,7 @@ def test_multiprocessing_context_may_be_a_context_of_either_package(
     loader = statecore.DataLoader(
         Numbers(10), batch_size=3, num_workers=2, multiprocessing_context=context()
     )
-    assert as_lists(loader) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert as_lists(list(loader)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     assert loader.multiprocessing_context.get_start_method() == "fork"
 
 
@@ -338,7 +330,7 @@ def test_get_worker_info_is_none_in_the_main_process() -> None:
 
 def test_get_worker_info_is_none_while_loading_in_process() -> None:
     loader = statecore.DataLoader(WorkerInfoProbe(), batch_size=None)
-    assert as_lists(loader) == [[None]]
+    assert as_lists(list(loader)) == [[None]]
     assert statecore.get_worker_info() is None
 
 
@@ -351,7 +343,7 @@ def test_get_worker_info_in_workers_is_torchs_worker_info() -> None:
             num_workers=3,
             generator=torch.Generator().manual_seed(5),
         )
-        return as_lists(loader)
+        return as_lists(list(loader))
 
     got = probe(statecore.DataLoader)
     assert got == probe(torch.utils.data.DataLoader)
@@ -424,7 +416,7 @@ def test_a_loader_rebuilt_from_its_attributes_keeps_its_executor() -> None:
     rebuilt = statecore.DataLoader(**{name: getattr(loader, name) for name in names})
     assert rebuilt.executor == "thread"
     assert rebuilt.executor_factory is loader.executor_factory
-    assert as_lists(rebuilt) == as_lists(loader)
+    assert as_lists(list(rebuilt)) == as_lists(list(loader))
 
 
 def test_setting_the_executor_after_construction_changes_what_loads() -> None:
@@ -451,11 +443,18 @@ def test_num_workers_true_loads_with_one_worker_like_torch() -> None:
             num_workers=True,
             generator=torch.Generator().manual_seed(5),
         )
-        return as_lists(loader)
+        return as_lists(list(loader))
 
     got = probe(statecore.DataLoader)
     assert got == probe(torch.utils.data.DataLoader)
     assert [info[:3] for info in got] == [[True, 0, 1]]
+
+
+@pytest.mark.parametrize("loader_class", LOADERS)
+def test_a_fractional_num_workers_is_refused_at_iter_like_torch(loader_class: type) -> None:
+    loader = loader_class(Numbers(4), num_workers=2.5)
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        iter(loader)
 
 
 @pytest.mark.parametrize("loader_class", LOADERS)

@@ -46,10 +46,3 @@ def test_a_persistent_loader_runs_the_epoch_after_its_sampler_failed() -> None:
     with pytest.raises(ValueError, match="sampler failed at 6"):
         list(loader)
     assert [int(x) for x in loader] == list(range(8))
-
-
-def test_a_fractional_num_workers_is_refused_at_iter_like_torch() -> None:
-    for loader_type in (torch.utils.data.DataLoader, DataLoader):
-        loader = loader_type(torch.arange(4), num_workers=2.5)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
-            iter(loader)

@@ -25,6 +25,7 @@ from typing import Any
 
 import multiprocess
 import pytest
+from _datasets import UnsendableAt
 from torch.utils.data import Dataset
 
 import statecore
@@ -306,36 +307,13 @@ def test_an_exception_type_defined_in_main_is_raised_and_the_epoch_goes_on(
 # --- sending the batch back --------------------------------------------------------------------
 
 
-class Unsendable:
-    """A sample whose pickling raises the exception of the shape named `shape`."""
-
-    def __init__(self, shape: str) -> None:
-        self.shape = shape
-
-    def __reduce__(self) -> Any:
-        raise SHAPES[self.shape][0]()
-
-
-class UnsendableAt(Dataset):  # type: ignore[type-arg]
-    """Item i is (i, pid), but item `at` cannot be pickled."""
-
-    def __init__(self, n: int, at: int, shape: str) -> None:
-        self.n, self.at, self.shape = n, at, shape
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        return index, (Unsendable(self.shape) if index == self.at else os.getpid())
-
-
 @pytest.mark.parametrize("shape", ["nothing-prints", "local-type", "keyword-only-init"])
 def test_a_batch_that_fails_to_pickle_with_a_broken_exception_is_raised_and_the_epoch_goes_on(
     shape: str,
 ) -> None:
     _, type_name, expected = SHAPES[shape]
     loader = statecore.DataLoader(
-        UnsendableAt(8, FAILS_AT, shape),
+        UnsendableAt(8, FAILS_AT, SHAPES[shape][0]),
         batch_size=None,
         num_workers=2,
         multiprocessing_context="fork",

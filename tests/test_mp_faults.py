@@ -7,8 +7,9 @@ again in the main process with its type and the worker's own traceback; for a ma
 the epoch goes on after it, as in torch. A loader whose workers stop answering times out with
 torch's message and leaves no worker behind.
 
-Each test's datasets are defined at module level so that they pickle by reference. Items carry
-the pid of the worker that made them, which is how the tests learn worker pids.
+Each test's datasets are defined at module level (here or in _datasets.py) so that they pickle
+by reference. Items carry the pid of the worker that made them, which is how the tests learn
+worker pids.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import multiprocess
 import pytest
 import torch
 import torch.utils.data
+from _datasets import CustomError, Items, UnsendableAt
 from _processes import children, kill_all, wait_gone, wait_until
 from torch.utils.data import Dataset, IterableDataset
 
@@ -42,52 +44,6 @@ FORK = multiprocess.get_context("fork")
 
 
 # --- user code that fails ----------------------------------------------------------------------
-
-
-class CustomError(Exception):
-    """An exception class of the user's own, defined where the main process can import it."""
-
-
-class TwoArgumentError(Exception):
-    """An exception that cannot be rebuilt from a message alone."""
-
-    def __init__(self, code: int, detail: str) -> None:
-        super().__init__(code, detail)
-        self.code = code
-        self.detail = detail
-
-
-def fail(how: str, index: int) -> None:
-    """Fail in the way `how` names, at dataset index `index`."""
-    if how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif how == "exit3":
-        os._exit(3)
-    elif how == "value":
-        raise ValueError(f"bad sample {index} (marker-value-error)")
-    elif how == "custom":
-        raise CustomError(f"custom failure at {index} (marker-custom-error)")
-    elif how == "two-argument":
-        raise TwoArgumentError(7, f"two-argument failure at {index}")
-    else:
-        raise AssertionError(f"unknown failure {how!r}")
-
-
-class Items(Dataset):  # type: ignore[type-arg]
-    """Item i is tensor([i, pid of the worker]); the item at `fail_at` fails as `how` says."""
-
-    def __init__(self, n: int, fail_at: int | None = None, how: str = "value") -> None:
-        self.n = n
-        self.fail_at = fail_at
-        self.how = how
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if index == self.fail_at:
-            fail(self.how, index)
-        return torch.tensor([index, os.getpid()])
 
 
 class Blocking(Dataset):  # type: ignore[type-arg]
@@ -443,35 +399,14 @@ class CannotPickle(Exception):
     """Raised by a batch that refuses to be pickled."""
 
 
-class Unsendable:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def __reduce__(self) -> Any:
-        raise self.error
-
-
-class UnsendableAt(Dataset):  # type: ignore[type-arg]
-    """Item k is k, but item `at` cannot be pickled: pickling it raises `error`."""
-
-    def __init__(self, size: int, at: int, error: BaseException) -> None:
-        self.size, self.at, self.error = size, at, error
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> Any:
-        return Unsendable(self.error) if index == self.at else index
-
-
 def test_a_batch_the_worker_cannot_send_raises_in_its_turn_and_the_epoch_goes_on() -> None:
-    loader = mp_loader(UnsendableAt(4, at=1, error=CannotPickle("no")), batch_size=None)
+    loader = mp_loader(UnsendableAt(4, at=1, make_error=CannotPickle), batch_size=None)
     iterator = iter(loader)
-    assert next(iterator) == 0
+    assert next(iterator)[0] == 0
     error = next_error(iterator)
     assert type(error) is CannotPickle
     assert "while sending the batch back" in str(error)
-    assert list(iterator) == [2, 3]
+    assert [index for index, _ in iterator] == [2, 3]
 
 
 SIGPIPE_SCRIPT = """

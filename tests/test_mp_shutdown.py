@@ -30,6 +30,7 @@ import multiprocess.connection
 import multiprocess.process
 import pytest
 import torch
+from _datasets import Items
 from _processes import (
     Snapshot,
     alive,
@@ -50,19 +51,6 @@ pytestmark = pytest.mark.timeout(120)
 GONE_WITHIN = 20.0
 PARENT_DEATH_NOTICED_WITHIN = 10.0
 SCRIPT_EXITS_WITHIN = 60.0
-
-
-class Items(Dataset):  # type: ignore[type-arg]
-    """Item i is tensor([i, pid of the worker that made it])."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor([index, os.getpid()])
 
 
 class Large(Dataset):  # type: ignore[type-arg]

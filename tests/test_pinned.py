@@ -18,6 +18,7 @@ import torch
 import torch.utils.data
 from _datasets import BlocksAt, ExitsAt
 from _processes import children
+from _side_by_side import WORKERS
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 import statecore
@@ -25,7 +26,6 @@ from statecore import LoaderTimeoutError, WorkerDiedError
 from statecore.executors import Capabilities, Declared, Launch, PinnedExecutor, pinned
 from statecore.executors._thread import ThreadExecutor
 
-WORKERS = pytest.mark.timeout(120)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 STAGE = "statecore-pin"
 NO_ACCELERATOR = "ignore:'pin_memory' argument is set as true:UserWarning"

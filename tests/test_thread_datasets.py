@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _side_by_side import as_lists, threaded
 from torch.utils.data import Dataset, get_worker_info
 
 import statecore
@@ -33,10 +34,6 @@ def remember_worker(worker_id: int) -> None:
     info = get_worker_info()
     assert info is not None
     info.dataset.worker_id = worker_id
-
-
-def threaded(dataset: Any, **options: Any) -> Any:
-    return statecore.DataLoader(dataset, num_workers=2, executor="thread", **options)
 
 
 @pytest.mark.timeout(120)
@@ -63,10 +60,6 @@ class KnowsItself(Dataset):  # type: ignore[type-arg]
         info = get_worker_info()
         assert info is not None
         return info.id, id(self), id(info.dataset), id(self.data)
-
-
-def as_lists(samples: list[Any]) -> list[Any]:
-    return samples
 
 
 @pytest.mark.timeout(60)

@@ -8,40 +8,16 @@ every later task of that worker fails the same way, and nothing waits for it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from torch.utils.data import Dataset
+from _datasets import FailsAt, Numbers
+from _side_by_side import threaded
 
-import statecore
 from statecore import WorkerDiedError
-
-
-class RaisesAt(Dataset):  # type: ignore[type-arg]
-    """The numbers 0..n-1, except that loading `index` raises `error`."""
-
-    def __init__(self, n: int, index: int, error: BaseException) -> None:
-        self.n = n
-        self.index = index
-        self.error = error
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.index:
-            raise self.error
-        return index
-
 
 ENDINGS = [
     pytest.param(SystemExit(3), "SystemExit", id="SystemExit"),
     pytest.param(KeyboardInterrupt(), "KeyboardInterrupt", id="KeyboardInterrupt"),
 ]
-
-
-def threaded(dataset: Any, **options: Any) -> Any:
-    return statecore.DataLoader(dataset, num_workers=2, executor="thread", **options)
 
 
 @pytest.mark.timeout(60)
@@ -51,7 +27,7 @@ def test_the_consumer_gets_an_error_naming_the_worker_thread_and_the_exception(
 ) -> None:
     received: list[int] = []
     with pytest.raises(WorkerDiedError) as raised:
-        for batch in threaded(RaisesAt(8, 5, error)):
+        for batch in threaded(FailsAt(8, [5], error)):
             received.append(int(batch))
     assert received == [0, 1, 2, 3, 4]  # the error comes in the turn of index 5, worker 1's
     message = str(raised.value)
@@ -66,14 +42,14 @@ def test_the_consumer_gets_an_error_naming_the_worker_thread_and_the_exception(
 @pytest.mark.timeout(60)
 def test_a_system_exit_code_is_the_errors_exit_code() -> None:
     with pytest.raises(WorkerDiedError) as raised:
-        list(threaded(RaisesAt(4, 0, SystemExit(3))))
+        list(threaded(FailsAt(4, [0], SystemExit(3))))
     assert raised.value.exitcode == 3
 
 
 @pytest.mark.timeout(60)
 def test_the_other_workers_go_on_and_the_ended_workers_later_tasks_fail_too() -> None:
     outcomes: list[int | str] = []
-    iterator = iter(threaded(RaisesAt(8, 1, SystemExit(0))))
+    iterator = iter(threaded(FailsAt(8, [1], SystemExit(0))))
     while True:
         try:
             outcomes.append(int(next(iterator)))
@@ -94,6 +70,6 @@ def exits_in_worker_1(worker_id: int) -> None:
 def test_a_system_exit_in_worker_init_fn_is_reported_in_that_workers_first_turn() -> None:
     received: list[int] = []
     with pytest.raises(WorkerDiedError, match=r"worker thread 1 .*SystemExit.*worker_init_fn"):
-        for batch in threaded(RaisesAt(8, -1, SystemExit(0)), worker_init_fn=exits_in_worker_1):
+        for batch in threaded(Numbers(8), worker_init_fn=exits_in_worker_1):
             received.append(int(batch))
     assert received == [0]

@@ -10,14 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from typing import Any
 
 import pytest
 import torch
+from _side_by_side import threaded
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
-
-import statecore
 
 
 class WorkerIds(Dataset):  # type: ignore[type-arg]
@@ -30,10 +28,6 @@ class WorkerIds(Dataset):  # type: ignore[type-arg]
         info = get_worker_info()
         assert info is not None, "a worker thread's dataset must see its WorkerInfo"
         return torch.tensor(info.id)
-
-
-def threaded(dataset: Any, **options: Any) -> Any:
-    return statecore.DataLoader(dataset, num_workers=2, executor="thread", **options)
 
 
 @pytest.mark.timeout(60)

@@ -14,9 +14,8 @@ from typing import Any
 import numpy
 import pytest
 import torch
+from _side_by_side import threaded
 from torch.utils.data import Dataset
-
-import statecore
 
 
 class ReseedsPerSample(Dataset):  # type: ignore[type-arg]
@@ -42,10 +41,6 @@ class OwnGenerator(Dataset):  # type: ignore[type-arg]
     def __getitem__(self, index: int) -> int:
         generator = torch.Generator().manual_seed(index)
         return int(torch.randint(0, 1000, (), generator=generator))
-
-
-def threaded(dataset: Any, **options: Any) -> Any:
-    return statecore.DataLoader(dataset, num_workers=2, executor="thread", **options)
 
 
 def reseed_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
