@@ -126,7 +126,9 @@ class Driver:
             # Left by an interrupt: carried out before anything new is asked.
             outcome = self.carry_out()
         if outcome is None:
-            outcome = self.finish(self.request(_NEXT))
+            outcome = self.request(_NEXT)
+            if outcome is None:
+                outcome = self.finish(outcome)
             if type(outcome) is Deliver:
                 return outcome.payload
             if outcome is None:
@@ -153,7 +155,8 @@ class Driver:
 
     def request(self, event: Event) -> Command | None:
         """Tell the scheduler of a consumer's call; carry out what follows; the outcome if any."""
-        self._feed(event)
+        self.state, commands = self.step(self.state, event)
+        self.todo.extend(commands)
         return self.carry_out()
 
     def finish(self, outcome: Command | None) -> Command | None:

@@ -54,6 +54,7 @@ from statecore._events import (
 )
 from statecore._frameworks import build_before_a_census as _build_before_a_census
 from statecore._invariants import violations
+from statecore._progress import progress
 from statecore._state import (
     RESOLVED,
     Cancelled,
@@ -64,6 +65,7 @@ from statecore._state import (
     Lifecycle,
     Pending,
     Phase,
+    Progress,
     Ready,
     Resolved,
     SamplerFailure,
@@ -104,6 +106,7 @@ __all__ = [
     "NextRequested",
     "Pending",
     "Phase",
+    "Progress",
     "ProtocolError",
     "DrawIndex",
     "RaiseError",
@@ -135,6 +138,7 @@ __all__ = [
     "WorkerStatus",
     "can_restart",
     "initial_state",
+    "progress",
     "step",
     "violations",
 ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import attrs
 
+from statecore._state import Progress
+
 __all__ = [
     "CloseRequested",
     "Event",
@@ -45,9 +47,15 @@ class Event:
 
 @attrs.frozen
 class ResetRequested(Event):
-    """The consumer started an epoch (`iter(loader)`). `seed` is passed on to resumed workers."""
+    """The consumer started an epoch (`iter(loader)`). `seed` is passed on to resumed workers.
+
+    `resume` continues an epoch from a checkpoint instead (see `statecore.progress`): the
+    sampler is positioned at `resume.done` by the caller, and the draws in `resume.also` are
+    dropped as they come. Only a fresh scheduler resumes.
+    """
 
     seed: int | None = None
+    resume: Progress | None = None
 
 
 @attrs.frozen

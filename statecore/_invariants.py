@@ -87,6 +87,16 @@ def violations(state: State) -> list[str]:
         found.append(f"a failure is recorded while {phase.value}")
     if life.reported and life.failure is None:
         found.append("a failure was reported, but none is recorded")
+    if life.resumed is not None:
+        if config.iterable:
+            found.append("an iterable dataset's epoch resumed from sampler positions")
+        if life.passed > len(life.resumed.also):
+            found.append(
+                f"{life.passed} draws dropped as handed over before the checkpoint, which "
+                f"names only {len(life.resumed.also)}"
+            )
+    if life.left is not None and phase not in (Phase.FAILED, Phase.CLOSED):
+        found.append(f"an abandoned epoch's progress is kept while {phase.value}")
     if phase is Phase.RUNNING and WorkerStatus.ACTIVE not in life.workers:
         found.append("running with no active worker: nothing could be sent")
     return found

@@ -28,6 +28,7 @@ __all__ = [
     "Lifecycle",
     "Pending",
     "Phase",
+    "Progress",
     "Ready",
     "Resolved",
     "SamplerFailure",
@@ -209,6 +210,42 @@ class ExecutorFailure:
 Failure = TaskFailure | WorkerDeath | Timeout | Cancelled | SamplerFailure | ExecutorFailure
 
 
+# --- progress, for checkpoints -------------------------------------------------------------
+
+
+@attrs.frozen
+class Progress:
+    """How far the consumer got through one epoch: which of the sampler's draws it was handed.
+
+    Positions count the sampler's draws from the start of the epoch, 0 first, whichever run of
+    the loader made them: a run resumed from a checkpoint goes on numbering where the
+    checkpoint's positions left off. Handed over means delivered as a batch or raised as that
+    task's error: a resumed run produces neither again.
+    """
+
+    done: int = 0
+    """Every position before this one was handed over (and this one was not)."""
+    also: frozenset[int] = frozenset()
+    """Positions after `done` handed over as well (out of order)."""
+    ended: bool = False
+    """The sampler ran out and every draw was handed over: nothing of the epoch remains."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.done < 0 or any(p <= self.done for p in self.also):
+            raise ValueError(
+                f"progress positions must be after done={self.done} and done at least 0, "
+                f"got also={sorted(self.also)}"
+            )
+
+    def complete(self, length: int | None) -> bool:
+        """Whether nothing of the epoch remains, given the sampler's length if it has one.
+
+        A scheduler that draws only when asked (no workers) has not yet seen the sampler run
+        out after the last batch; the length tells.
+        """
+        return self.ended or (length is not None and self.done >= length)
+
+
 # --- configuration and state ---------------------------------------------------------------
 
 
@@ -260,6 +297,13 @@ class Lifecycle:
     while they are drawn fails `iter()`."""
     reported: bool = False
     """The consumer has been given `failure`. A sampler's failure is given once, then the end."""
+    resumed: Progress | None = None
+    """The checkpoint this epoch resumed from: its handed-over draws are drawn again (the
+    sampler cannot skip them) and dropped, and positions go on from its own."""
+    passed: int = 0
+    """Draws of `resumed.also` met and dropped so far this epoch."""
+    left: Progress | None = None
+    """The epoch's progress when the loader failed or closed and its window was dropped."""
 
 
 class State(NamedTuple):

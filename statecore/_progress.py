@@ -1,0 +1,62 @@
+"""What a checkpoint records of the scheduler: the consumer's progress through the epoch.
+
+A checkpoint must let a fresh loader, with any number of workers, produce exactly what the
+original had not handed over yet: nothing handed over is produced again, and nothing that was
+only in flight or buffered is lost. The scheduler's window says which tasks were handed over;
+this module turns that into positions of the sampler's draws (`Progress`), which mean the same
+to any scheduler, and maps a resumed run's tasks back to the positions of the first run, so a
+checkpoint of a resumed run is again a checkpoint of the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from statecore._state import RESOLVED, Phase, Progress, State
+
+__all__ = ["progress"]
+
+
+def _position(resumed: Progress | None, offset: int) -> int:
+    """The epoch position of this run's `offset`-th draw (0 first).
+
+    A run resumed from `resumed` draws from `resumed.done` on and drops the positions in
+    `resumed.also` (see `_step._on_index`), so its draws are the positions not yet handed over,
+    in order.
+    """
+    if resumed is None:
+        return offset
+    at = resumed.done + offset
+    for handed in sorted(resumed.also):
+        if handed > at:
+            break
+        at += 1
+    return at
+
+
+def progress(state: State) -> Progress:
+    """The progress to record in a checkpoint of `state`. Pure, like `step`."""
+    life = state.life
+    if life.left is not None:
+        # Failed or closed: the window was dropped, and with it what was handed over.
+        return life.left
+    if life.phase is Phase.IDLE:
+        return Progress()
+    base, resumed = life.base, life.resumed
+    handed = state.rcvd_idx - base  # this run's draws before the window: all handed over
+    done = _position(resumed, handed)
+    also: set[int] = set()
+    if resumed is not None:
+        also.update(p for p in resumed.also if p > done)
+    also.update(_handed_in_window(state, handed, resumed))
+    ended = life.phase is Phase.FINISHED or (
+        life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
+    )
+    return Progress(done, frozenset(also), ended)
+
+
+def _handed_in_window(state: State, handed: int, resumed: Progress | None) -> Iterable[int]:
+    # Out of order, an answer handed over before those ahead of it stays in the window, resolved.
+    for i, slot in enumerate(state.window):
+        if slot is RESOLVED:
+            yield _position(resumed, handed + i)

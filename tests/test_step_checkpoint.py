@@ -1,0 +1,141 @@
+"""Checkpoints: `progress(state)` records what was handed over, `ResetRequested(resume=)` goes on.
+
+Positions count the sampler's draws from the start of the epoch. These tests drive the pure
+core; the models (tests/test_models_checkpoint.py) check the same from every reachable state.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _drive import config, feed, fill, only, start
+
+from statecore import (
+    CloseRequested,
+    Deliver,
+    DrawIndex,
+    IndexDrawn,
+    MisuseError,
+    NextRequested,
+    Progress,
+    ResetRequested,
+    SamplerExhausted,
+    SendTask,
+    TaskCompleted,
+    WorkerDied,
+    initial_state,
+    progress,
+)
+
+
+def test_a_scheduler_that_has_not_started_has_handed_over_nothing() -> None:
+    assert progress(initial_state(config())) == Progress()
+
+
+def test_in_order_the_batches_handed_over_are_a_prefix_of_the_draws() -> None:
+    state, _ = fill(start(config())[0])
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=1, worker=1))
+    assert progress(state) == Progress(done=2)
+
+
+def test_a_batch_that_arrived_but_was_not_handed_over_is_not_recorded() -> None:
+    state, _ = fill(start(config())[0])
+    state, _ = feed(state, TaskCompleted(task=0, worker=0), TaskCompleted(task=1, worker=1))
+    assert state.buffered == 2
+    assert progress(state) == Progress(done=0)
+
+
+def test_out_of_order_a_batch_handed_over_ahead_of_others_is_recorded_by_its_position() -> None:
+    state, _ = fill(start(config(in_order=False))[0])
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=2, worker=0))
+    assert progress(state) == Progress(done=0, also=frozenset({2}))
+
+
+def test_an_epoch_whose_every_draw_was_handed_over_after_the_sampler_ran_out_has_ended() -> None:
+    state, _ = start(config(1, prefetch_factor=1))
+    state, _ = feed(state, IndexDrawn(0), NextRequested(), TaskCompleted(task=0, worker=0))
+    state, _ = feed(state, SamplerExhausted())
+    assert progress(state) == Progress(done=1, ended=True)
+    state, _ = feed(state, NextRequested())
+    assert progress(state) == Progress(done=1, ended=True)
+
+
+def test_a_failed_loader_keeps_the_progress_it_had_when_it_dropped_its_window() -> None:
+    state, _ = fill(start(config())[0])
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    state, _ = feed(state, TaskCompleted(task=1, worker=1), WorkerDied(worker=0))
+    assert progress(state) == Progress(done=1)
+    state, _ = feed(state, CloseRequested())
+    assert progress(state) == Progress(done=1)
+
+
+def test_a_resumed_epoch_drops_the_draws_handed_over_out_of_order_before_the_checkpoint() -> None:
+    resume = Progress(done=3, also=frozenset({4}))
+    fresh = initial_state(config(1, prefetch_factor=3))
+    state, _ = feed(fresh, ResetRequested(resume=resume))
+    # The sampler was positioned at 3 by the caller: draws are positions 3, 4, 5, ...
+    state, commands = feed(state, IndexDrawn("p3"), IndexDrawn("p4"), IndexDrawn("p5"))
+    assert [c.index for c in only(commands, SendTask)] == ["p3", "p5"]
+    assert only(commands, DrawIndex)  # the dropped draw is made up for
+
+
+def test_a_checkpoint_of_a_resumed_epoch_names_positions_of_the_whole_epoch() -> None:
+    resume = Progress(done=3, also=frozenset({4, 6}))
+    state, _ = feed(initial_state(config(1, prefetch_factor=1)), ResetRequested(resume=resume))
+    state, commands = feed(state, IndexDrawn("p3"), NextRequested())
+    state, commands = feed(state, TaskCompleted(task=0, worker=0))
+    assert only(commands, Deliver)[0].payload is None  # position 3 handed over
+    assert progress(state) == Progress(done=5, also=frozenset({6}))
+    state, _ = feed(state, IndexDrawn("p4"), IndexDrawn("p5"), NextRequested())
+    state, _ = feed(state, TaskCompleted(task=1, worker=0))
+    assert progress(state) == Progress(done=7)
+
+
+def test_a_resume_of_a_resumed_epoch_goes_on_from_the_second_checkpoint() -> None:
+    first = Progress(done=1, also=frozenset({3}))
+    state, _ = feed(initial_state(config(2, in_order=False)), ResetRequested(resume=first))
+    state, _ = fill(state)  # positions 1, 2, 4, 5 as tasks 0..3
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=3, worker=1))
+    second = progress(state)
+    assert second == Progress(done=1, also=frozenset({3, 5}))
+    state, _ = feed(initial_state(config(1, prefetch_factor=3)), ResetRequested(resume=second))
+    commands = []
+    for draw in range(4):
+        state, emitted = feed(state, IndexDrawn(draw))
+        commands += emitted
+    kept = [c.index for c in only(commands, SendTask)]
+    assert kept == [0, 1, 3]  # draws 0..3 are positions 1, 2, 3, 4; 3 is dropped
+    assert progress(state) == second
+
+
+def test_an_iterable_dataset_cannot_resume_from_sampler_positions() -> None:
+    with pytest.raises(MisuseError, match="iterable"):
+        feed(initial_state(config(iterable=True)), ResetRequested(resume=Progress(done=1)))
+
+
+def test_only_a_fresh_scheduler_resumes() -> None:
+    cfg = config(1, prefetch_factor=1, persistent_workers=True)
+    state, _ = start(cfg, IndexDrawn(0), NextRequested(), TaskCompleted(task=0, worker=0))
+    state, _ = feed(state, SamplerExhausted(), NextRequested())
+    with pytest.raises(MisuseError, match="fresh scheduler"):
+        feed(state, ResetRequested(resume=Progress(done=1)))
+
+
+def test_progress_refuses_positions_that_are_not_after_done() -> None:
+    with pytest.raises(ValueError, match="after done=2"):
+        Progress(done=2, also=frozenset({1}))
+
+
+@pytest.mark.parametrize(
+    ("recorded", "length", "complete"),
+    [
+        (Progress(done=4), 4, True),
+        (Progress(done=3), 4, False),
+        (Progress(done=4), None, False),
+        (Progress(done=2, ended=True), None, True),
+    ],
+)
+def test_an_epoch_is_complete_when_it_ended_or_every_position_of_a_known_length_was_handed_over(
+    recorded: Progress, length: int | None, complete: bool
+) -> None:
+    assert recorded.complete(length) is complete
