@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from statecore import (
@@ -47,6 +47,7 @@ from statecore import (
     LoaderTimeoutError,
     NextRequested,
     Phase,
+    Progress,
     RaiseError,
     ResetRequested,
     ResumeWorker,
@@ -64,6 +65,7 @@ from statecore import (
     WorkerDeath,
     WorkerDiedError,
     initial_state,
+    progress,
     step,
 )
 from statecore.executors._protocol import Executor, capabilities_of
@@ -106,13 +108,19 @@ class Driver:
         """Whether the executor keeps the answer it returned until told it was recorded."""
         self.handed: Command | None = None
         """An outcome given in a call that an interrupt then cut short: the next request's."""
+        self.void: list[int] = []
+        """Tasks handed over in a call that raised the executor's failure instead."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
-    def start_epoch(self, seed: int | None = None) -> None:
-        """Start an epoch: return once iter() is done (workers resumed, first tasks out)."""
+    def start_epoch(self, seed: int | None = None, resume: Progress | None = None) -> None:
+        """Start an epoch: return once iter() is done (workers resumed, first tasks out).
+
+        `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`.
+        """
         self.handed = None  # an outcome of the epoch being left behind
-        outcome = self.finish(self.request(ResetRequested(seed)))
+        self.void = []
+        outcome = self.finish(self.request(ResetRequested(seed, resume)))
         if outcome is not None:
             try:
                 self.hand_over(outcome)
@@ -150,6 +158,16 @@ class Driver:
                 self.hand_over(outcome)
             finally:
                 del outcome  # see `hand_over`
+
+    def progress(self) -> Progress:
+        """What a checkpoint records now (see `statecore.progress`).
+
+        A batch (or a task's error) the scheduler handed over and the consumer did not get is
+        not counted: an interrupt kept it for the next request, or the executor failed and
+        its error took the batch's place.
+        """
+        unreceived = [*self.void, *_tasks_of((self.handed, *self.todo))]
+        return progress(self.state, unreceived)
 
     # --- the moves of a call -------------------------------------------------------------------
 
@@ -259,7 +277,9 @@ class Driver:
                     except Exception as error:
                         if is_interrupt(error) or isinstance(error, InternalError):
                             raise
-                        # What the scheduler answers replaces the rest of this run.
+                        # What the scheduler answers replaces the rest of this run, and the
+                        # outcome already picked up in it.
+                        self.void.extend(_tasks_of((outcome, *todo)))
                         todo.clear()
                         self._feed(ExecutorFailed(error))
                         continue
@@ -284,6 +304,17 @@ class Driver:
         else:
             self.state, commands = self.step(self.state, IndexDrawn(index))
             self.todo.extend(commands)
+
+
+def _tasks_of(commands: Iterable[Command | None]) -> list[int]:
+    """The tasks whose batch or error these commands hand to the consumer."""
+    tasks = []
+    for command in commands:
+        if type(command) is Deliver:
+            tasks.append(command.task)
+        elif type(command) is RaiseError and type(command.failure) is TaskFailure:
+            tasks.append(command.failure.task)
+    return tasks
 
 
 def failure_exception(failure: Failure) -> BaseException:

@@ -13,10 +13,11 @@ after epoch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import operator
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -25,7 +26,17 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, can_restart
+from statecore import Config, Phase, Progress, State, can_restart, progress
+from statecore.executors._checkpoint import (
+    FORMAT,
+    EpochRecord,
+    Resume,
+    SamplerLog,
+    parse,
+    positioned,
+    snapshot,
+    stateful_sampler,
+)
 from statecore.executors._driver import Driver
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import (
@@ -90,6 +101,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         executor: str | Callable[[Launch], Executor] | None = None,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
@@ -118,6 +130,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
         self.executor = executor
         self.executor_factory, self.loads_in_process = resolve_executor(executor, num_workers)
+        if snapshot_every_n_steps is not None and (
+            isinstance(snapshot_every_n_steps, bool)
+            or not isinstance(snapshot_every_n_steps, int)
+            or snapshot_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"snapshot_every_n_steps must be a positive integer or None, got "
+                f"{snapshot_every_n_steps!r}"
+            )
+        # torchdata's StatefulDataLoader takes it to bound the cost of copying worker states;
+        # statecore's checkpoint is exact after every batch, so it is kept, not needed.
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._epochs = 0
+        """Epochs started by this loader, the current one included."""
+        self._resume: Resume | None = None
+        self._latest: weakref.ref[_Iterator] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
@@ -144,7 +172,80 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if not self.loads_in_process:
             self.check_worker_number_rationality()
-        return _Iterator(self)
+        iterator = _Iterator(self)
+        self._latest = weakref.ref(iterator)
+        return iterator
+
+    # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: loading it into a fresh loader goes on from here, exactly.
+
+        May be called at any time: before `iter()`, at any point of an epoch, between epochs,
+        after the last batch. The batches not yet handed to the consumer (in flight or
+        buffered) are produced again after a resume, and none handed over is. The result is
+        plain data (see docs/checkpointing.md).
+        """
+        facts = self._checkpoint_facts()
+        if facts["dataset_kind"] == "iterable":
+            # Frameworks ask every loader with a state_dict for one (Lightning on each
+            # checkpoint, accelerate on each epoch): a refusal would fail their run.
+            return {**facts, "statecore": FORMAT, "epoch": self._epochs, "resumable": False}
+        if self._resume is not None:
+            return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
+        iterator = self._latest() if self._latest is not None else None
+        if iterator is not None and iterator._epoch is not None:
+            return iterator._checkpoint(self, facts)
+        # Nothing started, or the epoch's iterator is gone: the next iter() starts an epoch.
+        sampler = stateful_sampler(self._index_sampler)
+        return snapshot(
+            facts,
+            epoch=self._epochs,
+            progress=Progress(ended=self._epochs > 0),
+            complete=True,
+            base_seed=None,
+            rng_epoch_start=None,
+            rng_now=None if self.generator is None else self.generator.get_state(),
+            sampler=None if sampler is None else sampler.state_dict(),
+            num_yielded=0,
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Go on from `state_dict` (taken by `state_dict()`) with the next `iter()`.
+
+        Call it before `iter()`. The dataset and its batching must be those of the loader the
+        state was taken from; the number of workers and the executor may differ.
+        """
+        facts = self._checkpoint_facts()
+        if facts["dataset_kind"] == "iterable":
+            warnings.warn(
+                "statecore cannot resume an IterableDataset's epoch yet: the loader starts its "
+                "next epoch from the beginning, as a loader without state_dict() does",
+                stacklevel=2,
+            )
+            return
+        resume = parse(state_dict, facts)
+        kept = self.__dict__.get("_iterator")
+        if isinstance(kept, _Iterator):
+            # Persistent workers are in the middle of something else: the resumed epoch gets
+            # fresh ones, seeded as the checkpoint's were.
+            kept._shutdown()
+            self._iterator = None
+        self._resume = resume
+
+    def _checkpoint_facts(self) -> dict[str, Any]:
+        if self._dataset_kind == _ITER:
+            return {"dataset_kind": "iterable", "batch_size": self.batch_size}
+        try:
+            length: int | None = len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        return {
+            "dataset_kind": "map",
+            "dataset_length": length,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+        }
 
 
 def _too_long(iterator: _Iterator, promised: int) -> str:
@@ -176,7 +277,14 @@ def _drawer(iterator: _Iterator) -> Callable[[], Any]:
         alive = ref()
         if alive is None:
             raise StopIteration
-        return next(alive._sampler_iter)  # what torch's _next_index does, one call fewer
+        index = next(alive._sampler_iter)  # what torch's _next_index does, one call fewer
+        log = alive._log
+        if log is not None:
+            driver = alive._driver
+            assert driver is not None
+            state = driver.state
+            log.record(log.origin + state.rcvd_idx - state.life.base)
+        return index
 
     return draw
 
@@ -220,12 +328,48 @@ def _checked(factory: ExecutorFactory) -> ExecutorFactory:
     return _Checked(factory)
 
 
+def _length(index_sampler: Any) -> int | None:
+    try:
+        return len(index_sampler)
+    except TypeError:
+        return None
+
+
+def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
+    """Put the loader where the checkpoint's was once its epoch had ended."""
+    loader._epochs = resume.epoch
+    if resume.rng_now is not None and loader.generator is not None:
+        loader.generator.set_state(resume.rng_now)
+    sampler = stateful_sampler(loader._index_sampler)
+    if sampler is not None and resume.sampler is not None:
+        sampler.load_state_dict(resume.sampler)
+
+
 class _Iterator(_BaseDataLoaderIter):
     """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
-        super().__init__(loader)
         self._driver: Driver | None = None
+        self._epoch: EpochRecord | None = None
+        self._log: SamplerLog | None = None
+        self._last_state: State | None = None
+        resume, loader._resume = loader._resume, None
+        if resume is not None and resume.complete:
+            _between_epochs(loader, resume)
+            resume = None
+        elif resume is not None:
+            loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
+        self._resume = resume
+        # A resumed epoch draws again from its own start (see `_positioned`). When that start
+        # is a state of torch's global generator, the program's own state of it is kept.
+        forked = resume is not None and loader.generator is None
+        with torch.random.fork_rng(devices=[]) if forked else contextlib.nullcontext():
+            self._start(loader, resume)
+
+    def _start(self, loader: DataLoader[Any], resume: Resume | None) -> None:
+        super().__init__(loader)
+        if resume is not None and resume.base_seed is not None:
+            self._base_seed = resume.base_seed  # the workers are seeded as the checkpoint's were
         in_process = self._in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
@@ -276,13 +420,77 @@ class _Iterator(_BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        resume, self._resume = self._resume, None
+        source = torch.default_generator if loader.generator is None else loader.generator
+        # Taken before the epoch's sampler draws anything: a checkpoint of this epoch replays
+        # its draws from here.
+        rng = source.get_state()
         # torch's single-process iterator does not reset when built: its base class has just
         # done what a reset does, and a second reset would draw a datapipe's shared seed again
         # from the loader's generator, moving it on.
         if not (first_iter and self._in_process):
             super()._reset(loader, first_iter)
+        loader._epochs += 1
+        record = EpochRecord(loader._epochs, rng)
+        sampler = stateful_sampler(self._index_sampler)
+        start: Progress | None = None
+        if resume is not None:
+            start = record.resumed = resume.progress
+            if resume.rng_epoch_start is not None:
+                record.rng = resume.rng_epoch_start
+            self._sampler_iter = self._positioned(loader, resume, sampler, source)
+            self._num_yielded = resume.num_yielded
+        if sampler is not None:
+            first = resume.sampler if resume is not None else None
+            record.log = SamplerLog(sampler, start.done if start is not None else 0, first)
+        self._epoch, self._log = record, record.log
         assert self._driver is not None
-        self._driver.start_epoch(None if first_iter else self._shared_seed)
+        self._driver.start_epoch(None if first_iter else self._shared_seed, resume=start)
+
+    def _positioned(
+        self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator
+    ) -> Any:
+        """The sampler's iterator, at the first draw not handed over before the checkpoint."""
+        if sampler is not None and resume.sampler is not None:
+            sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
+            return iter(self._index_sampler)
+        if resume.rng_epoch_start is None:
+            raise ValueError(
+                "cannot resume this epoch: the checkpoint has neither the sampler's state nor "
+                "the random state the epoch began with"
+            )
+        # Any other sampler is drawn again from the epoch's start, as the original drew it.
+        source.set_state(resume.rng_epoch_start)
+        draws = iter(self._index_sampler)
+        return positioned(draws, resume.progress.done, peek=loader.generator is None)
+
+    def _checkpoint(self, loader: DataLoader[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
+        """This iterator's epoch as a checkpoint (see `DataLoader.state_dict`)."""
+        record = self._epoch
+        assert record is not None
+        driver = self._driver
+        if driver is not None:
+            done = driver.progress()
+        else:
+            assert self._last_state is not None
+            done = progress(self._last_state)
+        complete = done.complete(_length(self._index_sampler))
+        sampler_state = None
+        if record.log is not None:
+            log = record.log
+            sampler_state = log.sampler.state_dict() if complete else log.at(done.done)
+        generator = loader.generator
+        return snapshot(
+            facts,
+            epoch=record.number,
+            progress=done,
+            complete=complete,
+            base_seed=int(self._base_seed),
+            rng_epoch_start=record.rng,
+            rng_now=None if generator is None else generator.get_state(),
+            sampler=sampler_state,
+            num_yielded=self._num_yielded,
+        )
 
     def __next__(self) -> Any:
         if _profiler_enabled():
@@ -310,8 +518,13 @@ class _Iterator(_BaseDataLoaderIter):
 
     def _shutdown(self) -> None:
         driver, self._driver = self._driver, None
-        if driver is not None and driver.state.phase is not Phase.CLOSED:
-            driver.close()
+        if driver is None:
+            return
+        try:
+            if driver.state.phase is not Phase.CLOSED:
+                driver.close()
+        finally:
+            self._last_state = driver.state  # for a checkpoint taken after the end
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

@@ -26,7 +26,15 @@ import attrs
 from statecore import Config, Phase
 from statecore import step as core_step
 from statecore.models.reference import IterableSpec, MapSpec
-from statecore.models.world import Action, Scenario, StepFunction, Violation, World
+from statecore.models.world import (
+    Action,
+    Checkpoint,
+    Scenario,
+    StepFunction,
+    Violation,
+    World,
+    check_checkpoint,
+)
 
 __all__ = ["Bounds", "Report", "default_scenarios", "explore", "explore_all"]
 
@@ -60,8 +68,14 @@ class Report:
         )
 
 
-def explore(scenario: Scenario, step: StepFunction = core_step) -> Report:
-    """Visit every world reachable in `scenario`; stop at the first violation."""
+def explore(scenario: Scenario, step: StepFunction = core_step, checkpoints: bool = True) -> Report:
+    """Visit every world reachable in `scenario`; stop at the first violation.
+
+    With `checkpoints`, a map-style scenario's every world is also checkpointed and resumed in
+    a fresh loader, with as many workers and with another number, and run to the end of its
+    epoch (`statecore.models.world.check_checkpoint`). Worlds that checkpoint alike (the same
+    epoch, progress and batches handed over) resume alike, so each such checkpoint runs once.
+    """
     edges: set[tuple[Phase, type, Phase]] = set()
 
     def seen(before: Phase, event: type, after: Phase) -> None:
@@ -87,10 +101,24 @@ def explore(scenario: Scenario, step: StepFunction = core_step) -> Report:
             scenario, len(parents), states, transitions, message, tuple(trace), frozenset(edges)
         )
 
+    resumable = checkpoints and isinstance(scenario.dataset, MapSpec)
+    n = scenario.config.num_workers
+    counts = (n, 1 if n > 1 else 2)
+    checked: set[tuple[object, ...]] = set()
     while frontier:
         world = frontier.popleft()
         if world.stuck():
             return failed(world, "deadlock: a consumer waits and no worker owes an answer")
+        if resumable:
+            key = (world.epoch, world.checkpoint(), world.delivered, world.ended)
+            if key not in checked:
+                checked.add(key)
+                for workers in counts:
+                    try:
+                        check_checkpoint(world, workers, step, seen)
+                    except Violation as violation:
+                        message = f"resumed from a checkpoint with {workers} workers: {violation}"
+                        return failed(world, message, Checkpoint(workers))
         moved = False
         for action in world.actions():
             moved = True

@@ -2,7 +2,8 @@
 
 `scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
 world's actions (a consumer asking, a worker answering or dying, a timeout, an interrupt, the
-sampler raising, the executor breaking, a close, a new epoch) and whose invariants are every
+sampler raising, the executor breaking, a close, a new epoch, a checkpoint resumed in a fresh
+loader with any number of workers) and whose invariants are every
 check of `statecore.models.world`, made on the real driver (`statecore.executors._driver`)
 running the core. It takes the step function, so the same machine checks the real core, a
 deliberately broken one (`statecore.models.mutants`), or any other step function.
@@ -28,6 +29,7 @@ from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import (
     Action,
     Break,
+    Checkpoint,
     Close,
     Expire,
     Interrupt,
@@ -171,6 +173,13 @@ def scheduler_machine(
         @rule()
         def consumer_starts_next_epoch(self) -> None:
             self._apply(Restart())
+
+        @precondition(lambda self: isinstance(self.world.scenario.dataset, MapSpec))
+        @rule(workers=st.integers(1, 4))
+        def program_checkpoints_and_goes_on_in_a_fresh_loader(self, workers: int) -> None:
+            # At any moment, even in the middle of a call (a preempted job): the resumed run,
+            # and runs resumed from it, must end with exactly the reference epoch.
+            self._apply(Checkpoint(workers))
 
         @rule()
         def run_ends_when_nothing_can_happen(self) -> None:

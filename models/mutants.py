@@ -16,13 +16,18 @@ from typing import Any
 import attrs
 
 from statecore import (
+    RESOLVED,
     Command,
     Config,
     EndEpoch,
     Event,
     ExecutorFailure,
+    Failed,
     Interrupted,
+    Pending,
     Phase,
+    Progress,
+    Ready,
     SamplerFailure,
     State,
     Transition,
@@ -31,6 +36,7 @@ from statecore import (
     WorkerStatus,
 )
 from statecore import _step as core
+from statecore import progress as core_progress
 from statecore.executors._driver import Driver
 
 __all__ = ["MUTANTS", "Mutant"]
@@ -252,6 +258,64 @@ def _driver_waits_only_in_next() -> dict[str, object]:
     return {"Driver.finish": finish}
 
 
+def _with_window(real: Callable[[Driver], Progress], change: Callable[[State], State]) -> Any:
+    def progress(self: Driver) -> Progress:
+        saved = self.state
+        self.state = change(saved)
+        try:
+            return real(self)
+        finally:
+            self.state = saved
+
+    return progress
+
+
+def _checkpoint_counts_buffered_batches() -> dict[str, object]:
+    # Takes every answer that arrived for handed over, including those still waiting in the
+    # window for their turn or for a consumer: a resumed loader never produces them.
+    def buffered_as_handed(state: State) -> State:
+        rcvd_idx, window = state.rcvd_idx, state.window
+        arrived = [i for i, slot in enumerate(window) if type(slot) in (Ready, Failed)]
+        while arrived:
+            rcvd_idx, window = core._resolve(rcvd_idx, window, arrived[0])
+            arrived = [i for i, slot in enumerate(window) if type(slot) in (Ready, Failed)]
+        return state._replace(rcvd_idx=rcvd_idx, window=window)
+
+    return {"Driver.progress": _with_window(Driver.progress, buffered_as_handed)}
+
+
+def _checkpoint_forgets_early_deliveries() -> dict[str, object]:
+    # Records only the prefix of the epoch handed over, as a count of batches yielded would:
+    # out of order, batches handed over ahead of the prefix are produced again on resume.
+    def handed_as_pending(state: State) -> State:
+        window = tuple(Pending(0) if slot is RESOLVED else slot for slot in state.window)
+        return state._replace(window=window)
+
+    return {"Driver.progress": _with_window(Driver.progress, handed_as_pending)}
+
+
+def _checkpoint_at_the_end_starts_the_epoch_over() -> dict[str, object]:
+    real = Driver.progress
+
+    def progress(self: Driver) -> Progress:
+        # The epoch's counters are reset as it ends: a checkpoint taken between epochs says
+        # nothing was handed over, and a resumed loader runs the finished epoch again.
+        if self.state.phase is Phase.FINISHED:
+            return Progress()
+        return real(self)
+
+    return {"Driver.progress": progress}
+
+
+def _checkpoint_counts_what_the_consumer_never_got() -> dict[str, object]:
+    def progress(self: Driver) -> Progress:
+        # Believes the scheduler: a batch it handed over counts, even when an interrupt kept it
+        # in the driver for the next request, or the executor's failure was raised instead.
+        return core_progress(self.state)
+
+    return {"Driver.progress": progress}
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch-off-by-one",
@@ -322,5 +386,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "driver-waits-only-in-next",
         "the driver's iter() returns without waiting for persistent workers to resume",
         _driver_waits_only_in_next,
+    ),
+    Mutant(
+        "checkpoint-counts-buffered-batches",
+        "a checkpoint counts batches buffered for the consumer as handed over: resumes drop them",
+        _checkpoint_counts_buffered_batches,
+    ),
+    Mutant(
+        "checkpoint-forgets-early-deliveries",
+        "out of order, a checkpoint forgets batches handed over early: resumes repeat them",
+        _checkpoint_forgets_early_deliveries,
+    ),
+    Mutant(
+        "checkpoint-at-the-end-starts-the-epoch-over",
+        "a checkpoint between epochs resumes the finished epoch again instead of the next",
+        _checkpoint_at_the_end_starts_the_epoch_over,
+    ),
+    Mutant(
+        "checkpoint-counts-what-the-consumer-never-got",
+        "a checkpoint counts a batch an interrupt or an executor failure kept from the consumer",
+        _checkpoint_counts_what_the_consumer_never_got,
     ),
 )

@@ -46,6 +46,7 @@ from statecore import (
     LoaderCancelledError,
     LoaderTimeoutError,
     Phase,
+    Progress,
     ProtocolError,
     RaiseError,
     ResumeWorker,
@@ -77,6 +78,7 @@ from statecore.models.reference import (
 
 __all__ = [
     "Action",
+    "Checkpoint",
     "Blocked",
     "Break",
     "Close",
@@ -92,6 +94,8 @@ __all__ = [
     "Violation",
     "Work",
     "World",
+    "check_checkpoint",
+    "run_to_end",
 ]
 
 StepFunction = Callable[[State, Event], Transition]
@@ -213,7 +217,17 @@ class Restart:
     """The consumer starts the next epoch on the same (persistent) workers."""
 
 
-Action = Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart
+@attrs.frozen
+class Checkpoint:
+    """The program saves the loader's state, and goes on in a fresh loader loaded from it, with
+    `workers` workers (map-style datasets only): a preempted job restarted elsewhere."""
+
+    workers: int
+
+
+Action = (
+    Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart | Checkpoint
+)
 
 _TASK = "task"
 _RESUME = "resume"
@@ -233,6 +247,7 @@ class World:
     core: State
     todo: tuple[Command, ...]
     handed: Command | None
+    void: tuple[int, ...]
     """The driver's own state between calls (see `Driver`)."""
     epoch: int
     drawn: int
@@ -286,14 +301,16 @@ class World:
         scenario: Scenario,
         step: StepFunction = core_step,
         on_edge: EdgeObserver | None = None,
+        begin: bool = True,
     ) -> World:
-        """A fresh world whose consumer has just started the first epoch."""
+        """A fresh world whose consumer has just started the first epoch (unless not `begin`)."""
         n = scenario.config.num_workers
         world = cls(
             scenario=scenario,
             core=initial_state(scenario.config),
             todo=(),
             handed=None,
+            void=(),
             epoch=1,
             drawn=0,
             sampler_done=False,
@@ -325,6 +342,8 @@ class World:
             sampler_failures_left=scenario.sampler_failures,
             executor_failures_left=scenario.executor_failures,
         )
+        if not begin:
+            return world
         sim = _Sim(world, step, on_edge)
         sim.call(sim.driver.start_epoch, iterating=True)
         return sim.freeze()
@@ -368,6 +387,8 @@ class World:
         self, action: Action, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
     ) -> World:
         """The world after `action`; raises `Violation` if the scheduler or driver misbehaves."""
+        if isinstance(action, Checkpoint):
+            return self.resumed(self.checkpoint(), action.workers, step, on_edge)
         sim = _Sim(self, step, on_edge)
         sim.act(action)
         return sim.freeze()
@@ -382,6 +403,56 @@ class World:
     def finished(self) -> bool:
         """The run reached an end: an epoch completed, or an error reached the consumer."""
         return self.ended or self.outcome is not None
+
+    def checkpoint(self) -> Progress:
+        """What the loader's `state_dict()` records of the epoch now, through the real driver."""
+        return _Sim(self, core_step).driver.progress()
+
+    def resumed(
+        self,
+        at: Progress,
+        workers: int,
+        step: StepFunction = core_step,
+        on_edge: EdgeObserver | None = None,
+        faults: bool = True,
+    ) -> World:
+        """A fresh loader's world, loaded from checkpoint `at` of this one, after its `iter()`.
+
+        It has `workers` workers (loading in the calling thread stays so for one worker) and
+        the scenario's own budget of faults, or none. What the consumer was handed before the
+        checkpoint stays handed over: the epoch's end then checks before and after together
+        against the reference. A checkpoint of a complete epoch starts the next one, as the
+        loader does.
+        """
+        scenario = self.scenario
+        spec = scenario.dataset
+        if not isinstance(spec, MapSpec):
+            raise ValueError("only a map-style dataset's loader resumes from positions")
+        old = scenario.config
+        config = attrs.evolve(old, num_workers=workers, lazy=old.lazy and workers == 1)
+        scenario = attrs.evolve(scenario, config=config)
+        if not faults:
+            scenario = attrs.evolve(
+                scenario,
+                deaths=0,
+                timeouts=False,
+                closes=False,
+                interrupts=0,
+                sampler_failures=0,
+                executor_failures=0,
+            )
+        complete = at.complete(spec.batches)
+        fresh = World.start(scenario, step, on_edge, begin=False)
+        fresh = attrs.evolve(
+            fresh,
+            epoch=self.epoch + 1 if complete else self.epoch,
+            drawn=0 if complete else at.done,
+            delivered=() if complete else self.delivered,
+        )
+        sim = _Sim(fresh, step, on_edge)
+        resume = None if complete else at
+        sim.call(lambda: sim.driver.start_epoch(resume=resume), iterating=True)
+        return sim.freeze()
 
 
 _FIELDS = [a.name for a in attrs.fields(World)]
@@ -410,11 +481,13 @@ class _Sim:
         driver.state = self.core
         driver.todo = deque(self.todo)
         driver.handed = self.handed
+        driver.void = list(self.void)
         self.driver = driver
 
     def freeze(self) -> World:
         driver = self.driver
         self.core, self.todo, self.handed = driver.state, tuple(driver.todo), driver.handed
+        self.void = tuple(driver.void)
         return World(**{name: getattr(self, name) for name in _FIELDS})
 
     # These annotations let mypy see the fields copied from World.
@@ -422,6 +495,7 @@ class _Sim:
     core: State
     todo: tuple[Command, ...]
     handed: Command | None
+    void: tuple[int, ...]
     epoch: int
     drawn: int
     sampler_done: bool
@@ -898,3 +972,45 @@ class _Sim:
 
 def _replace(values: tuple, index: int, value: object) -> tuple:  # type: ignore[type-arg]
     return values[:index] + (value,) + values[index + 1 :]
+
+
+def run_to_end(
+    world: World, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
+) -> World:
+    """Drive `world` to the end of its epoch the plain way: the consumer asks, and the lowest
+    worker with work answers while it waits. Raises `Violation` on the way, as `apply` does."""
+    while not world.ended:
+        if world.outcome is not None:
+            raise Violation(f"a run without faults {world.outcome}")
+        if world.stuck():
+            raise Violation("deadlock: a consumer waits and no worker owes an answer")
+        if world.awaiting or world.resetting:
+            action: Action = next(a for a in world.actions() if type(a) is Work)
+        else:
+            action = Next()
+        world = world.apply(action, step, on_edge)
+    return world
+
+
+def check_checkpoint(
+    world: World,
+    workers: int,
+    step: StepFunction = core_step,
+    on_edge: EdgeObserver | None = None,
+) -> None:
+    """A checkpoint of `world`, resumed with `workers` workers, loses and repeats nothing.
+
+    The resumed run goes to the end of its epoch, which must then have handed over exactly the
+    reference epoch, before and after the checkpoint together (in order, or the same batches).
+    An epoch the consumer was told had ended checkpoints as complete, and resumes as the next
+    epoch, in full.
+    """
+    spec = world.scenario.dataset
+    assert isinstance(spec, MapSpec)
+    at = world.checkpoint()
+    if world.ended and not at.complete(spec.batches):
+        raise Violation(
+            f"after the epoch ended the checkpoint says {at!r}: a resumed loader would not "
+            "start the next epoch"
+        )
+    run_to_end(world.resumed(at, workers, step, on_edge, faults=False), step, on_edge)

@@ -153,6 +153,12 @@ def __getattr__(name: str) -> Any:
         from statecore import executors
 
         return getattr(executors, name)
+    if name == "StatefulDataLoader":
+        # torchdata's name for a loader with state_dict(): code written for it changes only
+        # its import.
+        from statecore import executors
+
+        return executors.DataLoader
     # Renamed in 0.1: one verb for the act (`DrawIndex`, answered by `IndexDrawn`). Embedders
     # written against the old name keep working, with a warning that says what to write instead.
     if name in _RENAMED:

@@ -10,7 +10,7 @@ checkpoint of a resumed run is again a checkpoint of the epoch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 
 from statecore._state import RESOLVED, Phase, Progress, State
 
@@ -34,29 +34,40 @@ def _position(resumed: Progress | None, offset: int) -> int:
     return at
 
 
-def progress(state: State) -> Progress:
-    """The progress to record in a checkpoint of `state`. Pure, like `step`."""
+def progress(state: State, unreceived: Collection[int] = ()) -> Progress:
+    """The progress to record in a checkpoint of `state`. Pure, like `step`.
+
+    `unreceived` are tasks the scheduler handed over that never reached the consumer: an
+    interrupt (Ctrl-C) cut the call short and the driver keeps them for the next request, or
+    the executor failed and the call raised that instead. A checkpoint taken then (a Ctrl-C
+    handler saving one, say) must produce them again.
+    """
     life = state.life
+    lost = {_position(life.resumed, task - life.base) for task in unreceived}
     if life.left is not None:
         # Failed or closed: the window was dropped, and with it what was handed over.
-        return life.left
+        return _less(life.left, lost)
     if life.phase is Phase.IDLE:
         return Progress()
-    base, resumed = life.base, life.resumed
-    handed = state.rcvd_idx - base  # this run's draws before the window: all handed over
+    resumed = life.resumed
+    handed = state.rcvd_idx - life.base  # this run's draws before the window: all handed over
     done = _position(resumed, handed)
-    also: set[int] = set()
+    # Out of order, an answer handed over before those ahead of it stays in the window, resolved.
+    also = {
+        _position(resumed, handed + i) for i, slot in enumerate(state.window) if slot is RESOLVED
+    }
     if resumed is not None:
         also.update(p for p in resumed.also if p > done)
-    also.update(_handed_in_window(state, handed, resumed))
     ended = life.phase is Phase.FINISHED or (
         life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
     )
-    return Progress(done, frozenset(also), ended)
+    return _less(Progress(done, frozenset(also), ended), lost)
 
 
-def _handed_in_window(state: State, handed: int, resumed: Progress | None) -> Iterable[int]:
-    # Out of order, an answer handed over before those ahead of it stays in the window, resolved.
-    for i, slot in enumerate(state.window):
-        if slot is RESOLVED:
-            yield _position(resumed, handed + i)
+def _less(recorded: Progress, lost: set[int]) -> Progress:
+    """`recorded` without the positions in `lost`, which the consumer never received."""
+    if not lost:
+        return recorded
+    done = min(min(lost), recorded.done)
+    also = (set(range(done + 1, recorded.done)) | recorded.also) - lost
+    return Progress(done, frozenset(also), ended=False)

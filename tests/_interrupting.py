@@ -16,7 +16,7 @@ import multiprocess
 from _processes import wait_until
 
 from statecore import Event, ResumeWorker, SendTask
-from statecore.executors import Executor, Launch
+from statecore.executors import Capabilities, Executor, Launch, capabilities_of
 from statecore.executors._registry import lookup
 
 __all__ = ["WAIT", "TimeLimit", "interrupt_main_once", "shared_flag", "time_limit", "watched"]
@@ -31,6 +31,20 @@ class _Watched:
     def __init__(self, inner: Executor, polling: Any) -> None:
         self.inner = inner
         self.polling = polling
+
+    # What the executor it wraps declares, it declares: above all that an answer a poll
+    # returned stays `unconfirmed` until recorded, which an interrupt must not lose.
+    @property
+    def capabilities(self) -> Capabilities:
+        return capabilities_of(self.inner)
+
+    @property
+    def unconfirmed(self) -> Event | None:
+        return self.inner.unconfirmed  # type: ignore[attr-defined, no-any-return]
+
+    @unconfirmed.setter
+    def unconfirmed(self, event: Event | None) -> None:
+        self.inner.unconfirmed = event  # type: ignore[attr-defined]
 
     def start(self) -> None:
         self.inner.start()

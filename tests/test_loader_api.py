@@ -39,15 +39,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 # --- the class and its signature -----------------------------------------------------------------
 
 
-def test_signature_is_torchs_plus_a_keyword_only_executor() -> None:
+def test_signature_is_torchs_plus_keyword_only_executor_and_torchdatas_snapshot_option() -> None:
     ours = inspect.signature(statecore.DataLoader.__init__).parameters
     theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
-    assert list(ours) == [*theirs, "executor"]
+    assert list(ours) == [*theirs, "executor", "snapshot_every_n_steps"]
     for name, parameter in theirs.items():
         assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
     executor = ours["executor"]
     assert executor.kind is inspect.Parameter.KEYWORD_ONLY
     assert executor.default is None
+    # torchdata's StatefulDataLoader: keyword-only, default 1.
+    snapshots = ours["snapshot_every_n_steps"]
+    assert (snapshots.kind, snapshots.default) == (inspect.Parameter.KEYWORD_ONLY, 1)
 
 
 def test_loader_is_a_torch_dataloader() -> None:
