@@ -31,11 +31,11 @@ from statecore import (
     Event,
     ResumeWorker,
     SendTask,
-    TaskCompleted,
     TaskFailed,
     WorkerExhausted,
     WorkerResumed,
 )
+from statecore.executors._quick import completed
 from statecore.executors._remote import RemoteError
 
 __all__ = [
@@ -247,7 +247,7 @@ class WorkerRuntime:
             return TaskFailed(task, worker, self._capture(error, command.index))
         except Exception as error:
             return TaskFailed(task, worker, self._capture(error, command.index))
-        return TaskCompleted(task, worker, data)
+        return completed(task, worker, data)
 
     def resume(self, command: ResumeWorker) -> Event:
         """Start a new epoch: a fresh dataset iterator, as torch's workers do on resume."""
