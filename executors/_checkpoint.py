@@ -111,7 +111,6 @@ class EpochRecord:
     """Epochs started by the loader so far, this one included: 1 for the first."""
     rng: torch.Tensor
     """The state of the generator the sampler draws from, as the epoch's draws began."""
-    resumed: Progress | None = None
     log: SamplerLog | None = None
 
 

@@ -435,7 +435,7 @@ class _Iterator(_BaseDataLoaderIter):
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         if resume is not None:
-            start = record.resumed = resume.progress
+            start = resume.progress
             if resume.rng_epoch_start is not None:
                 record.rng = resume.rng_epoch_start
             self._sampler_iter = self._positioned(loader, resume, sampler, source)
@@ -443,6 +443,7 @@ class _Iterator(_BaseDataLoaderIter):
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)
+        # `_log` again on its own: the drawer reads it on every draw.
         self._epoch, self._log = record, record.log
         assert self._driver is not None
         self._driver.start_epoch(None if first_iter else self._shared_seed, resume=start)
