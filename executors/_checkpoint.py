@@ -4,7 +4,9 @@ The scheduler says which of the epoch's draws were handed over (`statecore.progr
 module adds what lives outside the scheduler, so that a fresh loader can draw the same epoch
 again: the state of the random generator the epoch's sampler draws from, taken as the epoch
 began; the base seed the workers were seeded from; and, for a sampler with its own
-`state_dict`, the sampler's state after the last draw handed over.
+`state_dict`, the sampler's state after the last draw handed over; for an iterable dataset,
+where each worker's part of the dataset stands after its last batch handed over (its mark: see
+`WorkerRuntime`), from which a fresh worker restores it or fast-forwards.
 
 The checkpoint is made of dicts, lists, ints, strings and booleans only (a generator's state
 is a base64 string), so `torch.load(weights_only=True)` and `json` both take it, as long as a
@@ -24,6 +26,7 @@ import torch
 from torch.utils.data import BatchSampler
 
 from statecore import Progress
+from statecore.executors._worker import Mark
 
 __all__ = [
     "FORMAT",
@@ -128,6 +131,8 @@ class Resume:
     rng_now: torch.Tensor | None
     sampler: Any
     num_yielded: int
+    workers: tuple[Mark | None, ...] | None = None
+    """An iterable dataset's: per worker, the mark of its last batch handed over."""
 
 
 def snapshot(
@@ -141,9 +146,10 @@ def snapshot(
     rng_now: torch.Tensor | None,
     sampler: Any,
     num_yielded: int,
+    workers: list[Mark | None] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint as plain data (see the module's docstring)."""
-    return {
+    state = {
         _KEY: FORMAT,
         **facts,
         "epoch": epoch,
@@ -151,6 +157,7 @@ def snapshot(
             "done": progress.done,
             "also": sorted(progress.also),
             "ended": progress.ended,
+            "turn": progress.turn,
         },
         "complete": complete,
         "base_seed": base_seed,
@@ -161,6 +168,12 @@ def snapshot(
         "sampler": sampler,
         "num_yielded": num_yielded,
     }
+    if workers is not None:
+        state["workers"] = [
+            {"since": 0, "state": None} if mark is None else {"since": mark[0], "state": mark[1]}
+            for mark in workers
+        ]
+    return state
 
 
 def _fail(message: str) -> ValueError:
@@ -186,6 +199,16 @@ def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
             f"it has format version {version!r}, and this statecore reads version {FORMAT}; "
             "load it with the statecore version that wrote it"
         )
+    workers = None
+    if facts.get("dataset_kind") == "iterable":
+        taken, have = state.get("num_workers"), facts["num_workers"]
+        if taken != have:
+            raise _fail(
+                f"it was taken with num_workers={taken!r}, and this loader has "
+                f"num_workers={have!r}: each worker of an iterable dataset goes on with its own "
+                f"part of the dataset, so it resumes only with num_workers={taken!r}"
+            )
+        workers = tuple((int(w["since"]), w["state"]) for w in state["workers"])
     for name, mine in facts.items():
         theirs = state.get(name)
         if theirs != mine:
@@ -199,13 +222,19 @@ def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
     return Resume(
         raw=state,
         epoch=int(state["epoch"]),
-        progress=Progress(int(done), frozenset(int(p) for p in also), bool(ended)),
+        progress=Progress(
+            int(done),
+            frozenset(int(p) for p in also),
+            bool(ended),
+            int(progress.get("turn", 0)),
+        ),
         complete=bool(state["complete"]),
         base_seed=None if state["base_seed"] is None else int(state["base_seed"]),
         rng_epoch_start=None if rng["epoch_start"] is None else decode_rng(rng["epoch_start"]),
         rng_now=None if rng["now"] is None else decode_rng(rng["now"]),
         sampler=state["sampler"],
         num_yielded=int(state["num_yielded"]),
+        workers=workers,
     )
 
 

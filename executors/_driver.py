@@ -57,6 +57,8 @@ from statecore import (
     Shutdown,
     State,
     StopWorker,
+    TaskCompleted,
+    TaskFailed,
     TaskFailure,
     TimedOut,
     Timeout,
@@ -78,6 +80,7 @@ _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
+_MARKED = (TaskCompleted, TaskFailed)
 
 StepFunction = Callable[[State, Event], Transition]
 
@@ -108,18 +111,32 @@ class Driver:
         """Whether the executor keeps the answer it returned until told it was recorded."""
         self.handed: Command | None = None
         """An outcome given in a call that an interrupt then cut short: the next request's."""
-        self.void: list[int] = []
-        """Tasks handed over in a call that raised the executor's failure instead."""
+        self.void: list[tuple[int, int]] = []
+        """(task, worker) handed over in a call that raised the executor's failure instead."""
+        self.marks: dict[int, Any] | None = {} if config.iterable else None
+        """An iterable dataset's workers: the mark of each one's last batch (or task error)
+        the consumer received, which a checkpoint records (see `WorkerRuntime` for marks)."""
+        self.answered: dict[int, tuple[int, Any]] = {}
+        """The marks of tasks answered this epoch and not yet received: task -> (worker, mark)."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
-    def start_epoch(self, seed: int | None = None, resume: Progress | None = None) -> None:
+    def start_epoch(
+        self,
+        seed: int | None = None,
+        resume: Progress | None = None,
+        marks: dict[int, Any] | None = None,
+    ) -> None:
         """Start an epoch: return once iter() is done (workers resumed, first tasks out).
 
-        `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`.
+        `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`,
+        and an iterable dataset's workers where `marks` (the checkpoint's) say.
         """
         self.handed = None  # an outcome of the epoch being left behind
         self.void = []
+        if self.marks is not None:
+            self.marks = dict(marks or {})
+            self.answered = {}
         outcome = self.finish(self.request(ResetRequested(seed, resume)))
         if outcome is not None:
             try:
@@ -138,6 +155,8 @@ class Driver:
             if outcome is None:
                 outcome = self.finish(outcome)
             if type(outcome) is Deliver:
+                if self.marks is not None:
+                    self._received(outcome.task)
                 return outcome.payload
             if outcome is None:
                 raise InternalError(f"the scheduler left a request unanswered in {self.state!r}")
@@ -203,6 +222,8 @@ class Driver:
         if self.confirms:
             executor.unconfirmed = None  # type: ignore[attr-defined]
         self.todo.extend(commands)
+        if self.marks is not None and type(event) in _MARKED:
+            self._answered(event)  # type: ignore[arg-type]
         return self.carry_out()
 
     def hand_over(self, outcome: Command) -> Any:
@@ -214,15 +235,37 @@ class Driver:
         each caller's, lets go of the outcome before the exception leaves it.
         """
         if type(outcome) is Deliver:
+            if self.marks is not None:
+                self._received(outcome.task)
             return outcome.payload
         if type(outcome) is EndEpoch:
             raise StopIteration
+        if self.marks is not None and type(outcome.failure) is TaskFailure:  # type: ignore[attr-defined]
+            self._received(outcome.failure.task)  # type: ignore[attr-defined]
         error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
         del outcome
         try:
             raise error
         finally:
             del error
+
+    def _answered(self, answer: TaskCompleted | TaskFailed) -> None:
+        """Keep the mark of an answer of this epoch (not a stale one) until it is received."""
+        if answer.task >= self.state.life.base:
+            self.answered[answer.task] = (answer.worker, answer.mark)
+
+    def _received(self, task: int) -> None:
+        """The consumer got `task`'s batch or error: its mark is now its worker's."""
+        answer = self.answered.pop(task, None)
+        if answer is None or answer[1] is None:
+            return
+        worker, (since, snapshot) = answer
+        if snapshot is ...:
+            # Workers send their dataset's state only every so many batches; in between, a mark
+            # counts the batches since the state it last sent, which this worker's last mark has.
+            previous = self.marks.get(worker)  # type: ignore[union-attr]
+            snapshot = None if previous is None else previous[1]
+        self.marks[worker] = (since, snapshot)  # type: ignore[index]
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -306,14 +349,14 @@ class Driver:
             self.todo.extend(commands)
 
 
-def _tasks_of(commands: Iterable[Command | None]) -> list[int]:
-    """The tasks whose batch or error these commands hand to the consumer."""
+def _tasks_of(commands: Iterable[Command | None]) -> list[tuple[int, int]]:
+    """The (task, worker) whose batch or error these commands hand to the consumer."""
     tasks = []
     for command in commands:
         if type(command) is Deliver:
-            tasks.append(command.task)
+            tasks.append((command.task, command.worker))
         elif type(command) is RaiseError and type(command.failure) is TaskFailure:
-            tasks.append(command.failure.task)
+            tasks.append((command.failure.task, command.failure.worker))
     return tasks
 
 

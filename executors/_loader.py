@@ -28,7 +28,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase, Progress, State, can_restart, progress
 from statecore.executors._checkpoint import (
-    FORMAT,
     EpochRecord,
     Resume,
     SamplerLog,
@@ -187,10 +186,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         plain data (see docs/checkpointing.md).
         """
         facts = self._checkpoint_facts()
-        if facts["dataset_kind"] == "iterable":
-            # Frameworks ask every loader with a state_dict for one (Lightning on each
-            # checkpoint, accelerate on each epoch): a refusal would fail their run.
-            return {**facts, "statecore": FORMAT, "epoch": self._epochs, "resumable": False}
         if self._resume is not None:
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         iterator = self._latest() if self._latest is not None else None
@@ -208,23 +203,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             rng_now=None if self.generator is None else self.generator.get_state(),
             sampler=None if sampler is None else sampler.state_dict(),
             num_yielded=0,
+            workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Go on from `state_dict` (taken by `state_dict()`) with the next `iter()`.
 
         Call it before `iter()`. The dataset and its batching must be those of the loader the
-        state was taken from; the number of workers and the executor may differ.
+        state was taken from; the executor may differ, and so may the number of workers for a
+        map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
-        facts = self._checkpoint_facts()
-        if facts["dataset_kind"] == "iterable":
-            warnings.warn(
-                "statecore cannot resume an IterableDataset's epoch yet: the loader starts its "
-                "next epoch from the beginning, as a loader without state_dict() does",
-                stacklevel=2,
-            )
-            return
-        resume = parse(state_dict, facts)
+        resume = parse(state_dict, self._checkpoint_facts())
         kept = self.__dict__.get("_iterator")
         if isinstance(kept, _Iterator):
             # Persistent workers are in the middle of something else: the resumed epoch gets
@@ -235,7 +224,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _checkpoint_facts(self) -> dict[str, Any]:
         if self._dataset_kind == _ITER:
-            return {"dataset_kind": "iterable", "batch_size": self.batch_size}
+            return {
+                "dataset_kind": "iterable",
+                "num_workers": self.num_workers,
+                "batch_size": self.batch_size,
+                "drop_last": self.drop_last,
+            }
         try:
             length: int | None = len(self.dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -353,6 +347,7 @@ class _Iterator(_BaseDataLoaderIter):
         self._epoch: EpochRecord | None = None
         self._log: SamplerLog | None = None
         self._last_state: State | None = None
+        self._last_marks: dict[int, Any] | None = None
         resume, loader._resume = loader._resume, None
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
@@ -375,7 +370,7 @@ class _Iterator(_BaseDataLoaderIter):
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
         # with range()'s TypeError: operator.index does both.
-        workers = 1 if in_process else operator.index(loader.num_workers)
+        workers = self._workers = 1 if in_process else operator.index(loader.num_workers)
         prefetch = loader.prefetch_factor
         if not in_process and prefetch is not None and prefetch <= 0:
             # torch accepts 0 when built and refuses it here, when workers would start.
@@ -393,6 +388,8 @@ class _Iterator(_BaseDataLoaderIter):
             num_workers=workers,
             worker_init_fn=loader.worker_init_fn,
             shared_seed=self._shared_seed,
+            resume=None if resume is None else resume.workers,
+            snapshot_every=loader.snapshot_every_n_steps,
         )
         config = Config(
             num_workers=workers,
@@ -434,6 +431,9 @@ class _Iterator(_BaseDataLoaderIter):
         record = EpochRecord(loader._epochs, rng)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
+        marks = None
+        if resume is not None and resume.workers is not None:
+            marks = {w: mark for w, mark in enumerate(resume.workers) if mark is not None}
         if resume is not None:
             start = resume.progress
             if resume.rng_epoch_start is not None:
@@ -446,7 +446,9 @@ class _Iterator(_BaseDataLoaderIter):
         # `_log` again on its own: the drawer reads it on every draw.
         self._epoch, self._log = record, record.log
         assert self._driver is not None
-        self._driver.start_epoch(None if first_iter else self._shared_seed, resume=start)
+        self._driver.start_epoch(
+            None if first_iter else self._shared_seed, resume=start, marks=marks
+        )
 
     def _positioned(
         self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator
@@ -454,6 +456,12 @@ class _Iterator(_BaseDataLoaderIter):
         """The sampler's iterator, at the first draw not handed over before the checkpoint."""
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
+            return iter(self._index_sampler)
+        if self._dataset_kind == _ITER:
+            # Its sampler yields placeholders, and its workers restore their own positions; the
+            # generator is put where the epoch began, so the epochs after draw as they did.
+            if resume.rng_epoch_start is not None:
+                source.set_state(resume.rng_epoch_start)
             return iter(self._index_sampler)
         if resume.rng_epoch_start is None:
             raise ValueError(
@@ -472,9 +480,11 @@ class _Iterator(_BaseDataLoaderIter):
         driver = self._driver
         if driver is not None:
             done = driver.progress()
+            marks = driver.marks
         else:
             assert self._last_state is not None
             done = progress(self._last_state)
+            marks = self._last_marks
         complete = done.complete(_length(self._index_sampler))
         sampler_state = None
         if record.log is not None:
@@ -491,6 +501,7 @@ class _Iterator(_BaseDataLoaderIter):
             rng_now=None if generator is None else generator.get_state(),
             sampler=sampler_state,
             num_yielded=self._num_yielded,
+            workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
         )
 
     def __next__(self) -> Any:
@@ -525,7 +536,8 @@ class _Iterator(_BaseDataLoaderIter):
             if driver.state.phase is not Phase.CLOSED:
                 driver.close()
         finally:
-            self._last_state = driver.state  # for a checkpoint taken after the end
+            # For a checkpoint taken after the end.
+            self._last_state, self._last_marks = driver.state, driver.marks
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

@@ -16,6 +16,7 @@ datapipe of its own: a process has its copy; the thread executor makes one per t
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,10 +74,38 @@ class WorkerSetup:
     distributed: tuple[int, int] = attrs.field(factory=_distributed_settings)
     """(world size, rank) of torch.distributed, read in the main process when the setup is made
     (once per loader iterator, as torch reads them); a datapipe is sharded across both."""
+    resume: tuple[Mark | None, ...] | None = attrs.field(default=None, eq=False)
+    """An iterable dataset's first epoch goes on from a checkpoint: per worker, the mark of
+    its last batch handed over, from which the worker restores its part of the dataset."""
+    snapshot_every: int | None = 1
+    """A worker with a stateful iterable dataset sends its state with every this many batches
+    it yields (None: never; a resume then fast-forwards from the epoch's start)."""
 
     @property
     def iterable(self) -> bool:
         return self.dataset_kind == _DatasetKind.Iterable
+
+
+Mark = tuple[int, Any]
+"""Where a worker's iterable dataset stands after a batch: `(since, snapshot)`.
+
+`snapshot` is the dataset's state as a worker restores it, `{"dataset": ..., "iterator": ...}`
+from the `state_dict()` of the dataset and of its iterator (those that have one, torchdata's
+`Stateful` protocol), or None for a fresh iterator (a dataset without state); `since` counts
+the batches the worker yielded after that state, which a resumed worker fast-forwards. A
+snapshot of `...` means the one of this worker's previous mark: a stateful dataset sends its
+state only every `snapshot_every` batches.
+"""
+
+
+def _discard(batch: Any) -> None:
+    return None
+
+
+def _stateful(thing: Any) -> bool:
+    return callable(getattr(thing, "state_dict", None)) and callable(
+        getattr(thing, "load_state_dict", None)
+    )
 
 
 def get_worker_info() -> torch_worker.WorkerInfo | None:
@@ -172,6 +201,12 @@ class WorkerRuntime:
         self.note = note
         self.exhausted = False
         self.init_error = init_error
+        self.iterable = setup.iterable
+        self.since = 0
+        """Batches yielded since the last state sent (see `Mark`)."""
+        self.skip = 0
+        """Batches to fast-forward before the next one: those handed over before a checkpoint."""
+        self.stateful = False
         if dataset is None:
             dataset = setup.dataset
             if init_error is None:
@@ -181,7 +216,10 @@ class WorkerRuntime:
                     self.init_error = self._capture(error, None, "while sharding the datapipe")
         self.dataset = dataset
         if self.init_error is None:
-            self._restart("while creating the dataset fetcher")
+            mark = None
+            if setup.resume is not None and self.iterable:
+                mark = setup.resume[worker_id]
+            self._restart("while creating the dataset fetcher", mark)
 
     @classmethod
     def in_worker(cls, setup: WorkerSetup, worker_id: int, pid: int | None) -> WorkerRuntime:
@@ -210,9 +248,15 @@ class WorkerRuntime:
             )
         return cls(setup, worker_id, pid, dataset, init_error)
 
-    def _restart(self, where: str) -> None:
+    def _restart(self, where: str, mark: Mark | None = None) -> None:
+        """A fresh dataset iterator, positioned at `mark` if one is given."""
         setup = self.setup
+        self.since = self.skip = 0
+        snapshot = mark[1] if mark is not None and mark[1] is not ... else None
         try:
+            if snapshot is not None and snapshot.get("dataset") is not None:
+                where = "while loading the dataset's state_dict from the checkpoint"
+                self.dataset.load_state_dict(snapshot["dataset"])
             self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
                 setup.dataset_kind,
                 self.dataset,
@@ -220,8 +264,61 @@ class WorkerRuntime:
                 setup.collate_fn,
                 setup.drop_last,
             )
+            if not self.iterable:
+                return
+            iterator = self.fetcher.dataset_iter
+            if snapshot is not None and snapshot.get("iterator") is not None:
+                where = "while loading the dataset iterator's state_dict from the checkpoint"
+                iterator.load_state_dict(snapshot["iterator"])
         except Exception as error:
             self.init_error = self._capture(error, None, where)
+            return
+        # An iterator that is the dataset itself keeps its state once, as the iterator's: a
+        # state loaded before iter() would be lost when its __iter__ starts over.
+        self.stateful_iterator = _stateful(iterator)
+        self.stateful_dataset = _stateful(self.dataset) and iterator is not self.dataset
+        self.stateful = self.stateful_iterator or self.stateful_dataset
+        if mark is not None:
+            self.since = self.skip = mark[0]
+
+    def _mark(self) -> Mark:
+        """The mark of the batch (or error) just yielded, its dataset's state every so often."""
+        since = self.since + 1
+        every = self.setup.snapshot_every
+        if not self.stateful:
+            self.since = since
+            return (since, None)
+        if every is None or since < every:
+            self.since = since
+            return (since, ...)
+        snapshot: dict[str, Any] = {}
+        if self.stateful_dataset:
+            snapshot["dataset"] = self.dataset.state_dict()
+        if self.stateful_iterator:
+            snapshot["iterator"] = self.fetcher.dataset_iter.state_dict()
+        if self.pid is None:
+            # In the main process nothing pickles it: a copy, so that the dataset going on
+            # cannot change the state the checkpoint keeps.
+            snapshot = copy.deepcopy(snapshot)
+        self.since = 0
+        return (0, snapshot)
+
+    def _fast_forward(self, index: object) -> None:
+        """Yield again, and drop, the batches handed over before the checkpoint, uncollated."""
+        fetcher, count = self.fetcher, self.skip
+        self.skip = 0
+        collate = fetcher.collate_fn
+        fetcher.collate_fn = _discard
+        try:
+            for _ in range(count):
+                try:
+                    fetcher.fetch(index)
+                except StopIteration:
+                    break
+                except Exception:
+                    continue  # its error was handed over before the checkpoint
+        finally:
+            fetcher.collate_fn = collate
 
     def fail_every_task(self, error: BaseException | RemoteError) -> None:
         """From now on answer every task with `error`, and run none of the dataset's code: for a
@@ -238,16 +335,42 @@ class WorkerRuntime:
             return TaskFailed(task, worker, self.init_error)
         if self.exhausted:
             return WorkerExhausted(task, worker)
+        if not self.iterable:
+            try:
+                data = self.fetcher.fetch(command.index)
+            except Exception as error:
+                return TaskFailed(task, worker, self._capture(error, command.index))
+            return completed(task, worker, data)
         try:
+            if self.skip:
+                self._fast_forward(command.index)
             data = self.fetcher.fetch(command.index)
-        except StopIteration as error:
-            if self.setup.iterable:
-                self.exhausted = True
-                return WorkerExhausted(task, worker)
-            return TaskFailed(task, worker, self._capture(error, command.index))
+        except StopIteration:
+            self.exhausted = True
+            return WorkerExhausted(task, worker)
         except Exception as error:
-            return TaskFailed(task, worker, self._capture(error, command.index))
-        return completed(task, worker, data)
+            failed = self._capture(error, command.index)
+            try:
+                return TaskFailed(task, worker, failed, self._mark())
+            except Exception:
+                return TaskFailed(task, worker, failed, self._counted())
+        try:
+            mark = self._mark()
+        except Exception as error:
+            error.add_note(
+                "Raised by the dataset's state_dict(), which statecore calls every "
+                "snapshot_every_n_steps batches of a worker, so that a checkpoint can resume it"
+            )
+            where = "in the dataset's state_dict, for a checkpoint"
+            return TaskFailed(
+                task, worker, self._capture(error, command.index, where), self._counted()
+            )
+        return completed(task, worker, data, mark)
+
+    def _counted(self) -> Mark:
+        """The mark of a batch yielded whose state could not be taken: skipped on resume."""
+        self.since += 1
+        return (self.since, ...)
 
     def resume(self, command: ResumeWorker) -> Event:
         """Start a new epoch: a fresh dataset iterator, as torch's workers do on resume."""

@@ -71,8 +71,8 @@ class Report:
 def explore(scenario: Scenario, step: StepFunction = core_step, checkpoints: bool = True) -> Report:
     """Visit every world reachable in `scenario`; stop at the first violation.
 
-    With `checkpoints`, a map-style scenario's every world is also checkpointed and resumed in
-    a fresh loader, with as many workers and with another number, and run to the end of its
+    With `checkpoints`, every world is also checkpointed and resumed in a fresh loader, with
+    as many workers and (map-style datasets) with another number, and run to the end of its
     epoch (`statecore.models.world.check_checkpoint`). Worlds that checkpoint alike (the same
     epoch, progress and batches handed over) resume alike, so each such checkpoint runs once.
     """
@@ -101,15 +101,15 @@ def explore(scenario: Scenario, step: StepFunction = core_step, checkpoints: boo
             scenario, len(parents), states, transitions, message, tuple(trace), frozenset(edges)
         )
 
-    resumable = checkpoints and isinstance(scenario.dataset, MapSpec)
     n = scenario.config.num_workers
-    counts = (n, 1 if n > 1 else 2)
+    # A map-style epoch resumes on any number of workers; an iterable one on its own workers.
+    counts = (n, 1 if n > 1 else 2) if isinstance(scenario.dataset, MapSpec) else (n,)
     checked: set[tuple[object, ...]] = set()
     while frontier:
         world = frontier.popleft()
         if world.stuck():
             return failed(world, "deadlock: a consumer waits and no worker owes an answer")
-        if resumable:
+        if checkpoints:
             key = (world.epoch, world.checkpoint(), world.delivered, world.ended)
             if key not in checked:
                 checked.add(key)

@@ -42,6 +42,7 @@ from statecore.models.world import (
     Violation,
     Work,
     World,
+    check_checkpoint,
 )
 
 __all__ = ["scenarios", "scheduler_machine"]
@@ -174,11 +175,19 @@ def scheduler_machine(
         def consumer_starts_next_epoch(self) -> None:
             self._apply(Restart())
 
-        @precondition(lambda self: isinstance(self.world.scenario.dataset, MapSpec))
-        @rule(workers=st.integers(1, 4))
-        def program_checkpoints_and_goes_on_in_a_fresh_loader(self, workers: int) -> None:
+        @rule(workers=st.integers(1, 4), to_the_end=st.booleans())
+        def program_checkpoints_and_goes_on_in_a_fresh_loader(
+            self, workers: int, to_the_end: bool
+        ) -> None:
             # At any moment, even in the middle of a call (a preempted job): the resumed run,
-            # and runs resumed from it, must end with exactly the reference epoch.
+            # and runs resumed from it, must end with exactly the reference epoch. An iterable
+            # dataset's workers each go on with their own shard: as many as before.
+            if not isinstance(self.world.scenario.dataset, MapSpec):
+                workers = self.world.scenario.config.num_workers
+            if to_the_end:
+                # The run may stop before the resumed epoch ends, leaving the resume unchecked:
+                # a copy goes on to the end first, without faults, as the explorer's does.
+                check_checkpoint(self.world, workers, step)
             self._apply(Checkpoint(workers))
 
         @rule()

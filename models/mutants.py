@@ -316,6 +316,34 @@ def _checkpoint_counts_what_the_consumer_never_got() -> dict[str, object]:
     return {"Driver.progress": progress}
 
 
+def _iterable_resume_forgets_the_turn() -> dict[str, object]:
+    real = core._on_reset
+
+    def _on_reset(state: State, event: Any) -> Transition:
+        # Resumes an iterable dataset's workers with worker 0's turn, as a fresh epoch starts:
+        # the same batches come back, in another order.
+        if event.resume is not None:
+            event = attrs.evolve(event, resume=attrs.evolve(event.resume, turn=0))
+        return real(state, event)
+
+    return {"_on_reset": _on_reset}
+
+
+def _worker_marks_count_prefetched_batches() -> dict[str, object]:
+    real = Driver.wait
+
+    def wait(self: Driver) -> Command | None:
+        # Keeps each worker's latest mark as it arrives, as a loader that saves its workers'
+        # latest state would: the batches buffered behind the consumer are lost on resume.
+        outcome = real(self)
+        if self.marks is not None:
+            for task in sorted(self.answered):
+                self._received(task)
+        return outcome
+
+    return {"Driver.wait": wait}
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch-off-by-one",
@@ -406,5 +434,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "checkpoint-counts-what-the-consumer-never-got",
         "a checkpoint counts a batch an interrupt or an executor failure kept from the consumer",
         _checkpoint_counts_what_the_consumer_never_got,
+    ),
+    Mutant(
+        "iterable-resume-forgets-the-turn",
+        "an iterable dataset's resumed epoch starts with worker 0's turn, not the next worker's",
+        _iterable_resume_forgets_the_turn,
+    ),
+    Mutant(
+        "worker-marks-count-prefetched-batches",
+        "a checkpoint keeps each iterable worker's latest state, past batches not yet handed over",
+        _worker_marks_count_prefetched_batches,
     ),
 )

@@ -89,6 +89,7 @@ __all__ = [
     "Next",
     "Restart",
     "SamplerRaises",
+    "Saved",
     "Scenario",
     "StepFunction",
     "Violation",
@@ -220,9 +221,20 @@ class Restart:
 @attrs.frozen
 class Checkpoint:
     """The program saves the loader's state, and goes on in a fresh loader loaded from it, with
-    `workers` workers (map-style datasets only): a preempted job restarted elsewhere."""
+    `workers` workers (an iterable dataset's: as many as before): a preempted job restarted
+    elsewhere."""
 
     workers: int
+
+
+@attrs.frozen
+class Saved:
+    """What a loader's checkpoint holds of its scheduler and driver: the epoch's progress, and
+    an iterable dataset's worker marks (`(since, None)`: the world's workers keep no state, so
+    a resumed worker fast-forwards over the batches of its shard handed over)."""
+
+    progress: Progress
+    marks: tuple[tuple[int, Any] | None, ...] | None
 
 
 Action = (
@@ -247,9 +259,14 @@ class World:
     core: State
     todo: tuple[Command, ...]
     handed: Command | None
-    void: tuple[int, ...]
-    """The driver's own state between calls (see `Driver`)."""
+    void: tuple[tuple[int, int], ...]
+    marks: tuple[tuple[int, Any], ...] | None
+    answered: tuple[tuple[int, tuple[int, Any]], ...]
+    """The driver's own state between calls (see `Driver`), its dicts as sorted items."""
     epoch: int
+    before: int
+    """The loader's epochs before this scheduler's first: a scheduler counts its own epochs,
+    and one resumed from a checkpoint of epoch e starts with e (or e + 1 after its end)."""
     drawn: int
     """Indices the sampler gave out this epoch."""
     sampler_done: bool
@@ -311,7 +328,10 @@ class World:
             todo=(),
             handed=None,
             void=(),
+            marks=() if scenario.config.iterable else None,
+            answered=(),
             epoch=1,
+            before=0,
             drawn=0,
             sampler_done=False,
             sampler_armed=False,
@@ -404,13 +424,18 @@ class World:
         """The run reached an end: an epoch completed, or an error reached the consumer."""
         return self.ended or self.outcome is not None
 
-    def checkpoint(self) -> Progress:
+    def checkpoint(self) -> Saved:
         """What the loader's `state_dict()` records of the epoch now, through the real driver."""
-        return _Sim(self, core_step).driver.progress()
+        driver = _Sim(self, core_step).driver
+        marks = driver.marks
+        n = self.scenario.config.num_workers
+        return Saved(
+            driver.progress(), None if marks is None else tuple(marks.get(w) for w in range(n))
+        )
 
     def resumed(
         self,
-        at: Progress,
+        at: Saved,
         workers: int,
         step: StepFunction = core_step,
         on_edge: EdgeObserver | None = None,
@@ -426,9 +451,11 @@ class World:
         """
         scenario = self.scenario
         spec = scenario.dataset
-        if not isinstance(spec, MapSpec):
-            raise ValueError("only a map-style dataset's loader resumes from positions")
         old = scenario.config
+        if isinstance(spec, IterableSpec) and workers != old.num_workers:
+            raise ValueError(
+                f"an iterable dataset resumes with its {old.num_workers} workers, not {workers}"
+            )
         config = attrs.evolve(old, num_workers=workers, lazy=old.lazy and workers == 1)
         scenario = attrs.evolve(scenario, config=config)
         if not faults:
@@ -441,17 +468,25 @@ class World:
                 sampler_failures=0,
                 executor_failures=0,
             )
-        complete = at.complete(spec.batches)
+        progress = at.progress
+        complete = progress.complete(spec.batches if isinstance(spec, MapSpec) else None)
+        epoch = self.epoch + 1 if complete else self.epoch
+        marks = {}
+        if at.marks is not None and not complete:
+            marks = {w: mark for w, mark in enumerate(at.marks) if mark is not None}
         fresh = World.start(scenario, step, on_edge, begin=False)
         fresh = attrs.evolve(
             fresh,
-            epoch=self.epoch + 1 if complete else self.epoch,
-            drawn=0 if complete else at.done,
+            epoch=epoch,
+            before=epoch - 1,
+            drawn=0 if complete else progress.done,
             delivered=() if complete else self.delivered,
+            # A worker restores its part of the dataset from its mark, as `WorkerRuntime` does.
+            shards=tuple((epoch, marks[w][0] if w in marks else 0) for w in range(workers)),
         )
         sim = _Sim(fresh, step, on_edge)
-        resume = None if complete else at
-        sim.call(lambda: sim.driver.start_epoch(resume=resume), iterating=True)
+        resume = None if complete else progress
+        sim.call(lambda: sim.driver.start_epoch(resume=resume, marks=marks), iterating=True)
         return sim.freeze()
 
 
@@ -482,12 +517,16 @@ class _Sim:
         driver.todo = deque(self.todo)
         driver.handed = self.handed
         driver.void = list(self.void)
+        driver.marks = None if self.marks is None else dict(self.marks)
+        driver.answered = dict(self.answered)
         self.driver = driver
 
     def freeze(self) -> World:
         driver = self.driver
         self.core, self.todo, self.handed = driver.state, tuple(driver.todo), driver.handed
         self.void = tuple(driver.void)
+        self.marks = None if driver.marks is None else tuple(sorted(driver.marks.items()))
+        self.answered = tuple(sorted(driver.answered.items()))
         return World(**{name: getattr(self, name) for name in _FIELDS})
 
     # These annotations let mypy see the fields copied from World.
@@ -495,8 +534,11 @@ class _Sim:
     core: State
     todo: tuple[Command, ...]
     handed: Command | None
-    void: tuple[int, ...]
+    void: tuple[tuple[int, int], ...]
+    marks: tuple[tuple[int, Any], ...] | None
+    answered: tuple[tuple[int, tuple[int, Any]], ...]
     epoch: int
+    before: int
     drawn: int
     sampler_done: bool
     sampler_armed: bool
@@ -627,8 +669,11 @@ class _Sim:
 
     def resume(self, command: ResumeWorker) -> None:
         self._check_working()
-        if command.epoch != self.epoch:
-            raise self._violate(f"{command!r} names the wrong epoch, not {self.epoch}")
+        if self.before + command.epoch != self.epoch:
+            raise self._violate(
+                f"{command!r} names the wrong epoch, not {self.epoch - self.before} (the "
+                f"scheduler's count, which begins after the loader's first {self.before})"
+            )
         self._enqueue(command.worker, (_RESUME, command.epoch))
         self.resumes_owed = self.resumes_owed | {command.worker}
         self.resumed.add(command.worker)
@@ -882,8 +927,8 @@ class _Sim:
         if head[0] == _RESUME:
             epoch = head[1]
             assert isinstance(epoch, int)
-            self.shards = _replace(self.shards, w, (epoch, 0))
-            if epoch == self.epoch:  # not the answer to a reset abandoned since
+            self.shards = _replace(self.shards, w, (self.before + epoch, 0))
+            if self.before + epoch == self.epoch:  # not the answer to a reset abandoned since
                 self.resumes_owed = self.resumes_owed - {w}
             self.outbox = self.outbox + (WorkerResumed(w, epoch),)
             return
@@ -907,10 +952,12 @@ class _Sim:
             if current:
                 self.answers = self.answers | {(task, outcome)}
             kind, value = outcome
+            # An iterable worker's mark: the batches of its shard yielded so far this epoch.
+            mark = None if isinstance(spec, MapSpec) else (self.shards[w][1], None)
             if kind == "data":
-                event = TaskCompleted(task, w, (task, w, outcome))
+                event = TaskCompleted(task, w, (task, w, outcome), mark)
             else:
-                event = TaskFailed(task, w, _TaskError(task, w, value))
+                event = TaskFailed(task, w, _TaskError(task, w, value), mark)
         self.outbox = self.outbox + (event,)
 
     def _interrupt(self) -> None:
@@ -1006,9 +1053,10 @@ def check_checkpoint(
     epoch, in full.
     """
     spec = world.scenario.dataset
-    assert isinstance(spec, MapSpec)
     at = world.checkpoint()
-    if world.ended and not at.complete(spec.batches):
+    if world.ended and not at.progress.complete(
+        spec.batches if isinstance(spec, MapSpec) else None
+    ):
         raise Violation(
             f"after the epoch ended the checkpoint says {at!r}: a resumed loader would not "
             "start the next epoch"

@@ -51,7 +51,8 @@ class ResetRequested(Event):
 
     `resume` continues an epoch from a checkpoint instead (see `statecore.progress`): the
     sampler is positioned at `resume.done` by the caller, and the draws in `resume.also` are
-    dropped as they come. Only a fresh scheduler resumes.
+    dropped as they come. An iterable dataset's workers, restored by the executor, take turns
+    from `resume.turn`. Only a fresh scheduler resumes.
     """
 
     seed: int | None = None
@@ -129,6 +130,10 @@ class TaskCompleted(Event):
     task: int
     worker: int
     payload: object = attrs.field(default=None, eq=False, repr=False)
+    mark: object = attrs.field(default=None, eq=False, repr=False)
+    """Where the worker's iterable dataset stands after this batch, for checkpoints (see
+    `WorkerRuntime`); None for map-style datasets. The scheduler passes it by: the driver
+    keeps the mark of each worker's last batch the consumer received."""
 
 
 @attrs.frozen
@@ -138,6 +143,8 @@ class TaskFailed(Event):
     task: int
     worker: int
     error: object = attrs.field(default=None, eq=False, repr=False)
+    mark: object = attrs.field(default=None, eq=False, repr=False)
+    """As `TaskCompleted.mark`: the task's error is handed over in its turn, as a batch is."""
 
 
 @attrs.frozen

@@ -88,8 +88,10 @@ def violations(state: State) -> list[str]:
     if life.reported and life.failure is None:
         found.append("a failure was reported, but none is recorded")
     if life.resumed is not None:
-        if config.iterable:
-            found.append("an iterable dataset's epoch resumed from sampler positions")
+        if life.resumed.turn >= config.num_workers:
+            found.append(
+                f"resumed at worker {life.resumed.turn}'s turn, of {config.num_workers} workers"
+            )
         if life.passed > len(life.resumed.also):
             found.append(
                 f"{life.passed} draws dropped as handed over before the checkpoint, which "

@@ -34,21 +34,34 @@ def _position(resumed: Progress | None, offset: int) -> int:
     return at
 
 
-def progress(state: State, unreceived: Collection[int] = ()) -> Progress:
+def progress(state: State, unreceived: Collection[tuple[int, int]] = ()) -> Progress:
     """The progress to record in a checkpoint of `state`. Pure, like `step`.
 
-    `unreceived` are tasks the scheduler handed over that never reached the consumer: an
-    interrupt (Ctrl-C) cut the call short and the driver keeps them for the next request, or
+    `unreceived` are (task, worker) the scheduler handed over that never reached the consumer:
+    an interrupt (Ctrl-C) cut the call short and the driver keeps them for the next request, or
     the executor failed and the call raised that instead. A checkpoint taken then (a Ctrl-C
     handler saving one, say) must produce them again.
     """
     life = state.life
-    lost = {_position(life.resumed, task - life.base) for task in unreceived}
+    lost = {_position(life.resumed, task - life.base): worker for task, worker in unreceived}
     if life.left is not None:
         # Failed or closed: the window was dropped, and with it what was handed over.
-        return _less(life.left, lost)
-    if life.phase is Phase.IDLE:
-        return Progress()
+        recorded = life.left
+    elif life.phase is Phase.IDLE:
+        recorded = Progress()
+    else:
+        recorded = _recorded(state)
+    if not lost:
+        return recorded
+    first = min(lost)
+    done = min(first, recorded.done)
+    also = (set(range(done + 1, recorded.done)) | recorded.also) - lost.keys()
+    turn = lost[first] if state.config.iterable else 0
+    return Progress(done, frozenset(also), ended=False, turn=turn)
+
+
+def _recorded(state: State) -> Progress:
+    life = state.life
     resumed = life.resumed
     handed = state.rcvd_idx - life.base  # this run's draws before the window: all handed over
     done = _position(resumed, handed)
@@ -61,13 +74,16 @@ def progress(state: State, unreceived: Collection[int] = ()) -> Progress:
     ended = life.phase is Phase.FINISHED or (
         life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
     )
-    return _less(Progress(done, frozenset(also), ended), lost)
+    return Progress(done, frozenset(also), ended, _turn(state) if state.config.iterable else 0)
 
 
-def _less(recorded: Progress, lost: set[int]) -> Progress:
-    """`recorded` without the positions in `lost`, which the consumer never received."""
-    if not lost:
-        return recorded
-    done = min(min(lost), recorded.done)
-    also = (set(range(done + 1, recorded.done)) | recorded.also) - lost
-    return Progress(done, frozenset(also), ended=False)
+def _turn(state: State) -> int:
+    """The worker whose batch the consumer gets next, in order: the oldest task's, or else the
+    worker the next task goes to. Which worker loads what matters to an iterable dataset only,
+    each worker yielding its own part; a dry worker in its turn is found dry again, and skipped.
+    """
+    if state.window:
+        return state.window[0].worker  # type: ignore[union-attr]  # never RESOLVED at the head
+    if state.drawing_for is not None:
+        return state.drawing_for
+    return state.cursor

@@ -229,6 +229,9 @@ class Progress:
     """Positions after `done` handed over as well (out of order)."""
     ended: bool = False
     """The sampler ran out and every draw was handed over: nothing of the epoch remains."""
+    turn: int = 0
+    """An iterable dataset's worker whose batch comes next, in order (0 for map-style): its
+    workers take turns, and a resumed run goes on with the same one."""
 
     def __attrs_post_init__(self) -> None:
         if self.done < 0 or any(p <= self.done for p in self.also):
@@ -236,6 +239,8 @@ class Progress:
                 f"progress positions must be after done={self.done} and done at least 0, "
                 f"got also={sorted(self.also)}"
             )
+        if self.turn < 0:
+            raise ValueError(f"the turn is a worker number, at least 0, got {self.turn}")
 
     def complete(self, length: int | None) -> bool:
         """Whether nothing of the epoch remains, given the sampler's length if it has one.

@@ -539,17 +539,22 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
     out: list[Command] = []
     resume = event.resume
     if life.phase is IDLE:
+        cursor = 0
         if resume is not None and config.iterable:
-            raise _refuse(
-                state,
-                event,
-                "an iterable dataset's epoch resumes from its workers' dataset states, not "
-                "from positions of the sampler",
-            )
+            # Each worker goes on with its own part of the dataset (its executor restored it),
+            # so the turns go on where they were: the same batches, in the same order.
+            if resume.turn >= n:
+                raise _refuse(
+                    state,
+                    event,
+                    f"the checkpoint's next turn is worker {resume.turn}, and there are {n} "
+                    "workers: an iterable dataset resumes on as many workers as it was taken with",
+                )
+            cursor = resume.turn
         life = attrs.evolve(
             life, phase=RUNNING, epoch=1, base=state.rcvd_idx, resetting=True, resumed=resume
         )
-        return _settle(config, life, state.rcvd_idx, (), state.loads, 0, None, False, out)
+        return _settle(config, life, state.rcvd_idx, (), state.loads, cursor, None, False, out)
     if resume is not None:
         raise _refuse(state, event, "only a fresh scheduler resumes an epoch from a checkpoint")
     if not config.persistent_workers:

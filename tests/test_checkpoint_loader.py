@@ -7,15 +7,15 @@ with what the original yielded after that point.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from _checkpoints import roundtrip, run_to_end, take
 from _datasets import Numbers
-from _side_by_side import WORKERS, as_lists
+from _side_by_side import WORKERS
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 import statecore
@@ -38,23 +38,6 @@ def loader(dataset: Any = None, **options: Any) -> DataLoader[Any]:
 
 def seeded(seed: int = 7) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def run_to_end(iterator: Iterator[Any]) -> list[Any]:
-    return [as_lists(batch) for batch in iterator]
-
-
-def take(iterator: Iterator[Any], n: int) -> list[Any]:
-    return [as_lists(next(iterator)) for _ in range(n)]
-
-
-def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    """The state as it comes back from a checkpoint file."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
 
 
 # --- exact continuation -------------------------------------------------------------------------
@@ -108,7 +91,7 @@ def test_batches_in_flight_or_buffered_at_the_checkpoint_are_produced_again(
     iterator = iter(original)
     take(iterator, 2)
     state = original.state_dict()  # workers have prefetched ahead of the consumer by now
-    assert state["progress"] == {"done": 2, "also": [], "ended": False}
+    assert state["progress"] == {"done": 2, "also": [], "ended": False, "turn": 0}
     resumed = loader()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed))[0] == [6, 7, 8]
@@ -393,25 +376,6 @@ def test_loading_a_state_into_a_loader_with_persistent_workers_stops_them() -> N
     assert persistent._iterator is None
     assert kept is not None and kept._driver is None  # its workers were stopped
     assert len(run_to_end(iter(persistent))) == 14
-
-
-class Stream(torch.utils.data.IterableDataset[int]):
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(4))
-
-
-def test_an_iterable_dataset_loader_resumes_from_the_start_of_an_epoch_with_a_warning() -> None:
-    # Not yet resumable (docs/checkpointing.md); frameworks still ask every loader for its
-    # state, so state_dict() answers, and loading it says what happens.
-    original = DataLoader(Stream(), batch_size=2)
-    iterator = iter(original)
-    next(iterator)
-    state = original.state_dict()
-    assert state["resumable"] is False
-    resumed = DataLoader(Stream(), batch_size=2)
-    with pytest.warns(UserWarning, match="cannot resume an IterableDataset"):
-        resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == [[0, 1], [2, 3]]
 
 
 # --- torchdata's names --------------------------------------------------------------------------

@@ -108,9 +108,54 @@ def test_a_resume_of_a_resumed_epoch_goes_on_from_the_second_checkpoint() -> Non
     assert progress(state) == second
 
 
-def test_an_iterable_dataset_cannot_resume_from_sampler_positions() -> None:
-    with pytest.raises(MisuseError, match="iterable"):
-        feed(initial_state(config(iterable=True)), ResetRequested(resume=Progress(done=1)))
+def test_an_iterable_checkpoint_names_the_worker_whose_batch_comes_next() -> None:
+    state, _ = start(config(3, prefetch_factor=1, iterable=True))
+    state, _ = fill(state)  # tasks 0, 1, 2 to workers 0, 1, 2
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert progress(state).turn == 1
+    state, _ = feed(state, TaskCompleted(task=2, worker=2))  # early: still worker 1's turn
+    assert progress(state).turn == 1
+
+
+def test_an_iterable_checkpoint_with_nothing_in_flight_names_the_next_worker_to_get_a_task() -> (
+    None
+):
+    state, _ = start(config(2, prefetch_factor=1, iterable=True, lazy=True))
+    state, _ = feed(state, NextRequested(), IndexDrawn(None), TaskCompleted(task=0, worker=0))
+    assert not state.window
+    assert progress(state).turn == 1
+
+
+def test_a_batch_the_consumer_never_got_gives_the_turn_back_to_its_worker() -> None:
+    state, _ = start(config(2, prefetch_factor=1, iterable=True))
+    state, _ = fill(state)
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert progress(state).turn == 1
+    assert progress(state, unreceived=[(0, 0)]) == Progress(done=0, turn=0)
+
+
+def test_a_map_style_checkpoint_has_no_turn() -> None:
+    state, _ = start(config(2, prefetch_factor=1))
+    state, _ = fill(state)
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert progress(state) == Progress(done=1, turn=0)
+
+
+def test_an_iterable_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
+    resume = Progress(done=5, turn=1)
+    state, commands = feed(initial_state(config(2, iterable=True)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert [c.worker for c in only(commands + more, SendTask)] == [1, 0, 1, 0]
+
+
+def test_an_iterable_epoch_cannot_resume_at_the_turn_of_a_worker_it_does_not_have() -> None:
+    with pytest.raises(MisuseError, match="worker 2, and there are 2 workers"):
+        feed(initial_state(config(2, iterable=True)), ResetRequested(resume=Progress(turn=2)))
+
+
+def test_a_turn_is_a_worker_number() -> None:
+    with pytest.raises(ValueError, match="turn"):
+        Progress(turn=-1)
 
 
 def test_only_a_fresh_scheduler_resumes() -> None:

@@ -40,6 +40,8 @@ __all__ = [
     "NumpyWork",
     "Rows",
     "Sleeps",
+    "StatefulStream",
+    "Stream",
     "Timing",
     "Unit",
     "Workload",
@@ -73,6 +75,57 @@ class Indices(torch.utils.data.Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         return index
+
+
+class StreamPosition:
+    """The iterator of a `Stream`: the next sample number, and where the worker's part ends."""
+
+    def __init__(self, first: int, step: int, end: int) -> None:
+        self.at, self.step, self.end = first, step, end
+
+    def __iter__(self) -> StreamPosition:
+        return self
+
+    def __next__(self) -> int:
+        at = self.at
+        if at >= self.end:
+            raise StopIteration
+        self.at = at + self.step
+        return at
+
+
+class StatefulStreamPosition(StreamPosition):
+    """A `StreamPosition` that says where it is (torchdata's Stateful protocol)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.at = state["at"]
+
+
+class Stream(torch.utils.data.IterableDataset[int]):
+    """`size` trivial samples (their numbers), split between workers by striding, as torch's
+    documentation shows: the iterable twin of `Indices`."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> StreamPosition:
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return self.position(first, step, self.size)
+
+    position: type[StreamPosition] = StreamPosition
+
+
+class StatefulStream(Stream):
+    """A `Stream` whose iterator has a state: statecore takes it with every batch."""
+
+    position = StatefulStreamPosition
 
 
 def is_straggler(index: int, one_in: int) -> bool:
@@ -341,12 +394,14 @@ class Workload:
     """Whether runs keep the arrival time of every batch (for the plot)."""
     needs: tuple[str, ...] = ()
     """Optional packages the dataset imports."""
+    shuffle: bool = True
+    """An iterable dataset is not shuffled by the loader (torch refuses)."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
         return dict(
             batch_size=self.batch_size,
-            shuffle=True,
+            shuffle=self.shuffle,
             generator=torch.Generator().manual_seed(SEED),
             num_workers=self.num_workers,
             **self.options,
@@ -407,6 +462,30 @@ WORKLOADS: tuple[Workload, ...] = (
         timing=Timing.STEADY,
         batches=3_000,
         quick_batches=600,
+    ),
+    Workload(
+        "processes-iterable",
+        "per-batch overhead, 2 worker processes: an iterable dataset without state, batch 64",
+        Stream,
+        batch_size=64,
+        num_workers=2,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=3_000,
+        quick_batches=600,
+        shuffle=False,
+    ),
+    Workload(
+        "processes-stateful",
+        "as processes-iterable, the iterator has a state_dict: statecore sends it every batch",
+        StatefulStream,
+        batch_size=64,
+        num_workers=2,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=3_000,
+        quick_batches=600,
+        shuffle=False,
     ),
     Workload(
         "io",

@@ -51,7 +51,7 @@ from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.leases import BufferReceiver
 from statecore.executors._mp.taskpipe import TaskWriter
-from statecore.executors._mp.wire import BATCH, NOTICE, Shipment, decode, encode_task
+from statecore.executors._mp.wire import BATCH, MARKED, NOTICE, Shipment, decode, encode_task
 from statecore.executors._mp.worker import Home, worker_main
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._remote import RemoteError
@@ -377,6 +377,9 @@ class MultiprocessExecutor:
             return TaskFailed(task, worker, failure)
         if kind == BATCH:
             return TaskCompleted(task, worker, content)
+        if kind == MARKED:
+            payload, mark = content
+            return TaskCompleted(task, worker, payload, mark)
         assert isinstance(content, Event)
         return content
 

@@ -47,6 +47,7 @@ __all__ = [
     "BATCH",
     "EVENT",
     "HEADER",
+    "MARKED",
     "NOTICE",
     "NO_TASK",
     "RECEIVING",
@@ -84,9 +85,11 @@ _share_torch_reductions()
 HEADER = struct.Struct("<qiB")
 """Every answer starts with the task it answers, how many buffers it refers to and what its
 pickle holds, followed by the buffers' numbers (int32 each)."""
-# What a message's pickle holds: an event, or only the batch of a completed task.
+# What a message's pickle holds: an event, only the batch of a completed task, or the batch and
+# its worker's mark (an iterable dataset's: see `WorkerRuntime`).
 EVENT = 0
 BATCH = 1
+MARKED = 2
 NO_TASK = -1
 """Answers to resumes carry no task number; this marks them on the wire."""
 NOTICE = -2
@@ -113,7 +116,13 @@ def encode_answer(
     task: int, event: Event, buffers: BufferSender, batch: Batch | None = None
 ) -> bytes:
     """In a worker: the message answering `task` with `event`, its tensors placed by `buffers`."""
-    kind, content = (BATCH, event.payload) if type(event) is TaskCompleted else (EVENT, event)
+    content: object
+    if type(event) is not TaskCompleted:
+        kind, content = EVENT, event
+    elif event.mark is None:
+        kind, content = BATCH, event.payload
+    else:
+        kind, content = MARKED, (event.payload, event.mark)
     try:
         payload, lent = buffers.dumps(content, batch)
     except Exception:
@@ -122,14 +131,16 @@ def encode_answer(
     return HEADER.pack(task, len(lent), kind) + struct.pack(f"<{len(lent)}i", *lent) + payload
 
 
-def encode_failure(task: int, worker: int, failure: RemoteError, buffers: BufferSender) -> bytes:
+def encode_failure(
+    task: int, worker: int, failure: RemoteError, buffers: BufferSender, mark: object = None
+) -> bytes:
     """In a worker: a failed task's answer, which must go out whatever the failure holds."""
     try:
-        return encode_answer(task, TaskFailed(task, worker, failure), buffers)
+        return encode_answer(task, TaskFailed(task, worker, failure, mark), buffers)
     except Exception:
         # What is left is text: the index as its repr, and no type to rebuild.
         plain = attrs.evolve(failure, index=_index_text(failure.index), exc_type=None)
-        return encode_answer(task, TaskFailed(task, worker, plain), buffers)
+        return encode_answer(task, TaskFailed(task, worker, plain, mark), buffers)
 
 
 def _index_text(index: object) -> str:
@@ -146,7 +157,7 @@ def encode_notice(notice: BufferOpened | BufferClosed) -> bytes:
 
 def decode(message: bytes) -> tuple[int, tuple[int, ...], int, memoryview]:
     """In the main process: a message's task (or NOTICE, NO_TASK), the buffers it refers to,
-    what its pickle holds (EVENT or BATCH), and the pickle."""
+    what its pickle holds (EVENT, BATCH or MARKED), and the pickle."""
     task, count, kind = HEADER.unpack_from(message)
     lent = struct.unpack_from(f"<{count}i", message, HEADER.size)
     return task, lent, kind, memoryview(message)[HEADER.size + 4 * count :]

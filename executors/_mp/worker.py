@@ -325,7 +325,9 @@ class AnswerSender:
                 index=index,
                 where="while sending the batch back",
             )
-            answer = encode_failure(task, self.worker, failure, buffers)
+            answer = encode_failure(
+                task, self.worker, failure, buffers, getattr(event, "mark", None)
+            )
         try:
             for notice in buffers.notices():
                 self.results.send_bytes(encode_notice(notice))

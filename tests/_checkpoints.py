@@ -1,0 +1,29 @@
+"""Helpers of the checkpoint tests: take batches, run to the end, save a state as a file would."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from _side_by_side import as_lists
+
+
+def take(iterator: Iterator[Any], n: int) -> list[Any]:
+    """The next `n` batches, as lists."""
+    return [as_lists(next(iterator)) for _ in range(n)]
+
+
+def run_to_end(iterator: Iterator[Any]) -> list[Any]:
+    """Every batch to the end of the epoch, as lists."""
+    return [as_lists(batch) for batch in iterator]
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as it comes back from a checkpoint file."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded

@@ -1,0 +1,427 @@
+"""Checkpoints of iterable datasets: each worker goes on with its own part of the dataset.
+
+A worker's part is restored from the state its dataset (or the dataset's iterator) gave with
+the last batch of that worker the consumer was handed, torchdata's `Stateful` protocol, or,
+for a dataset without state, fast-forwarded over the batches handed over. The workers then take
+turns from where they were, so the rest of the epoch is exactly what the original would have
+yielded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _checkpoints import roundtrip, run_to_end, take
+from _datasets import PerWorkerCounts, ShardedRange
+from _side_by_side import WORKERS, as_lists
+from torch.utils.data import IterableDataset, get_worker_info
+
+from statecore import DataLoader
+from statecore.executors import pinned
+
+RUNS = [
+    pytest.param("inline", 0, id="inline"),
+    pytest.param("thread", 2, id="thread-2"),
+    pytest.param("mp", 2, id="mp-2"),
+]
+
+
+class Positioned:
+    """An iterator over `items` that says where it is: torchdata's Stateful protocol."""
+
+    reads = 0
+    """Items read by every instance in this process: a restored one does not read again."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+        self.at = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= len(self.items):
+            raise StopIteration
+        Positioned.reads += 1
+        self.at += 1
+        return self.items[self.at - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.at = state["at"]
+
+
+def _share(n: int) -> list[int]:
+    info = get_worker_info()
+    return list(range(n)) if info is None else list(range(info.id, n, info.num_workers))
+
+
+class StatefulIterator(IterableDataset[int]):
+    """Its iterator has the state: saved after each batch, loaded into a fresh iterator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Positioned:
+        return Positioned(_share(self.n))
+
+
+class StatefulDataset(IterableDataset[int]):
+    """The dataset has the state, and its next iterator starts from it (as Hugging Face's)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        items, self.start = _share(self.n)[self.start :], 0
+        self.yielded = 0
+        for item in items:
+            self.yielded += 1
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": getattr(self, "yielded", 0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start = state["start"]
+
+
+class SkipsAnError(IterableDataset[int]):
+    """Raises for item 4 and goes on with the next, as a class-based iterator may."""
+
+    def __iter__(self) -> Iterator[int]:
+        return self.Items()
+
+    class Items:
+        def __init__(self) -> None:
+            self.at = 0
+
+        def __iter__(self) -> Iterator[int]:
+            return self
+
+        def __next__(self) -> int:
+            self.at += 1
+            if self.at > 8:
+                raise StopIteration
+            if self.at == 5:
+                raise ValueError("item 4 is broken")
+            return self.at - 1
+
+
+class StateDictRaises(StatefulIterator):
+    def __iter__(self) -> Positioned:
+        return Broken(_share(self.n))
+
+
+class Broken(Positioned):
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("no state today")
+
+
+def loader(dataset: Any, **options: Any) -> DataLoader[Any]:
+    options.setdefault("batch_size", 2)
+    return DataLoader(dataset, **options)
+
+
+def outcomes(iterator: Iterator[Any]) -> list[Any]:
+    """Every batch to the end, and for each task that raised, its error's type and message."""
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(as_lists(next(iterator)))
+        except StopIteration:
+            return got
+        except Exception as error:
+            got.append((type(error).__name__, str(error).splitlines()[-1]))
+
+
+def resumed_run_to_end(dataset: Any, at: int, **options: Any) -> tuple[list[Any], list[Any]]:
+    """(what the original yields after `at` batches, what a loader resumed there yields)."""
+    original = loader(dataset, **options)
+    iterator = iter(original)
+    take(iterator, at)
+    state = roundtrip(original.state_dict())
+    after = run_to_end(iterator)
+    fresh = loader(type(dataset)(*_arguments(dataset)), **options)
+    fresh.load_state_dict(state)
+    return after, run_to_end(iter(fresh))
+
+
+def _arguments(dataset: Any) -> tuple[Any, ...]:
+    if isinstance(dataset, PerWorkerCounts):
+        return (dataset.counts,)
+    n = getattr(dataset, "n", None)
+    return () if n is None else (n,)
+
+
+# --- exact continuation -------------------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+@pytest.mark.parametrize("dataset", [ShardedRange, StatefulIterator, StatefulDataset])
+def test_an_iterable_epoch_resumed_mid_epoch_yields_exactly_the_run_to_end(
+    executor: str, workers: int, dataset: type
+) -> None:
+    after, again = resumed_run_to_end(dataset(23), 5, executor=executor, num_workers=workers)
+    assert again == after
+    assert after  # something was left to resume
+
+
+@WORKERS
+@pytest.mark.parametrize("at", range(0, 12))
+def test_workers_that_run_dry_at_different_times_take_the_same_turns_after_a_resume(
+    at: int,
+) -> None:
+    # Worker 1 runs dry first, then 0; worker 2 goes on alone: every checkpoint of the epoch.
+    dataset = PerWorkerCounts([5, 2, 9])
+    after, again = resumed_run_to_end(dataset, at, executor="thread", num_workers=3, batch_size=1)
+    assert again == after
+
+
+@WORKERS
+@pytest.mark.parametrize("at", [1, 4])
+def test_processes_resume_the_turns_of_workers_that_ran_dry(at: int) -> None:
+    dataset = PerWorkerCounts([5, 2])
+    after, again = resumed_run_to_end(dataset, at, executor="mp", num_workers=2, batch_size=1)
+    assert again == after
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_batches_prefetched_at_the_checkpoint_are_produced_again(
+    executor: str, workers: int
+) -> None:
+    options = {"executor": executor, "num_workers": workers}
+    if workers:
+        options["prefetch_factor"] = 4
+    original = loader(ShardedRange(40), **options)
+    iterator = iter(original)
+    take(iterator, 3)  # the workers have loaded ahead of the consumer by now
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    fresh = loader(ShardedRange(40), **options)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS[1:])
+def test_out_of_order_the_rest_of_an_iterable_epoch_is_every_batch_not_yet_handed_over(
+    executor: str, workers: int
+) -> None:
+    options = {"executor": executor, "num_workers": workers, "in_order": False}
+    original = loader(StatefulIterator(30), **options)
+    iterator = iter(original)
+    before = take(iterator, 4)
+    state = original.state_dict()
+    run_to_end(iterator)
+    fresh = loader(StatefulIterator(30), **options)
+    fresh.load_state_dict(state)
+    items = [x for batch in before + run_to_end(iter(fresh)) for x in batch]
+    assert sorted(items) == list(range(30))
+
+
+@WORKERS
+def test_each_resume_of_an_iterable_epoch_goes_on_from_the_last() -> None:
+    options = {"executor": "thread", "num_workers": 2, "batch_size": 1}
+    whole = run_to_end(iter(loader(PerWorkerCounts([6, 3]), **options)))
+    got: list[Any] = []
+    state = None
+    while True:
+        current = loader(PerWorkerCounts([6, 3]), **options)
+        if state is not None:
+            current.load_state_dict(state)
+        iterator = iter(current)
+        step = take(iterator, 1) if len(got) < len(whole) else []
+        if not step:
+            break
+        got += step
+        state = current.state_dict()
+        del iterator
+    assert got == whole
+
+
+def _pinned_on_cpu(batch: Any) -> Any:
+    return batch.clone()  # what a pin stage hands on: a new batch, made in the stage's thread
+
+
+@WORKERS
+@pytest.mark.parametrize("inner", ["thread", "mp"])
+def test_a_pin_stage_passes_each_batchs_worker_position_on(inner: str) -> None:
+    options = {"num_workers": 2, "executor": pinned(inner, pin=_pinned_on_cpu)}
+    after, again = resumed_run_to_end(StatefulIterator(30), 4, **options)
+    assert again == after
+
+
+# --- stateful datasets --------------------------------------------------------------------------
+
+
+def test_a_stateful_iterator_is_restored_not_read_again() -> None:
+    original = loader(StatefulIterator(20), batch_size=4)
+    iterator = iter(original)
+    take(iterator, 3)
+    state = original.state_dict()
+    assert state["workers"] == [{"since": 0, "state": {"iterator": {"at": 12}}}]
+    Positioned.reads = 0
+    fresh = loader(StatefulIterator(20), batch_size=4)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == [[12, 13, 14, 15], [16, 17, 18, 19]]
+    assert Positioned.reads == 8
+
+
+def test_a_stateful_dataset_is_loaded_before_its_iterator_is_made() -> None:
+    original = loader(StatefulDataset(10), batch_size=3)
+    iterator = iter(original)
+    take(iterator, 2)
+    state = original.state_dict()
+    assert state["workers"] == [{"since": 0, "state": {"dataset": {"start": 6}}}]
+    fresh = loader(StatefulDataset(10), batch_size=3)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == [[6, 7, 8], [9]]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+@pytest.mark.parametrize("at", [4, 5])
+def test_between_snapshots_a_worker_fast_forwards_from_its_last_state(
+    executor: str, workers: int, at: int
+) -> None:
+    options = {"executor": executor, "num_workers": workers, "snapshot_every_n_steps": 3}
+    original = loader(StatefulIterator(40), **options)
+    iterator = iter(original)
+    take(iterator, at)
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    marks = state["workers"]
+    assert all(0 <= mark["since"] < 3 for mark in marks)
+    fresh = loader(StatefulIterator(40), **options)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+
+
+def test_a_dataset_without_state_is_fast_forwarded_over_the_batches_handed_over() -> None:
+    original = loader(ShardedRange(9), batch_size=2)
+    iterator = iter(original)
+    take(iterator, 2)
+    assert original.state_dict()["workers"] == [{"since": 2, "state": None}]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_an_error_handed_over_before_the_checkpoint_is_not_raised_again(
+    executor: str, workers: int
+) -> None:
+    options = {"executor": executor, "num_workers": workers, "batch_size": 1}
+    original = loader(SkipsAnError(), **options)
+    iterator = iter(original)
+    with pytest.raises(ValueError, match="item 4 is broken"):
+        while True:
+            next(iterator)
+    state = original.state_dict()
+    after = outcomes(iterator)
+    fresh = loader(SkipsAnError(), **options)
+    fresh.load_state_dict(state)
+    assert outcomes(iter(fresh)) == after
+
+
+def test_a_state_dict_that_raises_fails_that_batch_and_says_why() -> None:
+    iterator = iter(loader(StateDictRaises(6)))
+    with pytest.raises(RuntimeError, match="no state today") as caught:
+        next(iterator)
+    assert "state_dict" in "".join(caught.value.__notes__)
+    # Every batch's state fails too: each batch raises in its turn, and the epoch still ends.
+    assert outcomes(iterator) == [("RuntimeError", "no state today")] * 2
+
+
+# --- epochs -------------------------------------------------------------------------------------
+
+
+@WORKERS
+def test_a_checkpoint_after_the_last_iterable_batch_resumes_the_next_epoch() -> None:
+    original = loader(ShardedRange(6), num_workers=2, executor="thread")
+    first = run_to_end(iter(original))
+    state = original.state_dict()
+    assert state["progress"]["ended"] is True
+    fresh = loader(ShardedRange(6), num_workers=2, executor="thread")
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == first
+
+
+@WORKERS
+def test_a_checkpoint_in_a_later_epoch_of_persistent_workers_resumes_that_epoch() -> None:
+    options = {"executor": "mp", "num_workers": 2, "persistent_workers": True}
+    original = loader(StatefulIterator(16), **options)
+    run_to_end(iter(original))
+    iterator = iter(original)
+    take(iterator, 3)
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    assert state["epoch"] == 2
+    fresh = loader(StatefulIterator(16), **options)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+
+
+class SeedProbe(IterableDataset[list[int]]):
+    def __iter__(self) -> Iterator[list[int]]:
+        info = get_worker_info()
+        assert info is not None
+        for k in range(4):
+            yield [info.id, info.num_workers, info.seed % 1000, k]
+
+
+@WORKERS
+def test_resumed_workers_have_the_original_ids_and_seeds() -> None:
+    original = loader(SeedProbe(), batch_size=None, num_workers=2, generator=_seeded(5))
+    iterator = iter(original)
+    take(iterator, 3)
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    fresh = loader(SeedProbe(), batch_size=None, num_workers=2, generator=_seeded(6))
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- the state as data --------------------------------------------------------------------------
+
+
+@WORKERS
+def test_an_iterable_state_is_plain_data_json_and_torch_load_take() -> None:
+    original = loader(StatefulIterator(20), num_workers=2)
+    iterator = iter(original)
+    take(iterator, 3)
+    state = original.state_dict()
+    assert json.loads(json.dumps(state)) == roundtrip(state)
+    fresh = loader(StatefulIterator(20), num_workers=2)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert run_to_end(iter(fresh)) == run_to_end(iterator)
+
+
+@pytest.mark.parametrize(("taken", "loaded"), [(2, 3), (0, 1), (2, 0)])
+def test_an_iterable_state_under_another_num_workers_is_refused_naming_both(
+    taken: int, loaded: int
+) -> None:
+    state = loader(ShardedRange(8), num_workers=taken).state_dict()
+    fresh = loader(ShardedRange(8), num_workers=loaded)
+    with pytest.raises(ValueError, match=f"num_workers={taken}.*num_workers={loaded}"):
+        fresh.load_state_dict(state)
+
+
+def test_a_state_taken_before_iter_resumes_the_first_iterable_epoch() -> None:
+    original = loader(ShardedRange(5))
+    state = original.state_dict()
+    fresh = loader(ShardedRange(5))
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == run_to_end(iter(original))
