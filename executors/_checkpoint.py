@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import BatchSampler
 
 from statecore import Progress
-from statecore.executors._worker import Mark
+from statecore.executors._worker import Mark, has_state
 
 __all__ = [
     "FORMAT",
@@ -64,12 +64,7 @@ def stateful_sampler(index_sampler: Any) -> Any:
     candidates = [index_sampler]
     if type(index_sampler) is BatchSampler:
         candidates.append(index_sampler.sampler)
-    for candidate in candidates:
-        if callable(getattr(candidate, "state_dict", None)) and callable(
-            getattr(candidate, "load_state_dict", None)
-        ):
-            return candidate
-    return None
+    return next((candidate for candidate in candidates if has_state(candidate)), None)
 
 
 @attrs.define

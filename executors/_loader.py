@@ -138,8 +138,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 f"snapshot_every_n_steps must be a positive integer or None, got "
                 f"{snapshot_every_n_steps!r}"
             )
-        # torchdata's StatefulDataLoader takes it to bound the cost of copying worker states;
-        # statecore's checkpoint is exact after every batch, so it is kept, not needed.
+        # torchdata's meaning: how often an iterable dataset's workers send their dataset's
+        # state (see WorkerSetup.snapshot_every); between snapshots a resume fast-forwards.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._epochs = 0
         """Epochs started by this loader, the current one included."""

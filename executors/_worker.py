@@ -102,7 +102,8 @@ def _discard(batch: Any) -> None:
     return None
 
 
-def _stateful(thing: Any) -> bool:
+def has_state(thing: Any) -> bool:
+    """Whether `thing` keeps a state it can give and take back: torchdata's Stateful protocol."""
     return callable(getattr(thing, "state_dict", None)) and callable(
         getattr(thing, "load_state_dict", None)
     )
@@ -275,8 +276,8 @@ class WorkerRuntime:
             return
         # An iterator that is the dataset itself keeps its state once, as the iterator's: a
         # state loaded before iter() would be lost when its __iter__ starts over.
-        self.stateful_iterator = _stateful(iterator)
-        self.stateful_dataset = _stateful(self.dataset) and iterator is not self.dataset
+        self.stateful_iterator = has_state(iterator)
+        self.stateful_dataset = has_state(self.dataset) and iterator is not self.dataset
         self.stateful = self.stateful_iterator or self.stateful_dataset
         if mark is not None:
             self.since = self.skip = mark[0]
