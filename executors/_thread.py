@@ -25,12 +25,14 @@ What torch gives each worker process, each thread gets where it can:
 What differs from worker processes:
 
 - Batches are ordinary tensors, not in shared memory. torch's collate functions allocate a
-  batch in shared memory when `get_worker_info()` says they run in a worker, so that it can
-  cross to the main process; a thread's batch needs no crossing, and each shared batch would
-  hold an open file while it lives. So torch's collate functions (called by the loader or from
-  a custom `collate_fn`) are told they do not run in a worker; everything else, the dataset,
-  `worker_init_fn` and a custom `collate_fn` itself, sees the thread's WorkerInfo. The cost is
-  a look at the caller's frame in each `get_worker_info()` call made in a worker thread.
+  batch with `UntypedStorage._new_shared` when `get_worker_info()` says they run in a worker,
+  so that it can cross to the main process; a thread's batch needs no crossing, and each
+  shared batch would hold an open file while it lives. So in a worker thread that call, made
+  by torch's collate (called by the loader or from a custom `collate_fn`), gets an ordinary
+  storage from the executor's pool (`_storages`): one the consumer has let go of, or a new
+  one. Everything else, the dataset, `worker_init_fn` and a custom `collate_fn` itself, sees
+  the thread's WorkerInfo as usual. The cost is a look at the caller's frame in each
+  `get_worker_info()` call made in a worker thread.
 - The process-wide random generators (`random`, torch's default generator, numpy's global
   state) are shared by every thread, so they cannot be seeded per worker, and a dataset that
   reseeds one per sample (torchvision's FakeData calls `torch.manual_seed` in `__getitem__`)
@@ -74,6 +76,7 @@ from torch.utils.data import Dataset, IterDataPipe, MapDataPipe
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._storages import StoragePool
 from statecore.executors._worker import WorkerRuntime, WorkerSetup, prepare_dataset
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
@@ -81,8 +84,10 @@ __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 JOIN_TIMEOUT = 5.0
 
 _threads = threading.local()
-"""In a worker thread: `info` (its WorkerInfo), `on_reseed` (told of each seeding call) and
-`where` (what the thread is doing, for the warning). Absent in every other thread."""
+"""In a worker thread: `info` (its WorkerInfo), `on_reseed` (told of each seeding call),
+`where` (what the thread is doing, for the warning), `pool` (the executor's StoragePool) and
+`claiming` (torch's collate has just asked for the worker info, and will ask for a storage).
+Absent in every other thread."""
 _installed = threading.Lock()
 _COLLATE_MODULE = "torch.utils.data._utils.collate"
 
@@ -107,18 +112,56 @@ def _install_thread_worker_info() -> None:
         namespace["_statecore_threads"] = _threads
         namespace["_statecore_caller"] = sys._getframe
         namespace["_statecore_collate"] = _COLLATE_MODULE
+        namespace["_statecore_collating"] = _collating
         source = (
             "def get_worker_info():\n"
             "    info = getattr(_statecore_threads, 'info', None)\n"
             "    if info is None:\n"
             "        return _worker_info\n"
             "    if _statecore_caller(1).f_globals.get('__name__') == _statecore_collate:\n"
-            "        return None\n"
+            "        return _statecore_collating(info)\n"
             "    return info\n"
         )
         compiled: dict[str, Any] = {}
         exec(compile(source, "<statecore thread worker info>", "exec"), namespace, compiled)
         torch_worker.get_worker_info.__code__ = compiled["get_worker_info"].__code__
+
+
+def _collating(info: Any) -> Any:
+    """What torch's collate module hears from get_worker_info() in a worker thread: the info,
+    if the thread has a pool to give it the batch's storage from (it then asks for one with
+    `_new_shared`); else None, so that it allocates an ordinary batch itself."""
+    if getattr(_threads, "pool", None) is None:
+        return None
+    _threads.claiming = True
+    return info
+
+
+def _install_pooled_storages() -> None:
+    """Have `UntypedStorage._new_shared`, asked by torch's collate in a worker thread, return
+    an ordinary storage from that thread's pool, once per process. Every other call, in any
+    thread, gets what it got before."""
+    with _installed:
+        current = torch.UntypedStorage._new_shared
+        if getattr(current, "_statecore_pooled", False):
+            return
+        original: Callable[..., torch.UntypedStorage] = current
+
+        def new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
+            pool = getattr(_threads, "pool", None)
+            if (
+                pool is not None
+                and getattr(_threads, "claiming", False)
+                and cls is torch.UntypedStorage
+                and torch.device(device).type == "cpu"
+            ):
+                _threads.claiming = False
+                claimed: torch.UntypedStorage = pool.claim(size)
+                return claimed
+            return original(size, device=device)
+
+        new_shared._statecore_pooled = True  # type: ignore[attr-defined]
+        torch.UntypedStorage._new_shared = classmethod(new_shared)  # type: ignore[assignment,method-assign]
 
 
 def _reseeding(label: str) -> None:
@@ -270,6 +313,9 @@ class ThreadExecutor:
         self.threads: list[threading.Thread] = []
         self.stopped: set[int] = set()
         self.closed = False
+        workers = launch.num_workers
+        self.storages = StoragePool(spare=workers + 1, most=4 * workers + 4)
+        """Where torch's collate takes the batches' storages from (see `_storages`)."""
         self.reseeded: tuple[int, str, str] | None = None
         """(worker, seeding function, where) of the first reseeding seen; set by a worker."""
         self.reseed_warned = False
@@ -277,6 +323,7 @@ class ThreadExecutor:
     def start(self) -> None:
         _install_thread_worker_info()
         _install_reseed_watch()
+        _install_pooled_storages()
         # Copied here, in the consumer's iter(): what the main process changes afterwards is
         # not seen, as with worker processes.
         dataset = self.launch.setup.dataset
@@ -348,6 +395,7 @@ class ThreadExecutor:
             dataset=dataset,
         )
         _threads.on_reseed = functools.partial(self._saw_reseed, worker)
+        _threads.pool = self.storages
         where = "while sharding the datapipe"
         try:
             if init_error is None:
@@ -431,3 +479,4 @@ class ThreadExecutor:
             self.stop_worker(worker)
         for thread in self.threads:
             thread.join(JOIN_TIMEOUT)
+        self.storages.clear()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import attrs
@@ -22,7 +25,7 @@ import torch
 import torch.utils.data
 from _side_by_side import WORKERS
 
-from statecore.tools import loader_bench
+from statecore.tools import loader_bench, memory
 from statecore.tools.cli import main
 from statecore.tools.loader_bench import (
     INSTALL_HINT,
@@ -31,13 +34,14 @@ from statecore.tools.loader_bench import (
     MissingDependency,
     Side,
     WorkloadResult,
-    pair_order,
     pair_ratios,
     plot,
     read_json,
+    round_order,
     run_benchmark,
     write_json,
 )
+from statecore.tools.memory import Peak
 from statecore.tools.workloads import (
     WORKLOADS,
     Measurement,
@@ -72,7 +76,7 @@ def result(
         num_workers=0,
         torch=torch_runs,
         statecore=statecore_runs,
-        first=tuple(pair_order(pair)[0] for pair in range(len(torch_runs))),
+        first=tuple(round_order(number)[0] for number in range(len(torch_runs))),
     )
 
 
@@ -83,11 +87,19 @@ def made_up_report() -> BenchReport:
     return BenchReport(
         results=(
             result(),
-            result(
-                "io",
-                Unit.EFFICIENCY,
-                (Measurement(1.0, 0.9), Measurement(1.0, 0.8), Measurement(1.1, 0.95)),
-                (Measurement(1.0, 0.95), Measurement(1.2, 0.9), Measurement(1.0, 0.97)),
+            attrs.evolve(
+                result(
+                    "io",
+                    Unit.EFFICIENCY,
+                    (Measurement(1.0, 0.9), Measurement(1.0, 0.8), Measurement(1.1, 0.95)),
+                    (Measurement(1.0, 0.95), Measurement(1.2, 0.9), Measurement(1.0, 0.97)),
+                ),
+                threads=(Measurement(1.0, 0.99), Measurement(1.0, 0.98), Measurement(1.0, 0.97)),
+                memory=(
+                    Peak(Side.TORCH, 200_000_000, 340_000_000, 50),
+                    Peak(Side.STATECORE, 200_000_000, 300_000_000, 60),
+                    Peak(Side.THREADS, 200_000_000, 201_000_000, 70),
+                ),
             ),
             result(
                 "large-batches", Unit.GB_PER_S, (Measurement(2.0, 3e9),), (Measurement(1.0, 3e9),)
@@ -149,16 +161,35 @@ def recording(calls: list[tuple[str, int, Side]]) -> loader_bench.Measure:
 def test_each_loader_runs_equally_often_taking_turns_at_going_first() -> None:
     calls: list[tuple[str, int, Side]] = []
     no_warmup = attrs.evolve(workload("inline-b1", 50), warmup=False)
-    report = run_benchmark([no_warmup], rounds=4, measure=recording(calls))
+    report = run_benchmark([no_warmup], rounds=4, measure=recording(calls), peak=None)
     t, s = Side.TORCH, Side.STATECORE
     assert [side for _, _, side in calls] == [t, s, s, t, t, s, s, t]
     assert report.results[0].first == (t, s, t, s)
     assert len(report.results[0].torch) == len(report.results[0].statecore) == 4
+    assert report.results[0].threads == ()
+
+
+def test_with_workers_threads_run_too_and_the_order_rotates_each_round() -> None:
+    calls: list[tuple[str, int, Side]] = []
+    no_warmup = attrs.evolve(workload("processes-b64", 50), warmup=False)
+    report = run_benchmark([no_warmup], rounds=3, measure=recording(calls), peak=None)
+    t, s, h = Side.TORCH, Side.STATECORE, Side.THREADS
+    assert [side for _, _, side in calls] == [t, s, h, s, h, t, h, t, s]
+    assert report.results[0].first == (t, s, h)
+    assert len(report.results[0].threads) == 3
+
+
+def test_the_threads_side_is_statecore_with_the_thread_executor() -> None:
+    assert Side.THREADS.loader_class() is Side.STATECORE.loader_class()
+    assert Side.THREADS.options() == {"executor": "thread"}
+    assert Side.STATECORE.options() == Side.TORCH.options() == {}
 
 
 def test_the_warm_up_is_one_small_untimed_run_of_each_loader_before_the_pairs() -> None:
     calls: list[tuple[str, int, Side]] = []
-    report = run_benchmark([workload("inline-b1", 50)], rounds=1, measure=recording(calls))
+    report = run_benchmark(
+        [workload("inline-b1", 50)], rounds=1, measure=recording(calls), peak=None
+    )
     assert calls == [
         ("inline-b1", 4, Side.TORCH),
         ("inline-b1", 4, Side.STATECORE),
@@ -171,7 +202,9 @@ def test_the_warm_up_is_one_small_untimed_run_of_each_loader_before_the_pairs() 
 def test_a_workload_with_its_own_rounds_runs_that_many_pairs() -> None:
     calls: list[tuple[str, int, Side]] = []
     spawn = attrs.evolve(workload("startup-spawn"), rounds=2)
-    report = run_benchmark([spawn, workload("inline-b1")], rounds=3, measure=recording(calls))
+    report = run_benchmark(
+        [spawn, workload("inline-b1")], rounds=3, measure=recording(calls), peak=None
+    )
     assert [len(item.ratios) for item in report.results] == [2, 3]
 
 
@@ -184,13 +217,13 @@ def test_a_run_that_raises_fails_its_workload_and_the_others_still_run(
         return Measurement(1.0, 10.0)
 
     report = run_benchmark(
-        [workload("io", 8), workload("inline-b1", 8)], rounds=2, measure=breaks_on_io
+        [workload("io", 8), workload("inline-b1", 8)], rounds=2, measure=breaks_on_io, peak=None
     )
     broken, fine = report.results
     assert broken.error == "statecore raised RuntimeError: worker 0 fell over"
     assert not broken.ok and broken.torch == broken.statecore == ()
     assert fine.ok and len(fine.ratios) == 2
-    assert "io                     % ideal  FAILED: statecore raised" in report.table()
+    assert f"{'io':20} {'% ideal':8} FAILED: statecore raised" in report.table()
 
 
 # --- arithmetic ---------------------------------------------------------------------------------
@@ -299,18 +332,86 @@ def test_an_unknown_workload_is_refused_naming_the_known_ones() -> None:
 def test_a_tiny_real_run_reports_every_figure_present_and_positive() -> None:
     report = run_benchmark([workload("inline-b1"), workload("processes-b64")], rounds=1)
     assert [item.name for item in report.results] == ["inline-b1", "processes-b64"]
-    for item in report.results:
-        figures = [*item.figures(Side.TORCH), *item.figures(Side.STATECORE), *item.ratios]
-        assert len(figures) == 3
+    for item, sides in zip(report.results, (2, 3), strict=True):
+        figures = [figure for side in item.sides for figure in item.figures(side)]
+        figures += [ratio for side in item.sides for ratio in item.ratios_of(side)]
+        assert len(figures) == 2 * sides
         assert all(math.isfinite(figure) and figure > 0 for figure in figures)
     assert "inline-b1" in report.table() and "processes-b64" in report.table()
+    assert report.machine.memcpy_gb_per_s > 0
 
 
 @WORKERS
 def test_no_worker_outlives_its_run_persistent_ones_included() -> None:
-    run_benchmark([workload("epoch2-persistent"), workload("io", 8)], rounds=1)
+    run_benchmark([workload("epoch2-persistent"), workload("io", 8)], rounds=1, peak=None)
     assert multiprocessing.active_children() == []
     assert multiprocess.active_children() == []
+
+
+@WORKERS
+@pytest.mark.skipif(not memory.AVAILABLE, reason="PSS is read from /proc (Linux)")
+def test_peak_memory_is_measured_for_every_loader_in_a_fresh_interpreter() -> None:
+    small = workload("epoch2-persistent", 4)
+    for side in small.sides:
+        peak = memory.measure_peak(small, side)
+        assert peak.side is side and peak.samples >= 1
+        assert 0 < peak.before <= peak.peak
+    assert multiprocessing.active_children() == [] and multiprocess.active_children() == []
+
+
+def test_the_tree_of_a_process_counts_its_children_and_theirs() -> None:
+    # a child that starts a grandchild, then both wait for their stdin to close
+    script = (
+        "import subprocess, sys; "
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+        "stdin=subprocess.PIPE); print(grandchild.pid, flush=True); sys.stdin.read(); "
+        "grandchild.communicate(b'')"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=PIPE, stdout=PIPE)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert {child.pid, grandchild} <= set(memory.descendants(os.getpid()))
+        parts = memory.pss(child.pid) + memory.pss(grandchild)
+        assert memory.pss(grandchild) > 0
+        assert abs(memory.tree_pss(child.pid) - parts) < 1 << 20  # idle: a page or so moves
+    finally:
+        child.communicate(b"")
+    assert memory.pss(child.pid) == 0 and memory.descendants(child.pid) == []
+
+
+def fake_peak(workload: Workload, side: Side) -> Peak:
+    return Peak(
+        side, before=100_000_000, peak=100_000_000 + 10_000_000 * (1 + len(side.value)), samples=3
+    )
+
+
+def test_workloads_that_ask_for_it_get_a_memory_row_for_each_loader() -> None:
+    report = run_benchmark(
+        [workload("epoch2-persistent"), workload("inline-b1")],
+        rounds=1,
+        measure=recording([]),
+        peak=fake_peak,
+    )
+    measured, unmeasured = report.results
+    assert [peak.side for peak in measured.memory] == list(Side)
+    assert unmeasured.memory == ()
+    lines = report.table().splitlines()
+    row = lines[lines.index(next(line for line in lines if line.startswith("peak memory"))) + 2]
+    assert row.split() == ["epoch2-persistent", "60", "(160)", "100", "(200)", "80", "(180)"]
+
+
+def test_a_memory_run_that_fails_is_reported_and_the_timings_stand() -> None:
+    def broken(workload: Workload, side: Side) -> Peak:
+        raise memory.MemoryRunFailed("MemoryError: out of memory")
+
+    report = run_benchmark(
+        [workload("epoch2-persistent")], rounds=1, measure=recording([]), peak=broken
+    )
+    (only,) = report.results
+    assert only.ok and only.memory == ()
+    assert only.memory_error == "torch raised MemoryRunFailed: MemoryError: out of memory"
+    assert f"{'epoch2-persistent':20} FAILED: torch raised MemoryRunFailed" in report.table()
 
 
 def test_the_straggler_runs_keep_when_each_batch_arrived() -> None:
@@ -345,6 +446,13 @@ def test_the_json_reads_back_with_the_same_figures(tmp_path: Path) -> None:
     assert io["ratio"] == report.results[1].ratio
     assert io["torch"]["median"] == report.results[1].median(Side.TORCH)
     assert io["statecore"]["runs"][0] == {"seconds": 1.0, "work": 0.95, "arrivals": []}
+    assert io["threads"]["median"] == report.results[1].median(Side.THREADS)
+    assert io["threads"]["memory"] == {
+        "side": "threads",
+        "before": 200_000_000,
+        "peak": 201_000_000,
+        "samples": 70,
+    }
 
 
 def test_the_plot_is_a_png(tmp_path: Path) -> None:
@@ -387,8 +495,17 @@ def test_the_table_has_a_row_per_workload_with_both_medians_and_the_ratio() -> N
         "5000",
         "(5000-5000)",
         "2.00x",
+        "-",
+        "-",
         "1",
     ]
+
+
+def test_the_threads_column_has_its_median_range_and_ratio_against_torch() -> None:
+    table = made_up_report().table()
+    row = next(line for line in table.splitlines() if line.startswith("io ") and "x" in line)
+    # threads: 99, 98, 97 % of the ideal; torch 90, 80, 86.4: per-round ratios 1.1, 1.225, 1.12
+    assert row.split()[-4:-1] == ["98.0", "(97.0-99.0)", "1.12x"]
 
 
 # --- the command line ---------------------------------------------------------------------------

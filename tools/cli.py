@@ -115,11 +115,11 @@ def _names(text: str) -> list[str]:
 def _add_bench(commands: Any) -> None:
     bench_parser = commands.add_parser(
         "bench",
-        help="time torch's DataLoader and statecore's on the same workloads, in alternating "
-        "pairs, and print the medians and ratios",
+        help="time torch's DataLoader and statecore's (default executor and threads) on the "
+        "same workloads, taking turns, and print the medians, ratios and peak memory",
     )
     bench_parser.add_argument(
-        "--quick", action="store_true", help="smaller epochs and fewer pairs: about a minute"
+        "--quick", action="store_true", help="smaller epochs and fewer rounds: a few minutes"
     )
     bench_parser.add_argument(
         "--only", type=_names, metavar="NAME[,NAME]", help="run only these workloads"
@@ -128,7 +128,8 @@ def _add_bench(commands: Any) -> None:
         "--rounds",
         type=_positive,
         metavar="N",
-        help="pairs of runs per workload (default: 5, or 3 with --quick)",
+        help="rounds of runs per workload, one run of each loader a round (default: 5, or 3 "
+        "with --quick)",
     )
     bench_parser.add_argument(
         "--batches", type=_positive, metavar="N", help="batches per epoch, for every workload"
@@ -136,6 +137,12 @@ def _add_bench(commands: Any) -> None:
     bench_parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     bench_parser.add_argument(
         "--plot", metavar="PATH", help="draw the ratios and the straggler timelines as a PNG"
+    )
+    bench_parser.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="skip the peak-memory runs (each a fresh interpreter per loader and workload)",
     )
     bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
 
@@ -158,6 +165,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         batches=args.batches,
         json_path=args.json,
         plot_path=args.plot,
+        memory=args.memory,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 

@@ -1,22 +1,22 @@
 """`python -m statecore bench`: torch's DataLoader and statecore's, side by side.
 
-Each workload (see `statecore.tools.workloads`) is run in pairs: one run of each loader, built
-from the same arguments, the two taking turns. Torch goes first in even pairs and statecore in
-odd ones, so that whatever drifts on a busy machine (other processes, frequency scaling, a
-warming cache) falls on both alike, and neither always gets the machine right after the other
-has warmed or cooled it.
+Each workload (see `statecore.tools.workloads`) is run in rounds: one run of each loader,
+built from the same arguments, taking turns. The loaders are torch's, statecore's as a user
+who swaps the import gets it (its default executor), and, where the workload has workers,
+statecore with `executor="thread"`. The order rotates from round to round, so that whatever
+drifts on a busy machine (other processes, frequency scaling, a warming cache) falls on all
+alike, and none always gets the machine right after another has warmed or cooled it.
 
 For each workload the report gives each loader's median figure and its range over the runs,
-and the median of the per-pair ratios: statecore's throughput over torch's in the same pair,
-so above 1 means statecore was faster. Taking the ratio within a pair before the median is
-what cancels the drift: two runs a second apart see the same machine.
+and the median of the per-round ratios: statecore's throughput over torch's in the same
+round, so above 1 means statecore was faster. Taking the ratio within a round before the
+median is what cancels the drift: runs seconds apart see the same machine. Some workloads
+also measure each loader's peak memory, once, in a fresh interpreter (`tools.memory`).
 
-docs/performance.md explains each workload and shows the latest table.
-"""
+docs/performance.md explains each workload and shows the latest table."""
 
 from __future__ import annotations
 
-import enum
 import importlib
 import importlib.metadata
 import json
@@ -34,10 +34,11 @@ from typing import Any, TextIO
 import attrs
 import torch
 
+from statecore.tools.memory import Peak
 from statecore.tools.workloads import (
     WARMUP_BATCHES,
-    Loader,
     Measurement,
+    Side,
     Timing,
     Unit,
     Workload,
@@ -55,9 +56,11 @@ __all__ = [
     "Side",
     "WorkloadResult",
     "bench",
+    "memcpy_bandwidth",
+    "measure_memory",
     "measure_side",
     "missing_dependencies",
-    "pair_order",
+    "round_order",
     "pair_ratios",
     "plot",
     "read_json",
@@ -66,40 +69,30 @@ __all__ = [
 ]
 
 ROUNDS = 5
-"""Pairs of runs per workload by default."""
+"""Rounds per workload by default: one run of each loader in each."""
 QUICK_ROUNDS = 3
-"""Pairs of runs per workload under `--quick`."""
+"""Rounds per workload under `--quick`."""
 # statecore is installed from its checkout (README, "Run it"), not from an index: a bare
 # `pip install 'statecore[bench]'` would look for it on PyPI.
 INSTALL_HINT = "pip install -e '.[bench]' in the statecore checkout"
 
 
-class Side(enum.Enum):
-    """Which loader a run used."""
+def round_order(
+    number: int, sides: Sequence[Side] = (Side.TORCH, Side.STATECORE)
+) -> tuple[Side, ...]:
+    """The order the loaders run in, in round number `number` (from 0): `sides` rotated by
+    one place a round, so that each goes first, and after each other, equally often.
 
-    TORCH = "torch"
-    STATECORE = "statecore"
-
-    def loader_class(self) -> type[Loader]:
-        if self is Side.TORCH:
-            return torch.utils.data.DataLoader
-        import statecore
-
-        ours: type[Loader] = statecore.DataLoader
-        return ours
-
-
-def pair_order(pair: int) -> tuple[Side, Side]:
-    """Which loader runs first in pair number `pair` (from 0): torch in even pairs."""
-    if pair % 2 == 0:
-        return Side.TORCH, Side.STATECORE
-    return Side.STATECORE, Side.TORCH
+    With two sides, torch goes first in even rounds and statecore in odd ones.
+    """
+    shift = number % len(sides)
+    return (*sides[shift:], *sides[:shift])
 
 
 def pair_ratios(
     torch_runs: Sequence[Measurement], statecore_runs: Sequence[Measurement]
 ) -> tuple[float, ...]:
-    """Per pair, statecore's throughput over torch's: above 1 when statecore was faster.
+    """Per round, statecore's throughput over torch's: above 1 when statecore was faster.
 
     For a time (us per batch, ms to the first batch) the throughput is its inverse, so the
     ratio is torch's time over statecore's.
@@ -127,7 +120,7 @@ def _measurement(data: Mapping[str, Any]) -> Measurement:
 
 @attrs.frozen
 class WorkloadResult:
-    """Every run of both loaders on one workload, and the figures drawn from them."""
+    """Every run of every loader on one workload, and the figures drawn from them."""
 
     name: str
     summary: str
@@ -139,16 +132,29 @@ class WorkloadResult:
     torch: tuple[Measurement, ...]
     statecore: tuple[Measurement, ...]
     first: tuple[Side, ...]
-    """Which loader ran first, pair by pair."""
+    """Which loader ran first, round by round."""
     error: str | None = None
-    """What a run raised, if one did: the pairs before it are kept, the figures are not shown."""
+    """What a run raised, if one did: the rounds before it are kept, the figures are not shown."""
+    threads: tuple[Measurement, ...] = ()
+    """statecore's runs with `executor="thread"`; none for a workload without workers."""
+    memory: tuple[Peak, ...] = ()
+    """Each loader's peak memory, for the workloads that measure it."""
+    memory_error: str | None = None
+    """Why the memory could not be measured, if it could not: the timings still stand."""
 
     @property
     def ok(self) -> bool:
         return self.error is None and bool(self.first)
 
+    @property
+    def sides(self) -> tuple[Side, ...]:
+        """The loaders that ran: threads only on workloads with workers."""
+        return tuple(side for side in Side if side is not Side.THREADS or self.threads)
+
     def runs(self, side: Side) -> tuple[Measurement, ...]:
-        return self.torch if side is Side.TORCH else self.statecore
+        return {Side.TORCH: self.torch, Side.STATECORE: self.statecore, Side.THREADS: self.threads}[
+            side
+        ]
 
     def figures(self, side: Side) -> tuple[float, ...]:
         """The reported figure of each run, in the workload's unit."""
@@ -163,23 +169,40 @@ class WorkloadResult:
     def high(self, side: Side) -> float:
         return max(self.figures(side))
 
+    def ratios_of(self, side: Side) -> tuple[float, ...]:
+        """Per round, `side`'s throughput over torch's."""
+        return pair_ratios(self.torch, self.runs(side))
+
+    def ratio_of(self, side: Side) -> float:
+        """The median of `side`'s per-round ratios against torch."""
+        return statistics.median(self.ratios_of(side))
+
     @property
     def ratios(self) -> tuple[float, ...]:
-        return pair_ratios(self.torch, self.statecore)
+        """Per round, statecore's (default executor) throughput over torch's."""
+        return self.ratios_of(Side.STATECORE)
 
     @property
     def ratio(self) -> float:
-        """The median of the per-pair ratios."""
+        """The median of the per-round ratios of statecore's default over torch."""
         return statistics.median(self.ratios)
+
+    def peak(self, side: Side) -> Peak | None:
+        return next((peak for peak in self.memory if peak.side is side), None)
 
     def to_json(self) -> dict[str, Any]:
         def side(which: Side) -> dict[str, Any]:
+            ran = bool(self.first) and bool(self.runs(which))
+            peak = self.peak(which)
             return {
-                "median": self.median(which) if self.first else None,
-                "min": self.low(which) if self.first else None,
-                "max": self.high(which) if self.first else None,
+                "median": self.median(which) if ran else None,
+                "min": self.low(which) if ran else None,
+                "max": self.high(which) if ran else None,
+                "ratio": self.ratio_of(which) if ran else None,
+                "ratios": list(self.ratios_of(which)) if ran else [],
                 "figures": list(self.figures(which)),
                 "runs": [_measurement_json(run) for run in self.runs(which)],
+                "memory": None if peak is None else peak.to_json(),
             }
 
         return {
@@ -194,13 +217,22 @@ class WorkloadResult:
             "ratios": list(self.ratios),
             "first": [which.value for which in self.first],
             "error": self.error,
-            "torch": side(Side.TORCH),
-            "statecore": side(Side.STATECORE),
+            "memory_error": self.memory_error,
+            **{which.value: side(which) for which in Side},
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> WorkloadResult:
         """The result `to_json` wrote; the derived figures are computed again from the runs."""
+
+        def runs(which: Side) -> tuple[Measurement, ...]:
+            return tuple(_measurement(run) for run in data.get(which.value, {}).get("runs", []))
+
+        memory = tuple(
+            Peak.from_json(data[which.value]["memory"])
+            for which in Side
+            if (data.get(which.value) or {}).get("memory") is not None
+        )
         return cls(
             name=data["name"],
             summary=data["summary"],
@@ -209,11 +241,33 @@ class WorkloadResult:
             batches=int(data["batches"]),
             batch_size=int(data["batch_size"]),
             num_workers=int(data["num_workers"]),
-            torch=tuple(_measurement(run) for run in data["torch"]["runs"]),
-            statecore=tuple(_measurement(run) for run in data["statecore"]["runs"]),
+            torch=runs(Side.TORCH),
+            statecore=runs(Side.STATECORE),
             first=tuple(Side(which) for which in data["first"]),
             error=data.get("error"),
+            threads=runs(Side.THREADS),
+            memory=memory,
+            memory_error=data.get("memory_error"),
         )
+
+
+def memcpy_bandwidth(megabytes: int = 20, repeats: int = 15) -> float:
+    """This machine's copy bandwidth in GB/s: torch copying a tensor of `megabytes` MB into
+    another, with its intra-op threads (the median of `repeats` copies, after one to fault the
+    pages in).
+
+    What collating a large batch does with every byte: each is read from a sample and written
+    into the batch once. Counted as bytes copied per second (not read plus written).
+    """
+    source = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return source.nbytes / statistics.median(times) / 1e9
 
 
 @attrs.frozen
@@ -225,9 +279,11 @@ class Machine:
     python: str
     torch: str
     statecore: str
+    memcpy_gb_per_s: float = 0.0
+    """`memcpy_bandwidth()`, measured when the benchmark ran; 0 if not measured."""
 
     @classmethod
-    def here(cls) -> Machine:
+    def here(cls, memcpy: bool = False) -> Machine:
         try:
             ours = importlib.metadata.version("statecore")
         except importlib.metadata.PackageNotFoundError:
@@ -238,12 +294,18 @@ class Machine:
             python=platform.python_version(),
             torch=torch.__version__,
             statecore=ours,
+            memcpy_gb_per_s=memcpy_bandwidth() if memcpy else 0.0,
         )
 
     def describe(self) -> str:
+        copies = (
+            f"; memcpy {self.memcpy_gb_per_s:.2f} GB/s (torch copy_ of 20 MB)"
+            if self.memcpy_gb_per_s
+            else ""
+        )
         return (
             f"{self.cpus} CPUs, {self.platform}, Python {self.python}, torch {self.torch}, "
-            f"statecore {self.statecore}"
+            f"statecore {self.statecore}{copies}"
         )
 
 
@@ -256,6 +318,10 @@ def _number(value: float) -> str:
     if abs(value) >= 10:
         return f"{value:.1f}"
     return f"{value:.2f}"
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.0f}"
 
 
 @attrs.frozen
@@ -271,21 +337,27 @@ class BenchReport:
     def table(self) -> str:
         """The report as the command prints it."""
         header = (
-            f"{'workload':22} {'unit':8} {'torch median (min-max)':>26} "
-            f"{'statecore median (min-max)':>28} {'ratio':>7} {'pairs':>5}"
+            f"{'workload':20} {'unit':8} {'torch median (min-max)':>23} "
+            f"{'statecore (min-max)':>21} {'ratio':>6} "
+            f"{'threads (min-max)':>21} {'ratio':>6} {'rounds':>6}"
         )
         lines = [header]
         for result in self.results:
             if not result.ok:
-                lines.append(f"{result.name:22} {result.unit.value:8} FAILED: {result.error}")
+                lines.append(f"{result.name:20} {result.unit.value:8} FAILED: {result.error}")
                 continue
-            cells = []
+            cells = {}
             for side in Side:
+                if not result.runs(side):
+                    cells[side] = "-"
+                    continue
                 spread = f"({_number(result.low(side))}-{_number(result.high(side))})"
-                cells.append(f"{_number(result.median(side))} {spread}")
+                cells[side] = f"{_number(result.median(side))} {spread}"
+            threads_ratio = f"{result.ratio_of(Side.THREADS):5.2f}x" if result.threads else "-"
             lines.append(
-                f"{result.name:22} {result.unit.value:8} {cells[0]:>26} {cells[1]:>28} "
-                f"{result.ratio:6.2f}x {len(result.ratios):5d}"
+                f"{result.name:20} {result.unit.value:8} {cells[Side.TORCH]:>23} "
+                f"{cells[Side.STATECORE]:>21} {result.ratio:5.2f}x "
+                f"{cells[Side.THREADS]:>21} {threads_ratio:>6} {len(result.ratios):6d}"
             )
         cost = self.state_cost()
         if cost is not None:
@@ -293,14 +365,39 @@ class BenchReport:
                 f"worker state for checkpoints: statecore's median us/batch on processes-stateful "
                 f"is {cost:+.1f}% of processes-iterable's (goal: within 5%)"
             )
+        lines += self.memory_table()
         lines += [
-            "ratio: median over pairs of statecore throughput / torch throughput "
-            "(above 1: statecore faster)",
+            "ratio: median over rounds of statecore throughput / torch throughput "
+            '(above 1: statecore faster); threads: statecore with executor="thread"',
             "% ideal: (measured work of every sample / workers) / elapsed; "
             "us/batch and ms: lower is better",
             f"machine: {self.machine.describe()}; {self.seconds:.0f} s in all",
         ]
         return "\n".join(lines)
+
+    def memory_table(self) -> list[str]:
+        """Peak memory, MB: what each loader's run added to its process tree at its peak,
+        and in brackets the tree's whole PSS then."""
+        measured = [result for result in self.results if result.memory or result.memory_error]
+        if not measured:
+            return []
+        lines = [
+            "peak memory, MB of PSS (main process + workers) added by one run "
+            "(whole tree at its peak)",
+            f"{'workload':20} {'torch':>16} {'statecore':>16} {'threads':>16}",
+        ]
+        for result in measured:
+            if result.memory_error is not None:
+                lines.append(f"{result.name:20} FAILED: {result.memory_error}")
+                continue
+            cells = []
+            for side in Side:
+                peak = result.peak(side)
+                cells.append(
+                    "-" if peak is None else f"{_megabytes(peak.added)} ({_megabytes(peak.peak)})"
+                )
+            lines.append(f"{result.name:20} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}")
+        return lines
 
     def state_cost(self) -> float | None:
         """What sending a stateful iterable dataset's state with every batch costs statecore,
@@ -347,11 +444,19 @@ def read_json(path: str | os.PathLike[str]) -> BenchReport:
 # --- running ------------------------------------------------------------------------------------
 
 Measure = Callable[[Workload, Side], Measurement]
+MeasurePeak = Callable[[Workload, Side], Peak]
 
 
 def measure_side(workload: Workload, side: Side) -> Measurement:
     """One timed run of `side`'s loader on `workload` (see `workloads.measure`)."""
-    return measure(workload, side.loader_class())
+    return measure(workload, side.loader_class(), side.options())
+
+
+def measure_memory(workload: Workload, side: Side) -> Peak:
+    """`side`'s peak memory on `workload`, in a fresh interpreter (see `tools.memory`)."""
+    from statecore.tools.memory import measure_peak
+
+    return measure_peak(workload, side)
 
 
 def _live_workers() -> int:
@@ -370,10 +475,21 @@ def _outlived(seconds: float = 2.0) -> int:
     return count
 
 
-def _run_pairs(
-    workload: Workload, pairs: int, measure: Measure, say: Callable[[str], None]
+def _failure(side: Side, failure: BaseException) -> str:
+    message = str(failure).strip().splitlines()
+    return f"{side.value} raised {type(failure).__name__}: {message[0] if message else ''}"
+
+
+def _run_rounds(
+    workload: Workload,
+    rounds: int,
+    measure: Measure,
+    peak: MeasurePeak | None,
+    say: Callable[[str], None],
 ) -> WorkloadResult:
-    """The warm-up and `pairs` pairs of one workload; a run that raises ends the workload."""
+    """The warm-up and `rounds` rounds of one workload, then its memory if it measures it;
+    a run that raises ends the workload."""
+    sides = workload.sides
     runs: dict[Side, list[Measurement]] = {side: [] for side in Side}
     first: list[Side] = []
     error = None
@@ -385,19 +501,26 @@ def _run_pairs(
                 batches=min(workload.batches, WARMUP_BATCHES),
                 num_workers=min(workload.num_workers, 1),
             )
-            for side in Side:
+            for side in sides:
                 measure(small, side)
-        for pair in range(pairs):
-            order = pair_order(pair)
+        for number in range(rounds):
+            order = round_order(number, sides)
             for side in order:
                 runs[side].append(measure(workload, side))
                 if stray := _outlived():
                     say(f"warning: {stray} worker process(es) outlived a {side.value} run")
             first.append(order[0])
     except Exception as failure:  # reported in the table; the other workloads still run
-        message = str(failure).strip().splitlines()
-        error = f"{side.value} raised {type(failure).__name__}: {message[0] if message else ''}"
-    complete = len(first)  # only whole pairs are kept: a ratio needs both runs
+        error = _failure(side, failure)
+    memory: list[Peak] = []
+    memory_error = None
+    if peak is not None and workload.memory and error is None:
+        try:
+            for side in sides:
+                memory.append(peak(workload, side))
+        except Exception as failure:  # the timings stand; the memory row says what failed
+            memory, memory_error = [], _failure(side, failure)
+    complete = len(first)  # only whole rounds are kept: a ratio needs every side's run
     return WorkloadResult(
         name=workload.name,
         summary=workload.summary,
@@ -410,6 +533,9 @@ def _run_pairs(
         statecore=tuple(runs[Side.STATECORE][:complete]),
         first=tuple(first),
         error=error,
+        threads=tuple(runs[Side.THREADS][:complete]),
+        memory=tuple(memory),
+        memory_error=memory_error,
     )
 
 
@@ -418,36 +544,48 @@ def run_benchmark(
     rounds: int = ROUNDS,
     *,
     measure: Measure = measure_side,
+    peak: MeasurePeak | None = measure_memory,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Run every workload in `rounds` pairs (or the workload's own `rounds`); the report.
+    """Run every workload in `rounds` rounds (or the workload's own `rounds`); the report.
 
-    Before the first pair each loader makes one untimed run of a small epoch with at most one
-    worker, unless the workload says not to, so that imports and one-time set-up in this
-    process (a fork server, say) are not charged to the first pair. A run that raises ends
-    its workload, whose result then carries the error; the other workloads still run.
-    `measure` does one run; `progress` hears what is going on.
+    A round is one run of each loader the workload compares (`Workload.sides`), in an order
+    that rotates from round to round (`round_order`). Before the first round each loader
+    makes one untimed run of a small epoch with at most one worker, unless the workload says
+    not to, so that imports and one-time set-up in this process (a fork server, say) are not
+    charged to the first round. A run that raises ends its workload, whose result then
+    carries the error; the other workloads still run. `measure` does one run; `peak`, if
+    given, measures each loader's memory on the workloads that ask for it (`Workload.memory`),
+    after their rounds; `progress` hears what is going on.
     """
     say = progress or (lambda message: None)
     started = time.perf_counter()
+    machine = Machine.here(memcpy=True)
     results = []
     with warnings.catch_warnings():
         # Both loaders warn, alike, when num_workers exceeds the cores of a small machine.
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         for workload in workloads:
-            pairs = workload.rounds or rounds
-            if pairs < 1:
-                raise ValueError(f"{workload.name}: at least one pair of runs is needed")
-            say(f"{workload.name}: {pairs} pair(s) of {workload.batches}-batch runs ...")
+            count = workload.rounds or rounds
+            if count < 1:
+                raise ValueError(f"{workload.name}: at least one round of runs is needed")
+            say(f"{workload.name}: {count} round(s) of {workload.batches}-batch runs ...")
             began = time.perf_counter()
-            result = _run_pairs(workload, pairs, measure, say)
+            result = _run_rounds(workload, count, measure, peak, say)
             took = time.perf_counter() - began
             if result.error is not None:
                 say(f"{workload.name}: FAILED: {result.error} ({took:.0f} s)")
             else:
-                say(f"{workload.name}: statecore/torch {result.ratio:.2f}x ({took:.0f} s)")
+                threads = (
+                    f", threads/torch {result.ratio_of(Side.THREADS):.2f}x"
+                    if result.threads
+                    else ""
+                )
+                say(f"{workload.name}: statecore/torch {result.ratio:.2f}x{threads} ({took:.0f} s)")
+            if result.memory_error is not None:
+                say(f"{workload.name}: memory not measured: {result.memory_error}")
             results.append(result)
-    return BenchReport(tuple(results), Machine.here(), time.perf_counter() - started)
+    return BenchReport(tuple(results), machine, time.perf_counter() - started)
 
 
 # --- plotting -----------------------------------------------------------------------------------
@@ -485,16 +623,17 @@ def _median_run(runs: Sequence[Measurement]) -> Measurement:
     return sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
 
 
-_COLORS = {Side.TORCH: "tab:orange", Side.STATECORE: "tab:blue"}
+_COLORS = {Side.TORCH: "tab:orange", Side.STATECORE: "tab:blue", Side.THREADS: "tab:green"}
 
 
 def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
     """Draw `report` as a PNG: the ratio of every workload, and the batch arrival timelines.
 
-    The top panel has a bar per workload (median ratio, whiskers to the lowest and highest
-    pair) and a line at 1.0. Below it, one panel per workload that kept arrival times (the
-    stragglers): batches handed over against time since `iter(loader)`, for the median run of
-    each loader, with the ideal pace (all the measured work spread over the workers) dashed.
+    The top panel has, per workload, a bar for statecore's default and one for its threads
+    (median ratio against torch, whiskers to the lowest and highest round), and a line at
+    1.0. Below it, one panel per workload that kept arrival times (the stragglers): batches
+    handed over against time since `iter(loader)`, for the median run of each loader, with
+    the ideal pace (all the measured work spread over the workers) dashed.
     Raises MissingDependency without matplotlib.
     """
     if not _importable("matplotlib"):
@@ -505,32 +644,41 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
 
     shown = [result for result in report.results if result.ok]
     timelines = [result for result in shown if result.torch[0].arrivals]
-    figure = Figure(figsize=(11, 8 if timelines else 4.5), layout="constrained")
+    figure = Figure(figsize=(12, 8 if timelines else 4.5), layout="constrained")
     grid = figure.add_gridspec(2 if timelines else 1, max(1, len(timelines)))
     bars = figure.add_subplot(grid[0, :])
-    names = [result.name for result in shown]
-    ratios = [result.ratio for result in shown]
-    below = [result.ratio - min(result.ratios) for result in shown]
-    above = [max(result.ratios) - result.ratio for result in shown]
-    colors = ["tab:green" if ratio >= 1.0 else "tab:red" for ratio in ratios]
-    bars.bar(names, ratios, color=colors, yerr=[below, above], capsize=3)
-    bars.axhline(1.0, color="black", linewidth=1)
-    for position, result in enumerate(shown):
-        bars.annotate(
-            f"{result.ratio:.2f}",
-            (position, max(result.ratios)),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=8,
+    width = 0.4
+    for offset, side in ((-width / 2, Side.STATECORE), (width / 2, Side.THREADS)):
+        ran = [(place, result) for place, result in enumerate(shown) if result.runs(side)]
+        if not ran:
+            continue
+        places = [place + offset for place, _ in ran]
+        ratios = [result.ratio_of(side) for _, result in ran]
+        below = [result.ratio_of(side) - min(result.ratios_of(side)) for _, result in ran]
+        above = [max(result.ratios_of(side)) - result.ratio_of(side) for _, result in ran]
+        label = "statecore (default)" if side is Side.STATECORE else 'statecore executor="thread"'
+        bars.bar(
+            places, ratios, width, color=_COLORS[side], yerr=[below, above], capsize=2, label=label
         )
-    bars.set_ylabel("statecore / torch throughput")
-    bars.set_title("median of per-pair ratios (above 1: statecore faster)")
+        for place, (_, result) in zip(places, ran, strict=True):
+            bars.annotate(
+                f"{result.ratio_of(side):.2f}",
+                (place, max(result.ratios_of(side))),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    bars.axhline(1.0, color="black", linewidth=1)
+    bars.set_xticks(range(len(shown)), [result.name for result in shown])
+    bars.set_ylabel("throughput / torch's")
+    bars.set_title("median of per-round ratios against torch (above 1: faster than torch)")
     bars.tick_params(axis="x", labelrotation=35, labelsize=8)
+    bars.legend(fontsize=8, loc="upper left")
     for column, result in enumerate(timelines):
         axes = figure.add_subplot(grid[1, column])
-        for side in Side:
+        for side in result.sides:
             run = _median_run(result.runs(side))
             axes.step(
                 run.arrivals,
@@ -592,6 +740,7 @@ def bench(
     plot_path: str | None = None,
     command: str = "python -m statecore bench",
     stream: TextIO | None = None,
+    memory: bool = True,
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
 
@@ -622,16 +771,19 @@ def bench(
         workloads = tuple(workload.quick() for workload in workloads)
     if batches is not None:
         workloads = tuple(workload.resized(batches) for workload in workloads)
-    if rounds is not None:  # asked for explicitly: every workload runs that many pairs
+    if rounds is not None:  # asked for explicitly: every workload runs that many rounds
         workloads = tuple(attrs.evolve(workload, rounds=None) for workload in workloads)
-    pairs = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
+    count = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
     print(
-        f"torch's DataLoader against statecore's, {len(workloads)} workload(s), "
-        f"alternating runs in pairs ...",
+        f"torch's DataLoader against statecore's (default executor and threads), "
+        f"{len(workloads)} workload(s), runs taking turns in rounds ...",
         file=out,
         flush=True,
     )
-    report = attrs.evolve(run_benchmark(workloads, pairs, progress=progress), command=command)
+    report = attrs.evolve(
+        run_benchmark(workloads, count, peak=measure_memory if memory else None, progress=progress),
+        command=command,
+    )
     print(f"$ {command}", file=out)
     print(report.table(), file=out, flush=True)
 

@@ -38,7 +38,9 @@ __all__ = [
     "Loader",
     "Measurement",
     "NumpyWork",
+    "PythonWork",
     "Rows",
+    "Side",
     "Sleeps",
     "StatefulStream",
     "Stream",
@@ -194,6 +196,28 @@ class NumpyWork(torch.utils.data.Dataset[float]):
         values = numpy.random.default_rng(index).random(self.floats)
         for _ in range(self.passes):
             values = numpy.sqrt(values * values + 1.0) - 0.5
+        return time.thread_time() - started
+
+
+class PythonWork(torch.utils.data.Dataset[float]):
+    """Samples that compute in pure Python (about 1 ms of one core by default), holding the GIL.
+
+    Each returns the CPU time its own thread spent (`time.thread_time`): time spent waiting
+    for the GIL or for a core is not counted as work.
+    """
+
+    def __init__(self, size: int, steps: int = 14_000) -> None:
+        self.size = size
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        started = time.thread_time()
+        total = index
+        for step in range(self.steps):
+            total = (total * 31 + step) % 1_000_003
         return time.thread_time() - started
 
 
@@ -365,6 +389,34 @@ class Measurement:
 # --- workloads ---------------------------------------------------------------------------------
 
 
+class Side(enum.Enum):
+    """Which loader a run used: torch's, statecore's default, or statecore's threads."""
+
+    TORCH = "torch"
+    STATECORE = "statecore"
+    """statecore as a user who swaps the import gets it: no `executor=`, so worker processes
+    where `num_workers > 0` and the calling thread otherwise."""
+    THREADS = "threads"
+    """statecore with `executor="thread"`: its workers are threads of the main process."""
+
+    def loader_class(self) -> type[Loader]:
+        if self is Side.TORCH:
+            return torch.utils.data.DataLoader
+        import statecore
+
+        ours: type[Loader] = statecore.DataLoader
+        return ours
+
+    def options(self) -> dict[str, Any]:
+        """Loader arguments of this side's own, beyond the workload's."""
+        return {"executor": "thread"} if self is Side.THREADS else {}
+
+    def runs(self, workload: Workload) -> bool:
+        """Whether this side has anything of its own to show on `workload`: with no workers,
+        statecore loads in the calling thread whatever its executor."""
+        return self is not Side.THREADS or workload.num_workers > 0
+
+
 @attrs.frozen
 class Workload:
     """One benchmark case: a dataset, the loader arguments, what is timed and reported."""
@@ -396,6 +448,8 @@ class Workload:
     """Optional packages the dataset imports."""
     shuffle: bool = True
     """An iterable dataset is not shuffled by the loader (torch refuses)."""
+    memory: bool = False
+    """Whether the benchmark also measures each loader's peak memory on this workload."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -406,6 +460,11 @@ class Workload:
             num_workers=self.num_workers,
             **self.options,
         )
+
+    @property
+    def sides(self) -> tuple[Side, ...]:
+        """The loaders this workload compares: threads only where there are workers."""
+        return tuple(side for side in Side if side.runs(self))
 
     def quick(self) -> Workload:
         """This workload as `--quick` runs it: smaller epochs, and maybe fewer pairs."""
@@ -498,6 +557,19 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=400,
         quick_batches=96,
         options={"persistent_workers": True},
+        memory=True,
+    ),
+    Workload(
+        "io-32",
+        "I/O-bound with many waiting workers: every sample sleeps 3 ms; 32 workers, batch size 8",
+        _IO,
+        batch_size=8,
+        num_workers=32,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.WARM_EPOCH,
+        batches=640,
+        quick_batches=128,
+        options={"persistent_workers": True},
     ),
     Workload(
         "stragglers-in-order",
@@ -535,6 +607,7 @@ WORKLOADS: tuple[Workload, ...] = (
         timing=Timing.STEADY,
         batches=150,
         quick_batches=40,
+        memory=True,
     ),
     Workload(
         "large-tensor-views",
@@ -547,6 +620,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=150,
         quick_batches=40,
         options={"collate_fn": the_sample},
+        memory=True,
     ),
     Workload(
         "cpu",
@@ -560,6 +634,18 @@ WORKLOADS: tuple[Workload, ...] = (
         quick_batches=50,
         options={"persistent_workers": True},
         needs=("numpy",),
+    ),
+    Workload(
+        "cpu-python",
+        "CPU-bound in pure Python, holding the GIL: about 1 ms a sample; 2 workers, batch size 8",
+        PythonWork,
+        batch_size=8,
+        num_workers=2,
+        unit=Unit.EFFICIENCY,
+        timing=Timing.WARM_EPOCH,
+        batches=200,
+        quick_batches=50,
+        options={"persistent_workers": True},
     ),
     Workload(
         "startup-fork",
@@ -615,6 +701,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=32,
         quick_batches=32,
         options={"persistent_workers": True},
+        memory=True,
     ),
     Workload(
         "epoch2-fresh",
@@ -673,16 +760,21 @@ def release(loader: Loader) -> None:
         loader._iterator = None
 
 
-def measure(workload: Workload, loader_class: type[Loader]) -> Measurement:
+def measure(
+    workload: Workload,
+    loader_class: type[Loader],
+    options: Mapping[str, Any] | None = None,
+) -> Measurement:
     """One timed run: a fresh loader of `loader_class`, timed as `workload.timing` says.
 
-    Building the dataset and the loader is not timed; stopping the workers afterwards is
-    neither timed nor skipped: no worker outlives the run.
+    `options` are loader arguments beyond the workload's (`Side.options`). Building the
+    dataset and the loader is not timed; stopping the workers afterwards is neither timed nor
+    skipped: no worker outlives the run.
     """
     if workload.timing is Timing.STEADY and workload.batches < 2:
         raise ValueError(f"{workload.name}: the steady state needs at least 2 batches per epoch")
     dataset = workload.dataset(workload.batches * workload.batch_size)
-    loader = loader_class(dataset, **workload.loader_arguments())
+    loader = loader_class(dataset, **workload.loader_arguments(), **(options or {}))
     try:
         return _TIMERS[workload.timing](workload, loader)
     finally:

@@ -1,0 +1,102 @@
+"""The storages worker threads collate batches into, used again once the consumer lets go.
+
+Run by the thread executor's workers (`_thread`). A worker process writes each batch into a
+buffer of its pool and the main process hands that buffer back when the consumer lets go of the
+batch (`_mp.pool`). Worker threads need no crossing, but a batch is still a large new
+allocation: from the C library's heap or, for a batch of many megabytes, from a fresh mapping,
+whose pages the kernel must find and zero as collate first writes them. On the large-batch
+benchmark that page-faulting costs about a third of a worker thread's time.
+
+So torch's collate functions, in a worker thread, take the storage of the batch from here:
+a storage of exactly the size asked for that no tensor uses any more (its reference count is
+the pool's own), or a new one. It is ordinary memory, as any tensor's; only where it came from
+changes. The pool keeps a bounded number of storages: free ones beyond `spare` are let go at
+the next claim, and a storage the consumer keeps while the pool is full is forgotten by the
+pool, so that a consumer keeping many batches makes it hold no more than `most`, and one that
+lets go of them gets their memory back to the system when the pool next trims, or when the
+executor shuts down.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["MIN_BYTES", "AVAILABLE", "StoragePool"]
+
+MIN_BYTES = 64 << 10
+"""Storages smaller than this come from the allocator as usual: they cost little to make, and
+the C library's heap serves them without faulting pages in."""
+
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+AVAILABLE = _use_count is not None
+"""Whether this torch says how many references a storage has; without it, no pool."""
+
+
+def _new(nbytes: int) -> torch.UntypedStorage:
+    return torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
+
+
+def _unused(storage: torch.UntypedStorage) -> bool:
+    """Whether nothing but the pool refers to `storage`: no tensor, view or other storage
+    object. A tensor made from it afterwards can only be made from the pool's object."""
+    assert _use_count is not None
+    return _use_count(storage._cdata) == 1
+
+
+class StoragePool:
+    """Storages for batches, shared by the worker threads of one executor."""
+
+    def __init__(self, spare: int, most: int) -> None:
+        if not 0 <= spare <= most or most < 1:
+            raise ValueError(
+                f"a pool keeps 0 <= spare <= most and most >= 1 storages, not {spare} and {most}"
+            )
+        self.spare = spare
+        """Free storages kept for the next batches."""
+        self.most = most
+        """Storages the pool refers to at most, free or in use."""
+        self.storages: list[torch.UntypedStorage] = []
+        """Least recently handed out first."""
+        self.made = 0
+        """Storages of a size worth pooling made so far; the rest were used again."""
+        self.lock = threading.Lock()
+
+    def claim(self, nbytes: int) -> torch.UntypedStorage:
+        """A CPU storage of `nbytes` bytes that nothing else uses: the pool's, or a new one."""
+        if not AVAILABLE or nbytes < MIN_BYTES:
+            return _new(nbytes)
+        with self.lock:
+            found = None
+            for position, storage in enumerate(self.storages):
+                if storage.nbytes() == nbytes and _unused(storage):
+                    found = self.storages.pop(position)
+                    break
+            self._trim(room=found is None)
+            if found is None:
+                self.made += 1
+            storage = _new(nbytes) if found is None else found
+            self.storages.append(storage)
+            return storage
+
+    def _trim(self, room: bool) -> None:
+        """Let go of free storages beyond `spare`, least recent first; and if a new storage is
+        to come in, of the least recent ones beyond `most - 1`, in use or not."""
+        free = [storage for storage in self.storages if _unused(storage)]
+        for storage in free[: max(0, len(free) - self.spare)]:
+            self.storages.remove(storage)
+        limit = self.most - 1 if room else self.most
+        if len(self.storages) > limit:
+            del self.storages[: len(self.storages) - limit]
+
+    def held(self) -> int:
+        """Bytes of the storages the pool refers to."""
+        with self.lock:
+            return sum(storage.nbytes() for storage in self.storages)
+
+    def clear(self) -> None:
+        """Let go of every storage: those the consumer still uses live on with their tensors."""
+        with self.lock:
+            self.storages.clear()
