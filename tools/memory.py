@@ -8,9 +8,9 @@ be by adding up RSS.
 Each measurement runs the workload in a fresh interpreter (`python -m statecore.tools.memory`),
 so that neither loader inherits a heap grown by the other, and samples that interpreter's
 process tree from this one, which is idle meanwhile: the sampling thread takes no GIL from the
-run. The child warms up as the timed runs do (a small untimed run), says it is ready, and waits;
-the baseline is its PSS then; it runs the workload once, as `workloads.measure` times it, while
-this process samples, and says it is done.
+run. The child warms up as the timed runs do (a small untimed run), makes the run's dataset,
+says it is ready, and waits; the baseline is its PSS then. It runs the workload once, as
+`workloads.measure` times it, while this process samples, and says it is done.
 
 Reading `/proc/PID/smaps_rollup` walks the process's page tables in the kernel: about 4 ms for a
 process that has imported torch, on this project's machine. A sample of the whole tree takes a
@@ -208,11 +208,13 @@ def _child(name: str, batches: int, side: Side) -> int:
             num_workers=min(workload.num_workers, 1),
         )
         measure(small, side.loader_class(), side.options())
+    # Made before the baseline: an in-memory dataset's own tensors are not the loader's doing.
+    dataset = workload.dataset_for_run()
     gc.collect()
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
-    measure(workload, side.loader_class(), side.options())
+    measure(workload, side.loader_class(), side.options(), dataset)
     print("done", flush=True)
     return 0
 

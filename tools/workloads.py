@@ -242,6 +242,7 @@ class Rows(torch.utils.data.Dataset[torch.Tensor]):
     it holds in memory. The tensor holds `min(size, blocks)` blocks of `floats` values, each
     filled with its number; sample i is block i % blocks. Pickled without the tensor, which is
     made again on unpickling: nothing large goes to spawned workers or through a test's pickle.
+    Copied (`copy.copy`), it shares the tensor.
     """
 
     def __init__(self, size: int, floats: int, blocks: int) -> None:
@@ -252,7 +253,8 @@ class Rows(torch.utils.data.Dataset[torch.Tensor]):
 
     def _make(self) -> torch.Tensor:
         numbers = torch.arange(self.blocks, dtype=torch.float32)
-        return numbers.repeat_interleave(self.floats).reshape(self.blocks, self.floats)
+        # expand, then one copy: no temporary larger than the tensor itself
+        return numbers.unsqueeze(1).expand(self.blocks, self.floats).contiguous()
 
     def __getstate__(self) -> dict[str, int]:
         return {"size": self.size, "floats": self.floats, "blocks": self.blocks}
@@ -260,6 +262,13 @@ class Rows(torch.utils.data.Dataset[torch.Tensor]):
     def __setstate__(self, state: dict[str, int]) -> None:
         self.size, self.floats, self.blocks = state["size"], state["floats"], state["blocks"]
         self.data = self._make()
+
+    def __copy__(self) -> Rows:
+        # A shallow copy shares the tensor, as that of any in-memory dataset does (the thread
+        # executor copies the dataset for each worker); only pickling leaves it behind.
+        twin = Rows.__new__(Rows)
+        twin.__dict__.update(self.__dict__)
+        return twin
 
     def __len__(self) -> int:
         return self.size
@@ -460,6 +469,10 @@ class Workload:
             num_workers=self.num_workers,
             **self.options,
         )
+
+    def dataset_for_run(self) -> torch.utils.data.Dataset[Any]:
+        """The dataset one run loads: `batches * batch_size` samples."""
+        return self.dataset(self.batches * self.batch_size)
 
     @property
     def sides(self) -> tuple[Side, ...]:
@@ -764,16 +777,19 @@ def measure(
     workload: Workload,
     loader_class: type[Loader],
     options: Mapping[str, Any] | None = None,
+    dataset: torch.utils.data.Dataset[Any] | None = None,
 ) -> Measurement:
     """One timed run: a fresh loader of `loader_class`, timed as `workload.timing` says.
 
-    `options` are loader arguments beyond the workload's (`Side.options`). Building the
-    dataset and the loader is not timed; stopping the workers afterwards is neither timed nor
-    skipped: no worker outlives the run.
+    `options` are loader arguments beyond the workload's (`Side.options`); `dataset`, if
+    given, is `workload.dataset_for_run()` made beforehand. Building the dataset and the loader
+    is not timed; stopping the workers afterwards is neither timed nor skipped: no worker
+    outlives the run.
     """
     if workload.timing is Timing.STEADY and workload.batches < 2:
         raise ValueError(f"{workload.name}: the steady state needs at least 2 batches per epoch")
-    dataset = workload.dataset(workload.batches * workload.batch_size)
+    if dataset is None:
+        dataset = workload.dataset_for_run()
     loader = loader_class(dataset, **workload.loader_arguments(), **(options or {}))
     try:
         return _TIMERS[workload.timing](workload, loader)
