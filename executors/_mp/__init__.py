@@ -29,7 +29,9 @@ What crosses process boundaries, and how:
   reductions).
 - *Buffers* cross once each: a notice carrying the file descriptor precedes the first message
   that uses one. The main process gives a buffer back, once the consumer has freed the storage
-  built on it, with the next task it sends that worker.
+  built on it, with the next task it sends that worker, or on its own when no task has carried
+  it back soon after (`executor.LINGER`). A worker closes the free buffers its next batches
+  will not need as they come back, and their memory goes back to the system at once.
 
 A worker exits on its own the moment its loader's process ends, however that process was
 killed and whatever the worker is doing (`worker.watch_loader`).
@@ -37,20 +39,45 @@ killed and whatever the worker is doing (`worker.watch_loader`).
 
 from __future__ import annotations
 
-from statecore.executors._mp.descriptors import explain_exhaustion
-from statecore.executors._mp.executor import MultiprocessExecutor, resolve_context
-from statecore.executors._mp.leases import BufferReceiver
-from statecore.executors._mp.pool import (
-    AVAILABLE,
-    BUFFERS_PER_WORKER,
-    MIN_BUFFER_BYTES,
-    Batch,
-    BufferSender,
-    buffers_per_worker,
-)
-from statecore.executors._mp.taskpipe import TaskWriter
-from statecore.executors._mp.wire import BufferClosed, BufferOpened
-from statecore.executors._mp.worker import AnswerSender
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from statecore.executors._mp.descriptors import explain_exhaustion
+    from statecore.executors._mp.executor import MultiprocessExecutor, resolve_context
+    from statecore.executors._mp.leases import BufferReceiver
+    from statecore.executors._mp.pool import (
+        AVAILABLE,
+        BUFFERS_PER_WORKER,
+        MIN_BUFFER_BYTES,
+        Batch,
+        BufferSender,
+        buffers_per_worker,
+    )
+    from statecore.executors._mp.taskpipe import TaskWriter
+    from statecore.executors._mp.wire import BufferClosed, BufferOpened
+    from statecore.executors._mp.worker import AnswerSender
+
+# The names below load on first use, each from its module: a worker process imports this
+# package on its way to `worker`, and must not import the main process's side with it
+# (`executor`, `leases`, `taskpipe`, `descriptors`): for a spawned worker every module imported
+# is start-up time.
+_WHERE = {
+    "AVAILABLE": "pool",
+    "BUFFERS_PER_WORKER": "pool",
+    "MIN_BUFFER_BYTES": "pool",
+    "AnswerSender": "worker",
+    "Batch": "pool",
+    "BufferClosed": "wire",
+    "BufferOpened": "wire",
+    "BufferReceiver": "leases",
+    "BufferSender": "pool",
+    "MultiprocessExecutor": "executor",
+    "TaskWriter": "taskpipe",
+    "buffers_per_worker": "pool",
+    "explain_exhaustion": "descriptors",
+    "resolve_context": "executor",
+}
 
 __all__ = [
     "AVAILABLE",
@@ -68,3 +95,16 @@ __all__ = [
     "explain_exhaustion",
     "resolve_context",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statecore.executors._mp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"statecore.executors._mp.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

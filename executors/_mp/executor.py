@@ -14,6 +14,13 @@ still being started, instead of every worker waiting for the last one to be star
 start goes through `_launch`. Under forkserver the fork server preloads the worker's module,
 and so torch, before it forks any worker (`preload_in_forkserver`).
 
+A buffer of a worker's pool goes back to it with the next task it is sent, once the consumer
+has let go of what was built on it (`leases`). What no task carried back within `LINGER` of
+being let go of goes back on its own, from a thread of the executor's (`_give_back_lingering`),
+and the worker shrinks its pool at once: a worker sent no more tasks (the consumer paused, or
+persistent workers between epochs) would otherwise keep its pool, and this process its
+mappings, as large as a consumer that kept many batches made them.
+
 Both picklers share tensors through the standard library's resource sharer, which
 authenticates with `multiprocessing.current_process().authkey`. In a worker started by
 `multiprocess` that key is not the parent's, so each worker takes the parent's key (`Home`)
@@ -28,6 +35,7 @@ import ctypes
 import multiprocessing as stdlib_multiprocessing
 import os
 import pickle
+import queue
 import shutil
 import tempfile
 import threading
@@ -51,7 +59,15 @@ from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.leases import BufferReceiver
 from statecore.executors._mp.taskpipe import TaskWriter
-from statecore.executors._mp.wire import BATCH, MARKED, NOTICE, Shipment, decode, encode_task
+from statecore.executors._mp.wire import (
+    BATCH,
+    MARKED,
+    NOTICE,
+    Shipment,
+    decode,
+    encode_returns,
+    encode_task,
+)
 from statecore.executors._mp.worker import Home, worker_main
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._remote import RemoteError
@@ -65,6 +81,10 @@ __all__ = ["MultiprocessExecutor", "preload_in_forkserver", "resolve_context"]
 SHUTDOWN_GRACE = 1.0
 # How long to wait for a process that has ended, or was terminated, to be reaped.
 JOIN_TIMEOUT = 5.0
+# How long buffers the consumer has let go of wait for a task to carry them back to their worker
+# before they go back on their own. While batches flow, the next task carries them, and nothing
+# more is sent; this bounds how long a worker sent no task keeps a pool it no longer needs.
+LINGER = 0.5
 
 
 def resolve_context(spec: object) -> multiprocess.context.BaseContext:
@@ -130,6 +150,12 @@ class MultiprocessExecutor:
         self.shutting_down: Any = None
         self.gone: set[int] = set()
         self.buffers = BufferReceiver()
+        self.giving_back: threading.Thread | None = None
+        """Gives back the buffers no task carries back (`_give_back_lingering`); started once
+        the first message that uses a buffer arrives."""
+        self.stop_giving_back = threading.Event()
+        self.returning = threading.Lock()
+        """Held from taking the buffers that go back to a worker to putting them in its pipe."""
         self.closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -231,22 +257,28 @@ class MultiprocessExecutor:
         return None
 
     def _send(self, worker: int, command: SendTask | ResumeWorker) -> None:
-        message = encode_task(command, self.buffers.returns_for(worker))
         tasks = self.tasks.get(worker)
-        if tasks is None:
-            with self.launching:
-                tasks = self.tasks.get(worker)
-                if tasks is None:
-                    if worker not in self.stopping and not self.closed:
-                        self.held.setdefault(worker, []).append(message)
-                    first = not self.processes
-            if tasks is None:
-                if first:
-                    # The first worker given a task starts at once; the others start while
-                    # the main process waits for answers (see `poll`).
-                    self._launch(worker)
-                return
-        tasks.put(message)
+        if tasks is not None:
+            # Buffers taken to go back are in the pipe before any taken after them, whichever
+            # thread takes them (see `_give_back`): a worker shrinks its pool no later than
+            # the first task it is sent after the consumer let go.
+            with self.returning:
+                tasks.put(encode_task(command, self.buffers.returns_for(worker)))
+            return
+        # Not started yet, so it lent nothing: no buffer goes back with this task.
+        message = encode_task(command, ())
+        with self.launching:
+            started = worker in self.tasks
+            if not started:
+                if worker not in self.stopping and not self.closed:
+                    self.held.setdefault(worker, []).append(message)
+                first = not self.processes
+        if started:
+            self._send(worker, command)  # it started meanwhile
+        elif first:
+            # The first worker given a task starts at once; the others start while the main
+            # process waits for answers (see `poll`).
+            self._launch(worker)
 
     def dispatch(self, command: SendTask) -> None:
         self._send(command.worker, command)
@@ -342,8 +374,61 @@ class MultiprocessExecutor:
         task, lent, kind, payload = decode(message)
         if task == NOTICE:
             self.buffers.notice(worker, pickle.loads(payload))
-        else:
-            self.ready.append(self._decode(worker, task, lent, payload, kind))
+            return
+        if lent and self.giving_back is None:
+            self._start_giving_back()
+        self.ready.append(self._decode(worker, task, lent, payload, kind))
+
+    # --- buffers no task carries back --------------------------------------------------------
+
+    def _start_giving_back(self) -> None:
+        with self.launching:
+            if self.giving_back is not None or self.closed:
+                return
+            self.giving_back = threading.Thread(
+                target=self._give_back_lingering, name="statecore-give-back", daemon=True
+            )
+            self.giving_back.start()
+
+    def _give_back_lingering(self) -> None:
+        """Give back, `LINGER` after the consumer let go of them, the buffers that no task has
+        carried back since. Runs on a thread of its own until shutdown."""
+        let_go, stop = self.buffers.let_go, self.stop_giving_back
+        while True:
+            worker = let_go.get()
+            # One wait per LINGER, however many leases end meanwhile: while batches flow, this
+            # thread wakes twice per LINGER, tasks have carried most buffers back by then, and
+            # what it sends is one small message per worker at most.
+            if worker is None or stop.wait(LINGER):
+                return
+            workers = {worker}
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    worker = let_go.get_nowait()
+                    if worker is None:
+                        return
+                    workers.add(worker)
+            for worker in workers:
+                self._give_back(worker)
+
+    def _give_back(self, worker: int) -> None:
+        tasks = self.tasks.get(worker)
+        if tasks is None or worker in self.stopping or worker in self.gone:
+            return
+        with self.returning:
+            returned = self.buffers.returns_for(worker)
+            if returned:
+                with contextlib.suppress(ValueError, OSError):  # shutdown closed the pipe
+                    tasks.put(encode_returns(returned))
+
+    def _stop_giving_back(self) -> None:
+        with self.launching:  # none starts from now on: `closed` is set
+            thread = self.giving_back
+        if thread is None:
+            return
+        self.stop_giving_back.set()
+        self.buffers.let_go.put(None)
+        thread.join()
 
     def _exited(self, worker: int) -> None:
         if worker in self.gone:
@@ -394,6 +479,7 @@ class MultiprocessExecutor:
             self.shutting_down.value = True
         with self.launching:  # no worker starts from now on: `closed` is set
             self.held.clear()
+        self._stop_giving_back()
         for worker in range(self.launch.num_workers):
             self.stop_worker(worker)
         deadline = time.monotonic() + SHUTDOWN_GRACE

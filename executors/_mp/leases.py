@@ -14,7 +14,10 @@ built on it hold a *lease*, a view of the buffer's mapping, for as long as their
 use: the lease goes only when the storages are freed (no tensor, view or numpy array on them
 is left) or moved. A buffer goes back, with the next task sent to its worker, once its lease
 is gone. Every message names the buffers it refers to in its header, so that they go back
-even when the message fails to unpickle.
+even when the message fails to unpickle. The end of a lease is also posted (`let_go`), so that
+the executor gives back on their own the buffers that no task carries back soon: a worker that
+is sent no more tasks would otherwise keep its pool, and this process its mappings, as large
+as the consumer made them.
 
 File descriptors: under torch's default sharing strategy, `file_descriptor`, this process
 keeps one per buffer it maps, as it does for every tensor torch shares; under `file_system` it
@@ -29,8 +32,10 @@ import functools
 import mmap
 import os
 import pickle
+import queue
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,7 +80,7 @@ class _Receipt:
                 # for as long as their memory is in use, and release when they are freed or
                 # moved (by share_memory_(), say).
                 lease = memoryview(memory)
-            self.leases[buffer] = weakref.ref(lease)
+            self.leases[buffer] = weakref.ref(lease, receiver.ended(self.worker))
         return torch.frombuffer(
             lease, dtype=torch.uint8, count=nbytes, offset=start
         ).untyped_storage()
@@ -93,9 +98,23 @@ class BufferReceiver:
         """Why a buffer announced could not be mapped, as the error to raise when used."""
         self.lent: dict[int, dict[int, weakref.ref[memoryview] | None]] = {}
         """Per worker, the buffers lent to this process, each with the lease of its storages."""
+        self.let_go: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        """The worker of each lease that ended, posted as it ends: its buffers may go back."""
+        self._ended: dict[int, Callable[[weakref.ref[memoryview]], None]] = {}
         # Messages may be received on one thread (a pin stage's) while tasks are sent and the
         # executor shut down on another (the driver's).
         self.lock = threading.Lock()
+
+    def ended(self, worker: int) -> Callable[[weakref.ref[memoryview]], None]:
+        """The callback of `worker`'s leases, which posts the worker to `let_go` as one ends.
+
+        It runs wherever the consumer frees the last tensor on a buffer, any thread, even inside
+        a garbage collection, so it only posts: `SimpleQueue.put` is safe there.
+        """
+        callback = self._ended.get(worker)
+        if callback is None:
+            callback = self._ended[worker] = functools.partial(_post, self.let_go, worker)
+        return callback
 
     def notice(self, worker: int, notice: BufferOpened | BufferClosed) -> None:
         key = (worker, notice.ident)
@@ -157,6 +176,10 @@ class BufferReceiver:
             self.mapped.clear()
             self.missing.clear()
             self.lent.clear()
+
+
+def _post(let_go: queue.SimpleQueue[int | None], worker: int, _: object) -> None:
+    let_go.put(worker)
 
 
 def _map(fd: int, length: int) -> _Mapping:

@@ -38,9 +38,15 @@ from a buffer holds the worker's own view of the buffer, so a batch that user co
 worker keeps its buffers too. A worker writes into a buffer only when it is not lent and its
 own view is gone.
 
-Buffers are anonymous memory: nothing of them appears in /dev/shm, and their pages go back to
-the system once no process maps them. Like torch's segments, they can be opened by their owner
-only (mode 0600). A worker keeps one file descriptor per buffer.
+Buffers are anonymous memory: nothing of them appears in /dev/shm. Like torch's segments, they
+can be opened by their owner only (mode 0600). A worker keeps one file descriptor per buffer.
+
+The pool gives memory back: a pool grown while the consumer kept many batches shrinks once it
+lets go. Whenever buffers come back (with a task, or on their own when the consumer let go of
+them while no task came: see `executor`), the free buffers beyond what the next batches need
+are closed (`trim`). A buffer's pages go back to the system the moment the worker closes it
+(punched out of the memory, not merely unmapped), although the main process still maps it until
+it reads the notice: nobody reads a buffer that is free, in either process.
 """
 
 from __future__ import annotations
@@ -111,6 +117,9 @@ _ALIGNMENT = 64
 # Buffers are for their owner alone, as torch's segments are: the main process and a worker
 # run as the same user.
 _MODE = 0o600
+
+# Frees a range of a shared mapping's pages, in every process that maps them (Linux).
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 AVAILABLE = hasattr(os, "memfd_create")
 """Buffers need anonymous shared memory (Linux); elsewhere every tensor goes torch's way."""
@@ -232,6 +241,14 @@ class _Buffer:
         return torch.frombuffer(view, dtype=torch.uint8, count=nbytes)
 
     def close(self) -> None:
+        """Give the buffer's memory back to the system, and unmap it here; with it free only."""
+        # The main process keeps its mapping until it reads the notice, which comes with the
+        # worker's next message: perhaps long after, or never for a consumer that stopped
+        # reading. Punched out, the pages go now. Nothing reads them: the buffer is free, so no
+        # storage of either process is built on it, and the pool would otherwise overwrite it.
+        if _MADV_REMOVE is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.memory.madvise(_MADV_REMOVE)
         # Nothing written through a free buffer's view is alive; should a stray export remain,
         # the mapping goes with its last reference instead.
         with contextlib.suppress(BufferError):
@@ -284,7 +301,8 @@ class BufferSender:
 
     Per task: `returned` with the buffers the task brought back; `batch = begin()`; fetch the
     batch inside `collating(batch)`; `dumps(obj, batch)` (`abandon(batch)` if that fails); send
-    the `notices`, then the message; `end(batch)`. From `dumps` on, a batch may be handled on
+    the `notices`, then the message; `end(batch)`. Buffers that come back with no task:
+    `returned`, then `trim`, and send the `notices`. From `dumps` on, a batch may be handled on
     another thread while the next one is fetched: the pool is shared under a lock, and each
     step names the batch it is for.
     """
@@ -346,15 +364,21 @@ class BufferSender:
                 if buffer is not None:
                     buffer.lent = False
 
+    def trim(self) -> bool:
+        """Close the free buffers beyond what the next batches need (`spare`), least recently
+        used first, so that a pool grown while the consumer kept many batches shrinks once it
+        lets go. Whether any was closed: the main process learns it from the `notices`."""
+        with self.lock:
+            free = self._free()
+            surplus = free[: max(0, len(free) - self.spare)]
+            for buffer in surplus:
+                self._close(buffer)
+            return bool(surplus)
+
     def begin(self) -> Batch:
         """A new batch, about to be fetched."""
         with self.lock:
-            # Free buffers beyond what the next batches need are closed, least recently used
-            # first, so that a pool grown while the consumer kept many batches shrinks once it
-            # lets go.
-            free = self._free()
-            for buffer in free[: max(0, len(free) - self.spare)]:
-                self._close(buffer)
+            self.trim()
             self.batches += 1
             self.batch = Batch(inline=self.enabled, number=self.batches)
             return self.batch

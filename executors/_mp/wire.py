@@ -6,7 +6,9 @@ answers; a worker decodes them and encodes its answers.
 - *The worker setup* (`Shipment`) goes to spawn and forkserver workers pickled with dill, once
   for all workers, except what can be fetched only once (see `Shipment`).
 - *A task* is `(command, buffers given back)`, pickled by the C pickler (dill only for an
-  index the C pickler refuses). Its framing is the pipe's (`taskpipe.frame`).
+  index the C pickler refuses). Its framing is the pipe's (`taskpipe.frame`). Buffers the
+  consumer let go of while no task went to their worker go back on their own, as
+  `(None, buffers given back)` (`encode_returns`).
 - *An answer* (and a buffer notice) is a header, the numbers of the buffers it refers to, then
   a pickle (`HEADER`): for a completed task only its batch, since the header and the pipe it
   came by say the rest, and pickling the event object would cost every batch; for anything
@@ -64,6 +66,7 @@ __all__ = [
     "encode_answer",
     "encode_failure",
     "encode_notice",
+    "encode_returns",
     "encode_task",
     "tensor_at",
     "tensor_on",
@@ -177,6 +180,11 @@ def encode_task(command: SendTask | ResumeWorker, returned: tuple[int, ...]) -> 
         return bytes(StdlibPickler.dumps(message))
     except Exception:
         return bytes(multiprocess.reduction.ForkingPickler.dumps(message))
+
+
+def encode_returns(returned: tuple[int, ...]) -> bytes:
+    """In the main process: a message that only gives buffers back, with no task."""
+    return bytes(StdlibPickler.dumps((None, returned)))
 
 
 # --- the worker setup --------------------------------------------------------------------------

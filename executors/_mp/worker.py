@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, Final, Literal, NoReturn
 
 import attrs
 import multiprocess
@@ -70,6 +70,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = 64 << 20
+# Put on the sending thread's queue: send the pool's notices, with no answer behind them.
+_NOTICES: Final = "notices"
 
 
 def _reuse_freed_memory() -> None:
@@ -234,6 +236,13 @@ def _serve(
             return  # the stop message, or the parent closed our pipe
         command, returned = pickle.loads(message)
         buffers.returned(returned)
+        if command is None:
+            # Buffers the consumer let go of while no task came (`wire.encode_returns`): the
+            # pool shrinks now, not at the next task, which may be long in coming.
+            if buffers.trim():
+                answers.put_notices()
+            message = None
+            continue
         task, batch = NO_TASK, None
         if isinstance(command, SendTask):
             task, batch = command.task, buffers.begin()
@@ -267,9 +276,9 @@ class AnswerSender:
         self.worker = worker
         self.results = results
         self.buffers = buffers
-        self.queue: collections.deque[tuple[int, object, Event, Batch | None] | None] = (
-            collections.deque()
-        )
+        self.queue: collections.deque[
+            tuple[int, object, Event, Batch | None] | Literal["notices"] | None
+        ] = collections.deque()
         self.more = threading.Condition(threading.Lock())
         self.done = threading.Event()
         self.broken = False
@@ -283,6 +292,12 @@ class AnswerSender:
     def put(self, task: int, index: object, event: Event, batch: Batch | None) -> None:
         with self.more:
             self.queue.append((task, index, event, batch))
+            self.more.notify()
+
+    def put_notices(self) -> None:
+        """Send the pool's notices, behind the answers put so far, with no answer of their own."""
+        with self.more:
+            self.queue.append(_NOTICES)
             self.more.notify()
 
     def close(self) -> None:
@@ -301,6 +316,10 @@ class AnswerSender:
                     item = self.queue.popleft()
                 if item is None:
                     return
+                if isinstance(item, str):  # _NOTICES
+                    if not self._send_notices():
+                        return
+                    continue
                 task, index, event, batch = item
                 del item  # while idle, hold no batch: it would keep its buffers from reuse
                 if not self._send(task, index, event, batch):
@@ -328,11 +347,20 @@ class AnswerSender:
             answer = encode_failure(
                 task, self.worker, failure, buffers, getattr(event, "mark", None)
             )
+        if not self._send_notices():
+            return False
         try:
-            for notice in buffers.notices():
-                self.results.send_bytes(encode_notice(notice))
             self.results.send_bytes(answer)
         except (BrokenPipeError, OSError):
             return False
         buffers.end(batch)
+        return True
+
+    def _send_notices(self) -> bool:
+        """Send what the main process must learn about the pool; False once the pipe is closed."""
+        try:
+            for notice in self.buffers.notices():
+                self.results.send_bytes(encode_notice(notice))
+        except (BrokenPipeError, OSError):
+            return False
         return True
