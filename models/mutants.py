@@ -64,16 +64,19 @@ class Mutant:
         saved = {name: getattr(core, name) for name in replacements}
         saved_methods = {name: vars(Driver)[name] for name in methods}
         saved_handlers = dict(core._HANDLERS)
+        saved_routes = core._ROUTES
         try:
             for name, value in methods.items():
                 setattr(Driver, name, value)
             for name, value in replacements.items():
                 setattr(core, name, value)
-            # Handlers are looked up through the dispatch table, not by name.
+            # Handlers are looked up through the dispatch table, not by name, and `step` through
+            # the routes drawn from it.
             for event_type, handler in list(core._HANDLERS.items()):
                 replacement = replacements.get(handler.__name__)
                 if replacement is not None:
                     core._HANDLERS[event_type] = replacement  # type: ignore[assignment]
+            core._ROUTES = core._routes()
             yield
         finally:
             for name, value in saved_methods.items():
@@ -82,6 +85,7 @@ class Mutant:
                 setattr(core, name, value)
             core._HANDLERS.clear()
             core._HANDLERS.update(saved_handlers)
+            core._ROUTES = saved_routes
 
 
 def _prefetch_off_by_one() -> dict[str, object]:
@@ -150,7 +154,7 @@ def _finishes_before_asked() -> dict[str, object]:
         if after.phase is not Phase.DRAINING or not over:
             return settled
         again = (after.config, after.life, after.rcvd_idx, after.window, after.loads, after.cursor)
-        early = real(*again, after.drawing_for, True, list(settled.commands))
+        early = real(*again, after.drawing_for, True, settled.commands)
         assert early.commands[-1] == EndEpoch()
         return Transition(early.state, early.commands[:-1])  # no one asked, so no one is told
 

@@ -18,7 +18,7 @@ from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import Scenario
 from statecore.tools import cli, step_bench
 from statecore.tools.cli import main, scenario_label
-from statecore.tools.step_bench import BenchResult
+from statecore.tools.step_bench import SCALE_WORKERS, BenchResult, ScalePoint
 
 
 def _made_up_reports(scenarios: Iterable[Scenario], processes: int = 1) -> list[Report]:
@@ -114,33 +114,122 @@ def test_a_label_tells_the_dataset_kind_and_the_number_of_workers() -> None:
 # --- check --bench ------------------------------------------------------------------------------
 
 
+def _scale(*costs: float) -> tuple[ScalePoint, ...]:
+    """Made-up scale figures, one per worker count of the scale part."""
+    return tuple(
+        ScalePoint(workers, 3000, us) for workers, us in zip(SCALE_WORKERS, costs, strict=True)
+    )
+
+
+def _bench(core_us: float, baseline_us: float, scale: tuple[ScalePoint, ...] = ()) -> BenchResult:
+    return BenchResult(
+        events=1000,
+        rounds=15,
+        core_us=core_us,
+        baseline_us=baseline_us,
+        scale=scale,
+        scale_batches=1000 if scale else 0,
+        scale_rounds=9 if scale else 0,
+    )
+
+
+def _goal_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("goal:")]
+
+
+def _goal(goal: str, verdict: str) -> str:
+    """A goal line as printed: the goal in a column of its own, then the verdict."""
+    return f"{goal:54} {verdict}"
+
+
 def test_the_step_bench_says_which_goal_is_missed_and_by_how_much() -> None:
-    text = BenchResult(events=1000, rounds=15, core_us=5.5, baseline_us=1.25).describe()
-    assert "goal: step / bookkeeping <= 3x     MISSED by 1.40x (47% over): 4.40x" in text
-    assert "goal: step per event < 5 us        MISSED by 0.50 us (10% over): 5.50 us" in text
+    lines = _goal_lines(_bench(5.5, 1.25, _scale(1.0, 1.1, 1.2, 1.5, 2.5)).describe())
+    assert lines == [
+        _goal("goal: step / bookkeeping <= 3x", "MISSED by 1.40x (47% over): 4.40x"),
+        _goal("goal: step per event < 5 us", "MISSED by 0.50 us (10% over): 5.50 us"),
+        _goal(
+            "goal: per-event cost from 2 to 256 workers within 2x",
+            "MISSED by 0.50x (25% over): 2.50x",
+        ),
+    ]
 
 
 def test_the_step_bench_says_a_goal_is_met_and_with_how_much_to_spare() -> None:
-    text = BenchResult(events=1000, rounds=15, core_us=2.0, baseline_us=1.0).describe()
-    assert "goal: step / bookkeeping <= 3x     met with 1.00x (33%) to spare: 2.00x" in text
-    assert "goal: step per event < 5 us        met with 3.00 us (60%) to spare: 2.00 us" in text
+    lines = _goal_lines(_bench(2.0, 1.0, _scale(1.2, 1.0, 1.1, 1.3, 1.5)).describe())
+    assert lines == [
+        _goal("goal: step / bookkeeping <= 3x", "met with 1.00x (33%) to spare: 2.00x"),
+        _goal("goal: step per event < 5 us", "met with 3.00 us (60%) to spare: 2.00 us"),
+        _goal(
+            "goal: per-event cost from 2 to 256 workers within 2x",
+            "met with 0.50x (25%) to spare: 1.50x",
+        ),
+    ]
 
 
 def test_each_goal_is_met_or_missed_by_its_own_figure() -> None:
-    slow_but_close = BenchResult(events=1000, rounds=15, core_us=6.0, baseline_us=2.5)
-    assert [goal.met for goal in slow_but_close.goals] == [True, False]
-    fast_but_far = BenchResult(events=1000, rounds=15, core_us=4.0, baseline_us=1.0)
-    assert [goal.met for goal in fast_but_far.goals] == [False, True]
+    slow_but_close = _bench(6.0, 2.5, _scale(6.0, 6.0, 6.0, 6.0, 6.0))
+    assert [goal.met for goal in slow_but_close.goals] == [True, False, True]
+    fast_but_far = _bench(4.0, 1.0, _scale(1.0, 1.0, 1.0, 1.0, 2.01))
+    assert [goal.met for goal in fast_but_far.goals] == [False, True, False]
+
+
+def test_a_limit_itself_meets_the_ratio_and_scale_goals_but_not_the_per_event_one() -> None:
+    at_the_limits = _bench(5.0, 5.0 / 3, _scale(2.5, 5.0, 5.0, 5.0, 5.0))
+    assert at_the_limits.ratio == pytest.approx(3.0)
+    assert at_the_limits.spread == 2.0
+    assert [goal.met for goal in at_the_limits.goals] == [True, False, True]
+
+
+def test_the_scale_goal_is_the_dearest_worker_count_over_the_cheapest_wherever_they_are() -> None:
+    # Neither end of the range need be the cheapest or the dearest.
+    result = _bench(2.0, 1.0, _scale(1.5, 1.2, 3.0, 2.0, 2.4))
+    assert result.spread == pytest.approx(2.5)
+    assert not result.goals[2].met
+
+
+def test_the_step_bench_prints_a_line_per_worker_count_and_says_how_it_measured_them() -> None:
+    text = _bench(2.0, 1.0, _scale(1.84, 1.76, 2.43, 2.91, 4.16)).describe()
+    lines = text.splitlines()
+    start = lines.index("step by workers: prefetch 2, 1000 batches each, median of 9 rounds")
+    assert lines[start + 1 : start + 7] == [
+        "    2 workers,  3000 events   1.84 us/event",
+        "    8 workers,  3000 events   1.76 us/event",
+        "   32 workers,  3000 events   2.43 us/event",
+        "   64 workers,  3000 events   2.91 us/event",
+        "  256 workers,  3000 events   4.16 us/event",
+        "  dearest / cheapest        2.36x",
+    ]
+    assert lines[-1].startswith("step goals met: 2 of 3 ")
+
+
+def test_without_the_scale_part_there_are_two_goals_and_no_scale_lines() -> None:
+    text = _bench(2.0, 1.0).describe()
+    assert "step by workers" not in text
+    assert "dearest" not in text
+    assert len(_goal_lines(text)) == 2
+    assert text.splitlines()[-1].startswith("step goals met: 2 of 2 ")
 
 
 def test_a_missed_step_goal_is_printed_but_does_not_fail_check(
     explored: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def slow(batches: int = 5000, rounds: int = 15) -> BenchResult:
-        return BenchResult(events=1000, rounds=rounds, core_us=5.5, baseline_us=1.25)
+    def slow() -> BenchResult:
+        return _bench(5.5, 1.25, _scale(1.0, 1.1, 1.2, 1.5, 2.5))
 
     monkeypatch.setattr(step_bench, "run_bench", slow)
     assert main(["check", "--bench", "--processes", "1"]) == 0
     out = capsys.readouterr().out
-    assert "step goals met: 0 of 2" in out
+    assert "step goals met: 0 of 3" in out
     assert "MISSED by 1.40x" in out
+    assert "256 workers" in out
+
+
+def test_a_short_bench_run_measures_every_worker_count_and_hands_over_every_batch() -> None:
+    # Shape only: a real run, far too short to say anything about speed.
+    result = step_bench.run_bench(batches=40, rounds=1, scale_batches=40, scale_rounds=1)
+    assert result.events == len(step_bench.record_trace(40))
+    assert [point.workers for point in result.scale] == list(SCALE_WORKERS)
+    for point in result.scale:
+        assert point.events == len(step_bench.record_trace(40, point.workers))
+    assert len(result.goals) == 3
+    assert step_bench.run_bench(batches=40, rounds=1, scale_rounds=0).scale == ()

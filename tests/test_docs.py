@@ -13,7 +13,7 @@ import statecore
 from statecore import Command, Event, Phase
 from statecore.models.explorer import Bounds, default_scenarios
 from statecore.tools.diagram import mermaid
-from statecore.tools.step_bench import BenchResult
+from statecore.tools.step_bench import BenchResult, ScalePoint
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -62,8 +62,25 @@ def test_the_step_bench_output_in_the_docs_is_what_the_command_prints_for_its_fi
     header = re.search(r"(\d+) events, median of (\d+) rounds", shown)
     assert header is not None
     events, rounds = header.groups()
-    core, baseline = re.findall(r"([\d.]+) us/event", shown)
-    result = BenchResult(int(events), int(rounds), float(core), float(baseline))
+    core = re.search(r"statecore\.step +([\d.]+) us/event", shown)
+    baseline = re.search(r"bookkeeping +([\d.]+) us/event", shown)
+    assert core is not None and baseline is not None
+    scale_header = re.search(r"(\d+) batches each, median of (\d+) rounds", shown)
+    assert scale_header is not None, "the docs show no scale part"
+    batches, scale_rounds = scale_header.groups()
+    scale = tuple(
+        ScalePoint(int(workers), int(count), float(us))
+        for workers, count, us in re.findall(r"(\d+) workers, +(\d+) events +([\d.]+) us", shown)
+    )
+    result = BenchResult(
+        int(events),
+        int(rounds),
+        float(core.group(1)),
+        float(baseline.group(1)),
+        scale,
+        int(batches),
+        int(scale_rounds),
+    )
     assert shown == result.describe() + "\n"
 
 

@@ -5,7 +5,7 @@
 - `loader_bench`, `workloads`: `python -m statecore bench`, the two loaders side by side on
   each workload.
 - `step_bench`, `torch_bookkeeping`: `check --bench`, the cost of one `step` against torch's
-  bookkeeping written with mutable counters.
+  bookkeeping written with mutable counters, and how it grows with the number of workers.
 - `diagram`: the state diagram of docs/state-machine.md, drawn from the transition table.
 
 The programs use the core, the executors and the models; nothing there imports them
