@@ -149,15 +149,13 @@ def _install_pooled_storages() -> None:
 
         def new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
             pool = getattr(_threads, "pool", None)
-            if (
-                pool is not None
-                and getattr(_threads, "claiming", False)
-                and cls is torch.UntypedStorage
-                and torch.device(device).type == "cpu"
-            ):
+            if pool is not None and getattr(_threads, "claiming", False):
+                # This call answers collate's question, pooled or not: a later call of the
+                # thread's own (a dataset asking for shared memory) must get shared memory.
                 _threads.claiming = False
-                claimed: torch.UntypedStorage = pool.claim(size)
-                return claimed
+                if cls is torch.UntypedStorage and torch.device(device).type == "cpu":
+                    claimed: torch.UntypedStorage = pool.claim(size)
+                    return claimed
             return original(size, device=device)
 
         new_shared._statecore_pooled = True  # type: ignore[attr-defined]
