@@ -177,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check", help="explore every state of small configurations and check every invariant"
     )
     check_parser.add_argument(
-        "--bench", action="store_true", help="also time `step` against torch-style bookkeeping"
+        "--bench",
+        action="store_true",
+        help="also time `step` against torch-style bookkeeping, and at 2 to 256 workers",
     )
     check_parser.add_argument(
         "--processes",
