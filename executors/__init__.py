@@ -9,8 +9,9 @@ spawned worker, every module imported is start-up time), not the loader facade a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from statecore.executors._lazy import lazy_names
 
 if TYPE_CHECKING:
     from statecore.executors._driver import Driver, failure_exception
@@ -73,14 +74,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'statecore.executors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"statecore.executors.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())

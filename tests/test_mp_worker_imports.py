@@ -17,6 +17,7 @@ import statecore
 
 WORKER_SIDE = {
     "statecore.executors",
+    "statecore.executors._lazy",
     "statecore.executors._mp",
     "statecore.executors._mp.pool",
     "statecore.executors._mp.wire",

@@ -39,8 +39,9 @@ killed and whatever the worker is doing (`worker.watch_loader`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from statecore.executors._lazy import lazy_names
 
 if TYPE_CHECKING:
     from statecore.executors._mp.descriptors import explain_exhaustion
@@ -97,14 +98,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'statecore.executors._mp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"statecore.executors._mp.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())
