@@ -445,7 +445,12 @@ def test_the_json_reads_back_with_the_same_figures(tmp_path: Path) -> None:
     io = raw["workloads"][1]
     assert io["ratio"] == report.results[1].ratio
     assert io["torch"]["median"] == report.results[1].median(Side.TORCH)
-    assert io["statecore"]["runs"][0] == {"seconds": 1.0, "work": 0.95, "arrivals": []}
+    assert io["statecore"]["runs"][0] == {
+        "seconds": 1.0,
+        "work": 0.95,
+        "arrivals": [],
+        "losses": None,
+    }
     assert io["threads"]["median"] == report.results[1].median(Side.THREADS)
     assert io["threads"]["memory"] == {
         "side": "threads",

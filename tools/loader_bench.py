@@ -37,6 +37,7 @@ import torch
 from statecore.tools.memory import Peak
 from statecore.tools.workloads import (
     WARMUP_BATCHES,
+    Losses,
     Measurement,
     Side,
     Timing,
@@ -109,12 +110,21 @@ def pair_ratios(
 
 
 def _measurement_json(run: Measurement) -> dict[str, Any]:
-    return {"seconds": run.seconds, "work": run.work, "arrivals": list(run.arrivals)}
+    return {
+        "seconds": run.seconds,
+        "work": run.work,
+        "arrivals": list(run.arrivals),
+        "losses": None if run.losses is None else run.losses.to_json(),
+    }
 
 
 def _measurement(data: Mapping[str, Any]) -> Measurement:
+    losses = data.get("losses")
     return Measurement(
-        float(data["seconds"]), float(data["work"]), tuple(float(t) for t in data["arrivals"])
+        float(data["seconds"]),
+        float(data["work"]),
+        tuple(float(t) for t in data["arrivals"]),
+        None if losses is None else Losses.from_json(losses),
     )
 
 
@@ -189,6 +199,12 @@ class WorkloadResult:
 
     def peak(self, side: Side) -> Peak | None:
         return next((peak for peak in self.memory if peak.side is side), None)
+
+    def median_run(self, side: Side) -> Measurement:
+        """The run of `side` whose figure is the median (the lower middle one, for an even
+        number of runs), so that what is said of it adds up with that figure."""
+        runs = self.runs(side)
+        return sorted(runs, key=lambda run: run.throughput)[(len(runs) - 1) // 2]
 
     def to_json(self) -> dict[str, Any]:
         def side(which: Side) -> dict[str, Any]:
@@ -366,6 +382,7 @@ class BenchReport:
                 f"is {cost:+.1f}% of processes-iterable's (goal: within 5%)"
             )
         lines += self.memory_table()
+        lines += self.losses_table()
         lines += [
             "ratio: median over rounds of statecore throughput / torch throughput "
             '(above 1: statecore faster); threads: statecore with executor="thread"',
@@ -374,6 +391,33 @@ class BenchReport:
             f"machine: {self.machine.describe()}; {self.seconds:.0f} s in all",
         ]
         return "\n".join(lines)
+
+    def losses_table(self) -> list[str]:
+        """Where the workers' time went, for each loader's median run of each workload whose
+        samples wait: work (the efficiency) and the four `Losses`, in % of workers x elapsed."""
+        rows = []
+        for result in self.results:
+            if not result.ok:
+                continue
+            for side in result.sides:
+                run = result.median_run(side)
+                if run.losses is None:
+                    continue
+                lost = run.losses
+                shares = (1.0 - lost.total, lost.starting, lost.in_batch, lost.between, lost.ending)
+                cells = " ".join(f"{100.0 * share:>9.1f}" for share in shares)
+                rows.append(f"{result.name:20} {side.value:9} {cells}")
+        if not rows:
+            return []
+        header = (
+            f"{'workload':20} {'loader':9} {'work':>9} {'starting':>9} {'in batch':>9} "
+            f"{'between':>9} {'ending':>9}"
+        )
+        return [
+            "where the workers' time went, % of workers x elapsed (each loader's median run):",
+            header,
+            *rows,
+        ]
 
     def memory_table(self) -> list[str]:
         """Peak memory, MB: what each loader's run added to its process tree at its peak,

@@ -21,6 +21,7 @@ import enum
 import functools
 import gc
 import itertools
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "Floats",
     "Indices",
     "Loader",
+    "Losses",
     "Measurement",
     "NumpyWork",
     "PythonWork",
@@ -142,11 +144,18 @@ def is_straggler(index: int, one_in: int) -> bool:
     return (mixed >> 16) % one_in == 0
 
 
-class Sleeps(torch.utils.data.Dataset[float]):
-    """Samples that wait, as on remote storage: each sleeps and returns how long it slept.
+Span = tuple[float, float, int]
+"""A sample that waited: the seconds it waited, when it started (`time.perf_counter`, one
+clock for every process on the machine) and the thread that waited (`threading.get_native_id`,
+unique across processes)."""
+
+
+class Sleeps(torch.utils.data.Dataset[Span]):
+    """Samples that wait, as on remote storage: each sleeps and returns its `Span`.
 
     With `straggler_one_in` > 0, about one sample in that many (chosen by `is_straggler`)
-    sleeps `straggler_factor` times longer.
+    sleeps `straggler_factor` times longer. The start and the thread of every sample let the
+    benchmark tell where the workers' time went that was not work (`Losses`).
     """
 
     def __init__(
@@ -164,13 +173,13 @@ class Sleeps(torch.utils.data.Dataset[float]):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int) -> float:
+    def __getitem__(self, index: int) -> Span:
         seconds = self.seconds
         if is_straggler(index, self.straggler_one_in):
             seconds *= self.straggler_factor
         started = time.perf_counter()
         time.sleep(seconds)
-        return time.perf_counter() - started
+        return (time.perf_counter() - started, started, threading.get_native_id())
 
 
 class NumpyWork(torch.utils.data.Dataset[float]):
@@ -324,10 +333,24 @@ def _batches(notes: Sequence[object], workers: int) -> float:
     return float(len(notes))
 
 
+def _seconds_of_work(batch: object) -> torch.Tensor | None:
+    """The seconds of work of each sample of a batch: the batch itself, or its spans' first
+    field (default collate turns a batch of `Span`s into three tensors)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    return None
+
+
 def _ideal(notes: Sequence[object], workers: int) -> float:
     # The samples are the seconds of work each took; spread evenly over the workers, that
     # much work takes this long at best.
-    total = sum(float(batch.sum()) for batch in notes if isinstance(batch, torch.Tensor))
+    total = 0.0
+    for batch in notes:
+        seconds = _seconds_of_work(batch)
+        if seconds is not None:
+            total += float(seconds.sum())
     return total / max(1, workers)
 
 
@@ -381,6 +404,73 @@ _ACCOUNTING: Mapping[Unit, _Accounting] = {
 
 
 @attrs.frozen
+class Losses:
+    """Where the workers' time went that was not work: fractions of workers x elapsed.
+
+    Every worker's elapsed time (from `iter(loader)` to the last batch) is its samples' work,
+    plus these four; with the work fraction (the efficiency) they add up to 1.
+    """
+
+    starting: float
+    """Before each worker's first sample: starting or resuming the workers, the first task's
+    way to them. A worker that loaded nothing counts here whole."""
+    in_batch: float
+    """Between the samples of one batch, in the worker: the dataset's and the fetcher's own
+    overhead around each sample."""
+    between: float
+    """Between a worker's batches: collating, handing the batch over, waiting for the next
+    task (head-of-line blocking shows here) and starting it."""
+    ending: float
+    """After each worker's last sample, until the last batch was handed over: the epoch's
+    tail, when fewer batches remain than workers."""
+
+    @property
+    def total(self) -> float:
+        return self.starting + self.in_batch + self.between + self.ending
+
+    def to_json(self) -> dict[str, float]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Losses:
+        return cls(**{field: float(data[field]) for field in attrs.fields_dict(cls)})
+
+
+def losses(notes: Sequence[object], started: float, finished: float, workers: int) -> Losses | None:
+    """Where the workers' time went between `started` and `finished` (`time.perf_counter`),
+    from batches of `Span`s; None if the batches carry no spans.
+
+    The threads that loaded samples are the workers; if fewer did than `workers`, the rest
+    count as starting for the whole run.
+    """
+    elapsed = finished - started
+    if elapsed <= 0 or workers <= 0:
+        return None
+    spans: dict[int, list[tuple[float, float, int]]] = {}
+    for number, batch in enumerate(notes):
+        if not (isinstance(batch, (list, tuple)) and len(batch) == 3):
+            return None
+        seconds, starts, threads = (column.tolist() for column in batch)
+        for took, start, thread in zip(seconds, starts, threads, strict=True):
+            spans.setdefault(int(thread), []).append((start, start + took, number))
+    if not spans:
+        return None
+    starting = in_batch = between = ending = 0.0
+    for samples in spans.values():
+        samples.sort()
+        starting += samples[0][0] - started
+        ending += finished - max(end for _, end, _ in samples)
+        for (_, end, batch), (start, _, next_batch) in itertools.pairwise(samples):
+            if batch == next_batch:
+                in_batch += start - end
+            else:
+                between += start - end
+    starting += max(0, workers - len(spans)) * elapsed
+    whole = max(workers, len(spans)) * elapsed
+    return Losses(starting / whole, in_batch / whole, between / whole, ending / whole)
+
+
+@attrs.frozen
 class Measurement:
     """One run of one loader: the seconds timed and the work done in them."""
 
@@ -389,6 +479,8 @@ class Measurement:
     """In the workload's unit of work (see `Unit`)."""
     arrivals: tuple[float, ...] = ()
     """For workloads with a timeline: seconds from `iter(loader)` to each batch."""
+    losses: Losses | None = None
+    """For whole epochs of samples that wait (`Sleeps`): where the workers' other time went."""
 
     @property
     def throughput(self) -> float:
@@ -837,6 +929,7 @@ def _whole_epoch(workload: Workload, loader: Loader, warm: bool) -> Measurement:
         arrivals[-1],
         accounting.tally(notes, workload.workers),
         tuple(arrivals) if workload.timeline else (),
+        losses(notes, started, started + arrivals[-1], workload.workers),
     )
 
 
