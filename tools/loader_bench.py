@@ -663,10 +663,6 @@ def missing_dependencies(workloads: Iterable[Workload], plot: bool) -> str | Non
     return f"{'; '.join(missing)}, which is not installed: {INSTALL_HINT}"
 
 
-def _median_run(runs: Sequence[Measurement]) -> Measurement:
-    return sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
-
-
 _COLORS = {Side.TORCH: "tab:orange", Side.STATECORE: "tab:blue", Side.THREADS: "tab:green"}
 
 
@@ -675,9 +671,11 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
 
     The top panel has, per workload, a bar for statecore's default and one for its threads
     (median ratio against torch, whiskers to the lowest and highest round), and a line at
-    1.0. Below it, one panel per workload that kept arrival times (the stragglers): batches
-    handed over against time since `iter(loader)`, for the median run of each loader, with
-    the ideal pace (all the measured work spread over the workers) dashed.
+    1.0, on a log scale: ratios run from below 1 to over a thousand (threads start in
+    milliseconds where spawned processes take seconds). Below it, one panel per workload
+    that kept arrival times (the stragglers): batches handed over against time since
+    `iter(loader)`, for the median run of each loader, with the ideal pace (all the measured
+    work spread over the workers) dashed.
     Raises MissingDependency without matplotlib.
     """
     if not _importable("matplotlib"):
@@ -715,15 +713,16 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
                 fontsize=7,
             )
     bars.axhline(1.0, color="black", linewidth=1)
+    bars.set_yscale("log")
     bars.set_xticks(range(len(shown)), [result.name for result in shown])
-    bars.set_ylabel("throughput / torch's")
+    bars.set_ylabel("throughput / torch's (log scale)")
     bars.set_title("median of per-round ratios against torch (above 1: faster than torch)")
     bars.tick_params(axis="x", labelrotation=35, labelsize=8)
     bars.legend(fontsize=8, loc="upper left")
     for column, result in enumerate(timelines):
         axes = figure.add_subplot(grid[1, column])
         for side in result.sides:
-            run = _median_run(result.runs(side))
+            run = result.median_run(side)
             axes.step(
                 run.arrivals,
                 range(1, len(run.arrivals) + 1),
@@ -732,7 +731,7 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
                 label=f"{side.value} ({_number(result.unit.figure(run.throughput))}"
                 f" {result.unit.value})",
             )
-        ideal = _median_run(result.statecore).work
+        ideal = result.median_run(Side.STATECORE).work
         axes.plot([0, ideal], [0, result.batches], "k--", linewidth=1, label="ideal pace")
         axes.set_title(f"{result.name}: when each batch arrived", fontsize=10)
         axes.set_xlabel("seconds since iter(loader)")
