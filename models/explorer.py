@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 
@@ -216,14 +216,28 @@ def _explore_one(args: tuple[Scenario, StepFunction]) -> Report:
 
 
 def explore_all(
-    scenarios: Iterable[Scenario], step: StepFunction = core_step, processes: int = 1
+    scenarios: Iterable[Scenario],
+    step: StepFunction = core_step,
+    processes: int = 1,
+    on_progress: Callable[[Report], None] | None = None,
 ) -> list[Report]:
-    """Explore each scenario, in `processes` worker processes when more than one."""
+    """Explore each scenario, in `processes` worker processes when more than one.
+
+    `on_progress`, if given, hears each report as it is collected, in the scenarios' order.
+    """
     jobs = [(scenario, step) for scenario in scenarios]
+    heard = on_progress or (lambda report: None)
+    reports: list[Report] = []
     if processes <= 1:
-        return [_explore_one(job) for job in jobs]
+        for job in jobs:
+            reports.append(_explore_one(job))
+            heard(reports[-1])
+        return reports
     # The stdlib pool is enough here: the jobs are plain picklable values.
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(processes) as pool:
-        return list(pool.map(_explore_one, jobs))
+        for report in pool.map(_explore_one, jobs):
+            reports.append(report)
+            heard(report)
+    return reports

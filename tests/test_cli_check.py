@@ -6,7 +6,7 @@ the command prints about them, not how long anything takes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -21,11 +21,19 @@ from statecore.tools.cli import main, scenario_label
 from statecore.tools.step_bench import SCALE_WORKERS, BenchResult, ScalePoint
 
 
-def _made_up_reports(scenarios: Iterable[Scenario], processes: int = 1) -> list[Report]:
-    return [
+def _made_up_reports(
+    scenarios: Iterable[Scenario],
+    processes: int = 1,
+    on_progress: Callable[[Report], None] | None = None,
+) -> list[Report]:
+    reports = [
         Report(scenario, worlds=10 + n, states=frozenset({n}), transitions=20 + n)
         for n, scenario in enumerate(scenarios)
     ]
+    if on_progress is not None:
+        for report in reports:
+            on_progress(report)
+    return reports
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from statecore.tools.memory import Peak
+from statecore.tools.progress import Bar
 from statecore.tools.workloads import (
     WARMUP_BATCHES,
     Losses,
@@ -530,9 +531,10 @@ def _run_rounds(
     measure: Measure,
     peak: MeasurePeak | None,
     say: Callable[[str], None],
+    ran: Callable[[], None] = lambda: None,
 ) -> WorkloadResult:
     """The warm-up and `rounds` rounds of one workload, then its memory if it measures it;
-    a run that raises ends the workload."""
+    a run that raises ends the workload. `ran` hears of each run as it ends."""
     sides = workload.sides
     runs: dict[Side, list[Measurement]] = {side: [] for side in Side}
     first: list[Side] = []
@@ -547,10 +549,12 @@ def _run_rounds(
             )
             for side in sides:
                 measure(small, side)
+                ran()
         for number in range(rounds):
             order = round_order(number, sides)
             for side in order:
                 runs[side].append(measure(workload, side))
+                ran()
                 if stray := _outlived():
                     say(f"warning: {stray} worker process(es) outlived a {side.value} run")
             first.append(order[0])
@@ -562,6 +566,7 @@ def _run_rounds(
         try:
             for side in sides:
                 memory.append(peak(workload, side))
+                ran()
         except Exception as failure:  # the timings stand; the memory row says what failed
             memory, memory_error = [], _failure(side, failure)
     complete = len(first)  # only whole rounds are kept: a ratio needs every side's run
@@ -583,6 +588,14 @@ def _run_rounds(
     )
 
 
+def _planned_runs(workload: Workload, rounds: int, memory: bool) -> int:
+    """The runs `_run_rounds` makes of `workload` if none raises: warm-up, rounds, memory."""
+    sides = len(workload.sides)
+    warmup = sides if workload.warmup else 0
+    peaks = sides if memory and workload.memory else 0
+    return warmup + max(rounds, 0) * sides + peaks
+
+
 def run_benchmark(
     workloads: Iterable[Workload],
     rounds: int = ROUNDS,
@@ -590,6 +603,7 @@ def run_benchmark(
     measure: Measure = measure_side,
     peak: MeasurePeak | None = measure_memory,
     progress: Callable[[str], None] | None = None,
+    on_run: Callable[[str, int, int], None] | None = None,
 ) -> BenchReport:
     """Run every workload in `rounds` rounds (or the workload's own `rounds`); the report.
 
@@ -600,23 +614,42 @@ def run_benchmark(
     charged to the first round. A run that raises ends its workload, whose result then
     carries the error; the other workloads still run. `measure` does one run; `peak`, if
     given, measures each loader's memory on the workloads that ask for it (`Workload.memory`),
-    after their rounds; `progress` hears what is going on.
+    after their rounds; `progress` hears what is going on, in lines of text.
+
+    `on_run` hears `(workload name, runs done, runs planned in all)`, every run counted
+    (warm-up, timed and memory runs alike): before each workload's first run, and after each
+    run. When a run raises, the runs its workload no longer makes count as done.
     """
     say = progress or (lambda message: None)
+    workloads = tuple(workloads)
+    planned = [_planned_runs(w, w.rounds or rounds, peak is not None) for w in workloads]
+    total, done, current = sum(planned), 0, ""
+    heard = on_run or (lambda name, done, total: None)
+
+    def ran() -> None:
+        nonlocal done
+        done += 1
+        heard(current, done, total)
+
     started = time.perf_counter()
     machine = Machine.here(memcpy=True)
     results = []
     with warnings.catch_warnings():
         # Both loaders warn, alike, when num_workers exceeds the cores of a small machine.
         warnings.filterwarnings("ignore", message="This DataLoader will create")
-        for workload in workloads:
+        for workload, runs in zip(workloads, planned, strict=True):
             count = workload.rounds or rounds
             if count < 1:
                 raise ValueError(f"{workload.name}: at least one round of runs is needed")
             say(f"{workload.name}: {count} round(s) of {workload.batches}-batch runs ...")
+            current, before = workload.name, done
+            heard(current, done, total)
             began = time.perf_counter()
-            result = _run_rounds(workload, count, measure, peak, say)
+            result = _run_rounds(workload, count, measure, peak, say, ran)
             took = time.perf_counter() - began
+            if done < before + runs:  # a run raised: the rest of the workload's runs are off
+                done = before + runs
+                heard(workload.name, done, total)
             if result.error is not None:
                 say(f"{workload.name}: FAILED: {result.error} ({took:.0f} s)")
             else:
@@ -784,19 +817,21 @@ def bench(
     command: str = "python -m statecore bench",
     stream: TextIO | None = None,
     memory: bool = True,
+    progress_bar: bool = True,
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
 
     Returns 0; 1 if a workload failed (its row says why, the others are complete); 2 on misuse
     or when an output asked for cannot be written.
 
+    What is going on is told on stderr, a line at a time; while the runs go, and if stderr is
+    a terminal and `progress_bar` is true, those lines go above a bar over every run of every
+    loader (`statecore.tools.progress`).
+
     A missing optional package, or a path that cannot be written, is reported before anything
     runs, not after ten minutes.
     """
     out = sys.stdout if stream is None else stream
-
-    def progress(message: str) -> None:
-        print(f"bench: {message}", file=sys.stderr, flush=True)
 
     try:
         workloads = select(only)
@@ -823,10 +858,24 @@ def bench(
         file=out,
         flush=True,
     )
-    report = attrs.evolve(
-        run_benchmark(workloads, count, peak=measure_memory if memory else None, progress=progress),
-        command=command,
-    )
+    with Bar(unit="run", description="bench", show=progress_bar) as bar:
+
+        def progress(message: str) -> None:
+            bar.note(f"bench: {message}")
+
+        def on_run(name: str, done: int, total: int) -> None:
+            bar.goto(done, total, name)
+
+        report = attrs.evolve(
+            run_benchmark(
+                workloads,
+                count,
+                peak=measure_memory if memory else None,
+                progress=progress,
+                on_run=on_run,
+            ),
+            command=command,
+        )
     print(f"$ {command}", file=out)
     print(report.table(), file=out, flush=True)
 
