@@ -69,6 +69,7 @@ from statecore import (
     progress,
     step,
 )
+from statecore.executors._flight import FlightRecorder
 from statecore.executors._protocol import Executor, capabilities_of
 from statecore.executors._quick import index_drawn
 from statecore.executors._remote import RemoteError
@@ -89,7 +90,12 @@ class Driver:
     """Runs one scheduler over one executor, for one loader iterator.
 
     `step` is the scheduler's transition function; the models pass one that checks every
-    transition as well.
+    transition as well, a traced loader one that watches it. With `flight`, a flight recorder
+    wraps it: the last events are kept, and an internal error, an executor reporting the
+    impossible or a timeout writes them to a file that the error names
+    (`statecore.executors._flight`, docs/flight-recorder.md). By default it records unless the
+    scheduler is lazy, that is loads in the calling thread: there a batch costs so little that
+    the recorder would add 3 to 4% to it, and no timeout can happen.
     """
 
     def __init__(
@@ -99,11 +105,16 @@ class Driver:
         draw: Callable[[], Any],
         timeout: float,
         step: StepFunction = step,
+        *,
+        flight: bool | None = None,
     ) -> None:
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
-        self.step = step
+        if flight is None:
+            flight = not config.lazy
+        self.flight = FlightRecorder(config) if flight else None
+        self.step = step if self.flight is None else self.flight.wrap(step)
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
@@ -159,7 +170,9 @@ class Driver:
                     self._received(outcome.task)
                 return outcome.payload
             if outcome is None:
-                raise InternalError(f"the scheduler left a request unanswered in {self.state!r}")
+                raise self._recorded(
+                    InternalError(f"the scheduler left a request unanswered in {self.state!r}")
+                )
         try:
             return self.hand_over(outcome)
         finally:
@@ -243,11 +256,22 @@ class Driver:
         if self.marks is not None and type(outcome.failure) is TaskFailure:  # type: ignore[attr-defined]
             self._received(outcome.failure.task)  # type: ignore[attr-defined]
         error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
+        if type(error) is LoaderTimeoutError and self.flight is not None:
+            # torch's message, which logs match, stays as it is: the file is named in a note.
+            # Sticky: a timeout raised again names the same file.
+            failure = outcome.failure  # type: ignore[attr-defined]
+            self.flight.attach(error, self.state, key=failure, as_note=True)
         del outcome
         try:
             raise error
         finally:
             del error
+
+    def _recorded(self, error: InternalError) -> InternalError:
+        """`error`, naming the flight recorder's file of the events that led to it."""
+        if self.flight is not None:
+            self.flight.attach(error, self.state)
+        return error
 
     def _answered(self, answer: TaskCompleted | TaskFailed) -> None:
         """Keep the mark of an answer of this epoch (not a stale one) until it is received."""
@@ -282,8 +306,10 @@ class Driver:
             return ExecutorFailed(error)
         if event is None:
             if self.timeout is None:
-                raise InternalError(
-                    f"the scheduler waits in {self.state!r} but the executor owes nothing"
+                raise self._recorded(
+                    InternalError(
+                        f"the scheduler waits in {self.state!r} but the executor owes nothing"
+                    )
                 )
             event = TimedOut(self.timeout)
         return event
@@ -318,6 +344,8 @@ class Driver:
                         else:  # pragma: no cover - the core emits no other command
                             raise InternalError(f"the driver cannot carry out {command!r}")
                     except Exception as error:
+                        if isinstance(error, InternalError):
+                            self._recorded(error)
                         if is_interrupt(error) or isinstance(error, InternalError):
                             raise
                         # What the scheduler answers replaces the rest of this run, and the

@@ -512,7 +512,11 @@ class _Sim:
         self.in_hand: tuple[int, int] | None = None
         """(task, worker) the scheduler handed over in this call: the consumer's, not a load."""
         self.resumed: set[int] = set()
-        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)
+        # No flight recorder: each action gets a new driver with the world's state put in, so
+        # a recording would start from a state it never saw.
+        driver = Driver(
+            self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step, flight=False
+        )
         driver.state = self.core
         driver.todo = deque(self.todo)
         driver.handed = self.handed
