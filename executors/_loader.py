@@ -26,7 +26,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, State, can_restart, progress
+from statecore import Config, Phase, Progress, State, can_restart, progress, step
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -46,6 +46,13 @@ from statecore.executors._protocol import (
     capabilities_of,
 )
 from statecore.executors._registry import resolve_executor
+from statecore.executors._trace import (
+    LoaderStats,
+    Trace,
+    Tracer,
+    collecting,
+    tracing_from_environment,
+)
 from statecore.executors._worker import WorkerSetup
 
 __all__ = ["DataLoader"]
@@ -101,6 +108,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         in_order: bool = True,
         executor: str | Callable[[Launch], Executor] | None = None,
         snapshot_every_n_steps: int | None = 1,
+        trace: bool | None = None,
     ) -> None:
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
@@ -141,6 +149,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # torchdata's meaning: how often an iterable dataset's workers send their dataset's
         # state (see WorkerSetup.snapshot_every); between snapshots a resume fast-forwards.
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        # Kept under its argument's name, as every argument is: frameworks rebuild a loader
+        # from the attributes named like its arguments.
+        self.trace = tracing_from_environment() if trace is None else bool(trace)
+        self._tracer: Tracer | None = None
         self._epochs = 0
         """Epochs started by this loader, the current one included."""
         self._resume: Resume | None = None
@@ -174,6 +186,35 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         iterator = _Iterator(self)
         self._latest = weakref.ref(iterator)
         return iterator
+
+    # --- tracing ------------------------------------------------------------------------------
+
+    def _tracer_for(self, workers: int, persistent: bool) -> Tracer | None:
+        """The loader's tracer, made with its first iterator; None when it is not traced."""
+        if not self.trace:
+            return None
+        if self._tracer is None:
+            self._tracer = Tracer(workers, self.in_order, persistent, _executor_name(self))
+            collecting(self._tracer)
+        return self._tracer
+
+    def trace_record(self) -> Trace:
+        """Everything traced so far: per batch, when it was sent, loaded and handed over; the
+        consumer's waits; epochs, resumes and deaths (see docs/profiling.md)."""
+        if self._tracer is None:
+            why = (
+                "it has not been iterated yet"
+                if self.trace
+                else "pass trace=True, or set STATECORE_TRACE=1 in the environment"
+            )
+            raise RuntimeError(f"this DataLoader has no trace: {why}")
+        return self._tracer.trace()
+
+    def stats(self) -> LoaderStats:
+        """The traced figures: how long the training loop waited on loading, how busy each
+        worker was, the slowest samples by index; `.verdict()` says it in words, with what
+        to try. The loader must be traced (`trace=True` or STATECORE_TRACE=1)."""
+        return self.trace_record().stats()
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
@@ -240,6 +281,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
         }
+
+
+def _executor_name(loader: DataLoader[Any]) -> str:
+    """The executor's name as a user would give it, for the trace."""
+    executor = loader.executor
+    if executor is None:
+        return "inline" if loader.loads_in_process else "mp"
+    if isinstance(executor, str):
+        return executor
+    return getattr(executor, "__qualname__", None) or type(executor).__name__
 
 
 def _too_long(iterator: _Iterator, promised: int) -> str:
@@ -390,6 +441,7 @@ class _Iterator(_BaseDataLoaderIter):
             shared_seed=self._shared_seed,
             resume=None if resume is None else resume.workers,
             snapshot_every=loader.snapshot_every_n_steps,
+            trace=loader.trace,
         )
         config = Config(
             num_workers=workers,
@@ -412,7 +464,9 @@ class _Iterator(_BaseDataLoaderIter):
             factory = Pinned(factory, in_process=in_process)
         executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
-        self._driver = Driver(config, executor, _drawer(self), self._timeout)
+        tracer = loader._tracer_for(workers, config.persistent_workers)
+        traced = step if tracer is None else tracer.wrap(step)
+        self._driver = Driver(config, executor, _drawer(self), self._timeout, step=traced)
         _LIVE.add(self)
         self._reset(loader, first_iter=True)
 

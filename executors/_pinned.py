@@ -288,13 +288,14 @@ class PinnedExecutor:
                 f"Raised while pinning the batch of task {event.task} from worker "
                 f"{event.worker} in statecore's pin-memory stage"
             )
-            return TaskFailed(event.task, event.worker, error, event.mark)
-        return TaskCompleted(event.task, event.worker, batch, event.mark)
+            return TaskFailed(event.task, event.worker, error, event.mark, event.timing)
+        return TaskCompleted(event.task, event.worker, batch, event.mark, event.timing)
 
     def _claimed(self, event: Event | None) -> Event | None:
         if self.copy is None or type(event) is not TaskCompleted:
             return event
-        return TaskCompleted(event.task, event.worker, self.copy.claim(event.payload), event.mark)
+        claimed = self.copy.claim(event.payload)
+        return TaskCompleted(event.task, event.worker, claimed, event.mark, event.timing)
 
 
 @attrs.frozen

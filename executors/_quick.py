@@ -17,6 +17,7 @@ _task = TaskCompleted.__dict__["task"].__set__
 _worker = TaskCompleted.__dict__["worker"].__set__
 _payload = TaskCompleted.__dict__["payload"].__set__
 _mark = TaskCompleted.__dict__["mark"].__set__
+_timing = TaskCompleted.__dict__["timing"].__set__
 
 
 def index_drawn(index: object) -> IndexDrawn:
@@ -25,10 +26,13 @@ def index_drawn(index: object) -> IndexDrawn:
     return event
 
 
-def completed(task: int, worker: int, payload: object, mark: object = None) -> TaskCompleted:
+def completed(
+    task: int, worker: int, payload: object, mark: object = None, timing: object = None
+) -> TaskCompleted:
     event: TaskCompleted = _new(TaskCompleted)
     _task(event, task)
     _worker(event, worker)
     _payload(event, payload)
     _mark(event, mark)
+    _timing(event, timing)
     return event

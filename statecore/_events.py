@@ -134,6 +134,9 @@ class TaskCompleted(Event):
     """Where the worker's iterable dataset stands after this batch, for checkpoints (see
     `WorkerRuntime`); None for map-style datasets. The scheduler passes it by: the driver
     keeps the mark of each worker's last batch the consumer received."""
+    timing: object = attrs.field(default=None, eq=False, repr=False)
+    """What the worker measured of the task, for a traced loader (see `executors._timing`);
+    None when nobody traces. The scheduler passes it by, as it does the payload."""
 
 
 @attrs.frozen
@@ -145,6 +148,8 @@ class TaskFailed(Event):
     error: object = attrs.field(default=None, eq=False, repr=False)
     mark: object = attrs.field(default=None, eq=False, repr=False)
     """As `TaskCompleted.mark`: the task's error is handed over in its turn, as a batch is."""
+    timing: object = attrs.field(default=None, eq=False, repr=False)
+    """As `TaskCompleted.timing`."""
 
 
 @attrs.frozen

@@ -39,10 +39,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 # --- the class and its signature -----------------------------------------------------------------
 
 
-def test_signature_is_torchs_plus_keyword_only_executor_and_torchdatas_snapshot_option() -> None:
+def test_signature_is_torchs_plus_keyword_only_executor_snapshot_option_and_trace() -> None:
     ours = inspect.signature(statecore.DataLoader.__init__).parameters
     theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
-    assert list(ours) == [*theirs, "executor", "snapshot_every_n_steps"]
+    assert list(ours) == [*theirs, "executor", "snapshot_every_n_steps", "trace"]
     for name, parameter in theirs.items():
         assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
     executor = ours["executor"]
@@ -51,6 +51,9 @@ def test_signature_is_torchs_plus_keyword_only_executor_and_torchdatas_snapshot_
     # torchdata's StatefulDataLoader: keyword-only, default 1.
     snapshots = ours["snapshot_every_n_steps"]
     assert (snapshots.kind, snapshots.default) == (inspect.Parameter.KEYWORD_ONLY, 1)
+    # None: the environment decides (STATECORE_TRACE), see docs/profiling.md.
+    trace = ours["trace"]
+    assert (trace.kind, trace.default) == (inspect.Parameter.KEYWORD_ONLY, None)
 
 
 def test_loader_is_a_torch_dataloader() -> None:

@@ -25,6 +25,7 @@ WORKER_SIDE = {
     "statecore.executors._quick",
     "statecore.executors._remote",
     "statecore.executors._signals",
+    "statecore.executors._timing",
     "statecore.executors._worker",
 }
 """The executors' modules a worker process runs. Not among them: the main process's side of the

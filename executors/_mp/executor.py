@@ -63,6 +63,7 @@ from statecore.executors._mp.wire import (
     BATCH,
     MARKED,
     NOTICE,
+    TIMED,
     Shipment,
     decode,
     encode_returns,
@@ -465,6 +466,9 @@ class MultiprocessExecutor:
         if kind == MARKED:
             payload, mark = content
             return TaskCompleted(task, worker, payload, mark)
+        if kind == TIMED:
+            payload, mark, timing = content
+            return TaskCompleted(task, worker, payload, mark, timing)
         assert isinstance(content, Event)
         return content
 

@@ -50,6 +50,7 @@ __all__ = [
     "EVENT",
     "HEADER",
     "MARKED",
+    "TIMED",
     "NOTICE",
     "NO_TASK",
     "RECEIVING",
@@ -88,11 +89,13 @@ _share_torch_reductions()
 HEADER = struct.Struct("<qiB")
 """Every answer starts with the task it answers, how many buffers it refers to and what its
 pickle holds, followed by the buffers' numbers (int32 each)."""
-# What a message's pickle holds: an event, only the batch of a completed task, or the batch and
-# its worker's mark (an iterable dataset's: see `WorkerRuntime`).
+# What a message's pickle holds: an event, only the batch of a completed task, the batch and
+# its worker's mark (an iterable dataset's: see `WorkerRuntime`), or the batch, the mark and the
+# task's timing (a traced loader's: see `executors._timing`).
 EVENT = 0
 BATCH = 1
 MARKED = 2
+TIMED = 3
 NO_TASK = -1
 """Answers to resumes carry no task number; this marks them on the wire."""
 NOTICE = -2
@@ -122,6 +125,8 @@ def encode_answer(
     content: object
     if type(event) is not TaskCompleted:
         kind, content = EVENT, event
+    elif event.timing is not None:
+        kind, content = TIMED, (event.payload, event.mark, event.timing)
     elif event.mark is None:
         kind, content = BATCH, event.payload
     else:
@@ -160,7 +165,7 @@ def encode_notice(notice: BufferOpened | BufferClosed) -> bytes:
 
 def decode(message: bytes) -> tuple[int, tuple[int, ...], int, memoryview]:
     """In the main process: a message's task (or NOTICE, NO_TASK), the buffers it refers to,
-    what its pickle holds (EVENT, BATCH or MARKED), and the pickle."""
+    what its pickle holds (EVENT, BATCH, MARKED or TIMED), and the pickle."""
     task, count, kind = HEADER.unpack_from(message)
     lent = struct.unpack_from(f"<{count}i", message, HEADER.size)
     return task, lent, kind, memoryview(message)[HEADER.size + 4 * count :]

@@ -1,0 +1,809 @@
+"""Tracing a loader: what happened to every batch, and what the consumer waited for.
+
+A traced loader (`DataLoader(..., trace=True)`, or `STATECORE_TRACE` in the environment)
+gives its driver a step function that wraps the scheduler's (`Tracer.wrap`): every event the
+scheduler is told of and every command it gives passes through it, with the time. From those
+the tracer keeps, per batch, when its task was sent, when the worker started and finished it
+(the worker's own clock: `TaskTiming`, see `executors._timing`), when its answer arrived and
+when it was handed over; per call of the consumer, how long it waited; and the epochs' starts
+and ends, workers resumed and workers that died. Nothing here decides anything: the tracer
+only watches what the scheduler does.
+
+`Tracer.trace()` gives a `Trace`, plain data, from which come the figures (`Trace.stats`), the
+verdict in words (`Trace.verdict`), and a Chrome/Perfetto trace file (`Trace.chrome`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from statecore import (
+    Deliver,
+    EndEpoch,
+    Event,
+    IndexDrawn,
+    NextRequested,
+    RaiseError,
+    ResetRequested,
+    ResumeWorker,
+    SendTask,
+    State,
+    TaskCompleted,
+    TaskFailed,
+    TimedOut,
+    Transition,
+    WorkerDied,
+    WorkerResumed,
+)
+from statecore.executors._timing import WHOLE_BATCH
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "TRACE_VARIABLE",
+    "BatchRecord",
+    "LoaderStats",
+    "Mark",
+    "Trace",
+    "Tracer",
+    "collect",
+    "collecting",
+    "stop_collecting",
+    "tracing_from_environment",
+]
+
+TRACE_VARIABLE = "STATECORE_TRACE"
+"""Set to 1 to trace every statecore loader made without `trace=`; set to a folder to also
+have each traced loader write its trace, timeline and verdict there when the program ends."""
+
+DEFAULT_LIMIT = 200_000
+"""Batches a tracer keeps; past that it forgets the oldest (a long run's first epochs)."""
+
+STRAGGLER_FACTOR = 3.0
+"""A batch is a straggler when it took more than this many times the median batch."""
+
+StepFunction = Callable[[State, Event], Transition]
+
+# A task's fields while it is traced, in a list (cheaper to fill than an object), by position:
+_TASK, _WORKER, _EPOCH, _INDEX, _SENT, _STARTED, _FINISHED = 0, 1, 2, 3, 4, 5, 6
+_ARRIVED, _HANDED, _CPU, _SLOWEST, _FAILED = 7, 8, 9, 10, 11
+
+
+_collected: list[Tracer] | None = None
+
+
+def collect() -> list[Tracer]:
+    """From now on, keep every tracer made in this process in the list returned (for `python
+    -m statecore profile`, which writes all of a script's traces once it ends)."""
+    global _collected
+    _collected = []
+    return _collected
+
+
+def stop_collecting() -> None:
+    """Tracers made from now on are no longer kept (see `collect`)."""
+    global _collected
+    _collected = None
+
+
+def collecting(tracer: Tracer) -> None:
+    """A new tracer: kept if `collect` asked for tracers."""
+    if _collected is not None:
+        _collected.append(tracer)
+
+
+def tracing_from_environment() -> bool:
+    """Whether the environment asks for tracing (`STATECORE_TRACE` set, and not 0 or empty)."""
+    value = os.environ.get(TRACE_VARIABLE, "").strip()
+    return value not in ("", "0", "false", "False", "no")
+
+
+@attrs.frozen
+class BatchRecord:
+    """One task of the loader, from being sent to being handed over. Times are
+    `time.perf_counter()` seconds; None where that moment did not (yet) come."""
+
+    task: int
+    worker: int
+    epoch: int
+    index: Any
+    """The sampler's index for the task (a batch's list of dataset indices, map-style)."""
+    sent: float
+    started: float | None = None
+    """When the worker began it (the worker's clock, which on Linux is the same clock)."""
+    finished: float | None = None
+    arrived: float | None = None
+    """When its answer reached the main process."""
+    handed: float | None = None
+    """When the consumer got it."""
+    cpu: float | None = None
+    """CPU seconds the worker spent on it."""
+    slowest: tuple[tuple[Any, float], ...] = ()
+    """Its slowest samples, (dataset index, seconds), slowest first."""
+    failed: bool = False
+
+    @property
+    def seconds(self) -> float | None:
+        """How long the worker took over it."""
+        if self.started is None or self.finished is None:
+            return None
+        return self.finished - self.started
+
+
+@attrs.frozen
+class Mark:
+    """Something that happened at one moment: an epoch's start or end, a worker resumed or
+    dead, a timeout."""
+
+    time: float
+    kind: str
+    worker: int | None = None
+    detail: str = ""
+
+
+@attrs.frozen
+class Wait:
+    """One call of the consumer (`next()` or `iter()`), from asking to getting its answer."""
+
+    asked: float
+    got: float
+    task: int | None
+    """The task whose batch (or error) it got; None for the end of an epoch."""
+    held: float = 0.0
+    """Seconds of the wait during which another batch was ready but not handed over: held
+    back for the order of delivery (`in_order=True`) behind the one the consumer waited for."""
+
+
+@attrs.frozen
+class Trace:
+    """Everything a tracer kept, as plain data."""
+
+    num_workers: int
+    in_order: bool
+    persistent_workers: bool
+    executor: str
+    batches: tuple[BatchRecord, ...]
+    waits: tuple[Wait, ...]
+    marks: tuple[Mark, ...]
+    dropped: int = 0
+    """Batches forgotten because the tracer kept `DEFAULT_LIMIT` already."""
+
+    @property
+    def start(self) -> float:
+        """The first moment traced: the first `iter()`."""
+        moments = [mark.time for mark in self.marks] + [b.sent for b in self.batches]
+        return min(moments) if moments else 0.0
+
+    @property
+    def end(self) -> float:
+        """The last moment traced."""
+        moments = [mark.time for mark in self.marks] + [wait.got for wait in self.waits]
+        moments += [b.handed for b in self.batches if b.handed is not None]
+        moments += [b.finished for b in self.batches if b.finished is not None]
+        return max(moments) if moments else 0.0
+
+    def stats(self) -> LoaderStats:
+        return LoaderStats.of(self)
+
+    def verdict(self) -> str:
+        return self.stats().verdict()
+
+    def chrome(self) -> dict[str, Any]:
+        """The trace in Chrome's trace event format (JSON object form), which Perfetto and
+        `chrome://tracing` open: one track per worker, one for the consumer."""
+        return _chrome_trace(self)
+
+    def write_chrome(self, path: str | os.PathLike[str]) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.chrome()))
+        return path
+
+
+@attrs.frozen
+class LoaderStats:
+    """The figures of a trace: how much the consumer waited, how busy the workers were, the
+    slowest samples, and the signs behind each suggestion."""
+
+    batches: int
+    failed: int
+    epochs: int
+    seconds: float
+    """From the first `iter()` to the last moment traced."""
+    waited: float
+    """Seconds the consumer spent waiting in `next()` and `iter()`."""
+    waited_for_order: float
+    """Of those, seconds spent waiting while another batch was ready and not handed over."""
+    idle_behind_order: float
+    """Worker-seconds that workers sat idle with a batch of theirs ready and not handed over,
+    while the training loop waited for another worker's batch: head-of-line blocking, which
+    `in_order=False` takes away."""
+    startup_waits: tuple[float, ...]
+    """Per epoch, seconds from `iter()` to the first batch handed over."""
+    busy: tuple[float, ...]
+    """Per worker, the share of the traced time it spent loading (0 to 1)."""
+    median_batch: float | None
+    """Median seconds a worker took over a batch."""
+    cpu_share: float | None
+    """CPU seconds over elapsed seconds of the workers' batches: near 1, the samples compute;
+    far below, they wait (I/O, sleeps, locks)."""
+    slowest: tuple[tuple[Any, float, int, int, int], ...]
+    """The slowest samples seen: (dataset index, seconds, worker, task, epoch), slowest
+    first."""
+    stragglers: tuple[BatchRecord, ...]
+    """Batches that took over `STRAGGLER_FACTOR` times the median batch, slowest first."""
+    num_workers: int
+    in_order: bool
+    persistent_workers: bool
+    executor: str
+
+    @property
+    def waiting_share(self) -> float:
+        """The share of the traced time the consumer waited on loading (0 to 1)."""
+        return self.waited / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def of(cls, trace: Trace) -> LoaderStats:
+        start, end = trace.start, trace.end
+        seconds = max(0.0, end - start)
+        done = [b for b in trace.batches if b.seconds is not None]
+        durations = [b.seconds for b in done if b.seconds is not None]
+        median = statistics.median(durations) if durations else None
+        busy = []
+        for worker in range(trace.num_workers):
+            mine = sum(b.seconds or 0.0 for b in done if b.worker == worker)
+            busy.append(mine / seconds if seconds > 0 else 0.0)
+        cpu = sum(b.cpu for b in done if b.cpu is not None)
+        wall = sum(durations)
+        samples = [
+            (index, took, b.worker, b.task, b.epoch) for b in done for index, took in b.slowest
+        ]
+        samples.sort(key=lambda sample: -sample[1])
+        stragglers: tuple[BatchRecord, ...] = ()
+        if median is not None and median > 0:
+            slow = [b for b in done if (b.seconds or 0.0) > STRAGGLER_FACTOR * median]
+            slow.sort(key=lambda b: -(b.seconds or 0.0))
+            stragglers = tuple(slow)
+        starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
+        startup = []
+        for number, began in enumerate(starts):
+            until = starts[number + 1] if number + 1 < len(starts) else float("inf")
+            handed = [
+                b.handed
+                for b in trace.batches
+                if b.handed is not None and began <= b.handed < until
+            ]
+            if handed:
+                startup.append(min(handed) - began)
+        return cls(
+            batches=len(trace.batches) + trace.dropped,
+            failed=sum(1 for b in trace.batches if b.failed),
+            epochs=len(starts),
+            seconds=seconds,
+            waited=sum(wait.got - wait.asked for wait in trace.waits),
+            waited_for_order=sum(wait.held for wait in trace.waits),
+            idle_behind_order=_idle_behind_order(trace),
+            startup_waits=tuple(startup),
+            busy=tuple(busy),
+            median_batch=median,
+            cpu_share=cpu / wall if wall > 0 else None,
+            slowest=tuple(samples[:5]),
+            stragglers=stragglers,
+            num_workers=trace.num_workers,
+            in_order=trace.in_order,
+            persistent_workers=trace.persistent_workers,
+            executor=trace.executor,
+        )
+
+    def suggestions(self) -> tuple[str, ...]:
+        """What to try, each only when the figures support it."""
+        tips = []
+        if self.seconds <= 0 or self.waiting_share < 0.05:
+            return ()
+        if self.in_order and self.idle_behind_order >= 0.1 * self.waited:
+            tips.append(
+                f"in_order=False: workers sat idle {_s(self.idle_behind_order)} in all with "
+                "batches ready, while the training loop waited for another worker's slower "
+                "batch; out of order, the loop takes whichever batch is ready first and the "
+                "workers keep loading."
+            )
+        mean_busy = statistics.fmean(self.busy) if self.busy else 0.0
+        cores = os.cpu_count() or 1
+        waits = self.cpu_share is not None and self.cpu_share < 0.5
+        if self.executor == "inline" and mean_busy >= 0.5:
+            tips.append(
+                f"num_workers > 0 (up to {cores}, the cores here, or more if the samples wait): "
+                f"the training loop itself spent {_pct(mean_busy)} of the time loading, and "
+                "workers would load the next batches while it trains."
+            )
+        elif mean_busy >= 0.75:
+            if waits or self.num_workers < cores:
+                why = (
+                    "the samples mostly wait rather than compute, so more workers than cores "
+                    "still help"
+                    if waits
+                    else f"this machine has {cores} cores"
+                )
+                tips.append(
+                    f"more workers (num_workers={self.num_workers} now): they were busy "
+                    f"{_pct(mean_busy)} of the time; {why}."
+                )
+            else:
+                tips.append(
+                    f"a faster dataset or transform: the workers were busy {_pct(mean_busy)} of "
+                    f"the time with as many workers ({self.num_workers}) as cores."
+                )
+        later = self.startup_waits[1:]
+        if not self.persistent_workers and self.executor != "inline" and later:
+            restart = sum(later)
+            if restart >= 0.1 * self.waited:
+                tips.append(
+                    f"persistent_workers=True: each epoch after the first waited "
+                    f"{_s(statistics.fmean(later))} for its first batch, starting workers "
+                    f"anew ({_s(restart)} in all)."
+                )
+        if (
+            self.executor == "mp"
+            and self.cpu_share is not None
+            and self.cpu_share < 0.3
+            and self.num_workers > 0
+        ):
+            tips.append(
+                f'executor="thread": the workers spent {_pct(self.cpu_share)} of their batches\' '
+                "time on a CPU, so their samples wait (I/O) and threads would not be held back "
+                "by the GIL; threads start in milliseconds and hand batches over without a copy."
+            )
+        return tuple(tips)
+
+    def verdict(self) -> str:
+        """The figures in plain words, and what to try."""
+        workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"
+        if self.executor == "inline":
+            workers = "no workers"
+        lines = [
+            f"{self.batches} batches in {self.epochs} epoch{'s' if self.epochs != 1 else ''} "
+            f"over {_s(self.seconds)}; {workers} ({self.executor}), in_order={self.in_order}, "
+            f"persistent_workers={self.persistent_workers}.",
+        ]
+        if self.seconds > 0:
+            if self.waiting_share < 0.05:
+                lines.append(
+                    f"The training loop waited on loading {_pct(self.waiting_share)} of the time "
+                    f"({_s(self.waited)}): loading is not what holds it back."
+                )
+            else:
+                lines.append(
+                    f"The training loop waited on loading {_pct(self.waiting_share)} of the time "
+                    f"({_s(self.waited)})."
+                )
+        if self.busy and self.executor == "inline":
+            lines.append(f"Loading, in the training loop's thread, took {_pct(self.busy[0])}.")
+        elif self.busy:
+            each = ", ".join(f"worker {w} {_pct(share)}" for w, share in enumerate(self.busy))
+            lines.append(f"Workers were loading {_pct(statistics.fmean(self.busy))}: {each}.")
+        if self.median_batch is not None:
+            lines.append(f"A batch took a worker {_s(self.median_batch)} (median).")
+        if self.stragglers:
+            slowest = self.stragglers[0]
+            count = len(self.stragglers)
+            lines.append(
+                f"{count} straggler batch{'es' if count != 1 else ''} "
+                f"(over {STRAGGLER_FACTOR:g}x the median); the slowest, task {slowest.task} on "
+                f"worker {slowest.worker}, took {_s(slowest.seconds or 0.0)}."
+            )
+        if self.slowest:
+            named = "; ".join(
+                f"index {_index(index)}: {_s(took)} (worker {worker}, epoch {epoch}, task {task})"
+                for index, took, worker, task, epoch in self.slowest
+            )
+            lines.append(f"Slowest samples: {named}.")
+        if self.failed:
+            lines.append(f"{self.failed} task(s) raised.")
+        tips = self.suggestions()
+        if tips:
+            lines.append("What to try:")
+            lines += [f"- {tip}" for tip in tips]
+        elif self.seconds > 0 and self.waiting_share >= 0.05:
+            lines.append("Nothing in the trace points to a loader setting that would help.")
+        return "\n".join(lines)
+
+
+Interval = tuple[float, float]
+
+
+def _merged(intervals: list[Interval]) -> list[Interval]:
+    """The union of `intervals`, as sorted disjoint intervals."""
+    union: list[Interval] = []
+    for start, end in sorted(intervals):
+        if union and start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], end))
+        elif end > start:
+            union.append((start, end))
+    return union
+
+
+def _intersected(first: list[Interval], second: list[Interval]) -> list[Interval]:
+    """The intersection of two lists of sorted disjoint intervals."""
+    both: list[Interval] = []
+    i = j = 0
+    while i < len(first) and j < len(second):
+        start = max(first[i][0], second[j][0])
+        end = min(first[i][1], second[j][1])
+        if end > start:
+            both.append((start, end))
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def _idle_behind_order(trace: Trace) -> float:
+    """Worker-seconds idle with a ready batch held, while the consumer waited for another
+    worker's batch (see `LoaderStats.idle_behind_order`)."""
+    owner = {(b.epoch, b.task): b.worker for b in trace.batches}
+    epochs = sorted((m.time, m.detail) for m in trace.marks if m.kind == "epoch start")
+    total = 0.0
+    for worker in range(trace.num_workers):
+        mine = sorted(
+            (b for b in trace.batches if b.worker == worker and b.started is not None),
+            key=lambda b: b.started or 0.0,
+        )
+        gaps = [
+            (before.finished, after.started)
+            for before, after in itertools.pairwise(mine)
+            if before.finished is not None
+            and after.started is not None
+            and after.started > before.finished
+        ]
+        ready = _merged(
+            [(b.arrived, b.handed) for b in mine if b.arrived is not None and b.handed is not None]
+        )
+        waiting = []
+        for wait in trace.waits:
+            if wait.task is None:
+                continue
+            epoch = sum(1 for began, _ in epochs if began <= wait.asked)
+            if owner.get((epoch, wait.task), worker) != worker:
+                waiting.append((wait.asked, wait.got))
+        blocked = _intersected(_intersected(gaps, ready), _merged(waiting))
+        total += sum(end - start for start, end in blocked)
+    return total
+
+
+def _pct(share: float) -> str:
+    return f"{100.0 * share:.0f}%" if share >= 0.1 else f"{100.0 * share:.1f}%"
+
+
+def _s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _index(index: Any) -> str:
+    text = repr(index)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Tracer:
+    """Watches a loader's scheduler through the step function of each of its drivers.
+
+    One tracer serves a loader for its whole life: each iterator's driver gets a step wrapped
+    by `wrap`, and tasks are told apart by which driver sent them.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        in_order: bool,
+        persistent_workers: bool,
+        executor: str,
+        limit: int = DEFAULT_LIMIT,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.num_workers = num_workers
+        self.in_order = in_order
+        self.persistent_workers = persistent_workers
+        self.executor = executor
+        self.limit = limit
+        self.clock = clock
+        self.tasks: list[dict[int, list[Any]]] = []
+        """Per driver (loader iterator), task -> the fields of its `BatchRecord`, in order,
+        filled as they come."""
+        self.kept = 0
+        self.waits: list[tuple[float, float, int | None, float]] = []
+        """The consumer's waits: (asked, got, task, held), as `Wait` has them."""
+        self.marks: list[Mark] = []
+        self.dropped = 0
+        self.drivers = 0
+        self.epoch = 0
+        self.asked: float | None = None
+        self.unhanded: dict[int, float] = {}
+        """The current driver's tasks whose answers arrived and were not handed over yet, and
+        when they arrived."""
+
+    def wrap(self, step: StepFunction) -> StepFunction:
+        """`step`, watched: the step function for one driver (one loader iterator)."""
+        self.drivers += 1
+        clock = self.clock
+        tasks: dict[int, list[Any]] = {}
+        self.tasks.append(tasks)
+        unhanded = self.unhanded = {}
+        waits = self.waits
+        limit = self.limit
+
+        # Every step of a traced loader runs this: what is asked most comes first, and what
+        # is kept per batch is a list and a tuple (objects are built when the trace is read).
+        def traced(state: State, event: Event) -> Transition:
+            now = clock()
+            transition = step(state, event)
+            kind = type(event)
+            if kind is IndexDrawn:
+                pass
+            elif kind is TaskCompleted or kind is TaskFailed:
+                task = event.task  # type: ignore[attr-defined]
+                fields = tasks.get(task)
+                if fields is not None:
+                    fields[_ARRIVED] = now
+                    unhanded[task] = now
+                    timing = event.timing  # type: ignore[attr-defined]
+                    if timing is not None:
+                        fields[_STARTED], fields[_FINISHED], fields[_CPU], fields[_SLOWEST] = timing
+                    if kind is TaskFailed:
+                        fields[_FAILED] = True
+            elif kind is NextRequested:
+                if self.asked is None:
+                    self.asked = now
+            else:
+                self._saw_rare(now, event)
+            commands: tuple[Any, ...] = transition[1]
+            for command in commands:
+                ckind = type(command)
+                if ckind is SendTask:
+                    task = command.task
+                    tasks[task] = [
+                        task,
+                        command.worker,
+                        self.epoch,
+                        command.index,
+                        now,  # sent
+                        None,  # started
+                        None,  # finished
+                        None,  # arrived
+                        None,  # handed
+                        None,  # cpu
+                        (),  # slowest
+                        False,  # failed
+                    ]
+                    self.kept += 1
+                    if self.kept > limit:
+                        self._forget_oldest()
+                elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
+                    if ckind is Deliver:
+                        task = command.task
+                    elif ckind is RaiseError:
+                        task = getattr(command.failure, "task", None)
+                    else:
+                        task = None
+                        self.marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
+                    if task is not None:
+                        fields = tasks.get(task)
+                        if fields is not None:
+                            fields[_HANDED] = now
+                        unhanded.pop(task, None)
+                    asked = self.asked
+                    if asked is not None:
+                        # Any other batch that arrived before this outcome was ready meanwhile.
+                        ready = min(unhanded.values()) if unhanded else now
+                        waits.append((asked, now, task, now - (asked if asked > ready else ready)))
+                        self.asked = None
+                elif ckind is ResumeWorker:
+                    self.marks.append(Mark(now, "resume sent", command.worker))
+            return transition
+
+        return traced
+
+    def _forget_oldest(self) -> None:
+        for tasks in self.tasks:
+            if tasks:
+                del tasks[next(iter(tasks))]
+                self.kept -= 1
+                self.dropped += 1
+                return
+
+    def _saw_rare(self, now: float, event: Event) -> None:
+        """The events that come once an epoch or less."""
+        kind = type(event)
+        if kind is ResetRequested:
+            self.epoch += 1
+            self.marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
+            self.unhanded.clear()  # an abandoned epoch's answers are never handed over
+            if self.asked is None:
+                self.asked = now
+        elif kind is WorkerDied:
+            detail = f"pid {event.pid}, exit code {event.exitcode}"  # type: ignore[attr-defined]
+            self.marks.append(Mark(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
+        elif kind is WorkerResumed:
+            self.marks.append(Mark(now, "worker resumed", event.worker))  # type: ignore[attr-defined]
+        elif kind is TimedOut:
+            self.marks.append(Mark(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
+
+    def trace(self) -> Trace:
+        """What was traced so far."""
+        batches = [
+            BatchRecord(
+                task=fields[_TASK],
+                worker=fields[_WORKER],
+                epoch=fields[_EPOCH],
+                index=fields[_INDEX],
+                sent=fields[_SENT],
+                started=fields[_STARTED],
+                finished=fields[_FINISHED],
+                arrived=fields[_ARRIVED],
+                handed=fields[_HANDED],
+                cpu=fields[_CPU],
+                slowest=tuple(
+                    (fields[_INDEX] if index is WHOLE_BATCH else index, took)
+                    for index, took in fields[_SLOWEST]
+                ),
+                failed=fields[_FAILED],
+            )
+            for tasks in self.tasks
+            for fields in tasks.values()
+        ]
+        return Trace(
+            num_workers=self.num_workers,
+            in_order=self.in_order,
+            persistent_workers=self.persistent_workers,
+            executor=self.executor,
+            batches=tuple(batches),
+            waits=tuple(Wait(*wait) for wait in self.waits),
+            marks=tuple(self.marks),
+            dropped=self.dropped,
+        )
+
+
+# --- Chrome's trace event format -------------------------------------------------------------
+
+_PROCESS = 1
+_CONSUMER = 0
+
+
+def _us(moment: float, origin: float) -> float:
+    return round((moment - origin) * 1e6, 3)
+
+
+def _chrome_trace(trace: Trace) -> dict[str, Any]:
+    origin = trace.start
+    stats = trace.stats()
+    stragglers = {(b.epoch, b.task, b.worker) for b in stats.stragglers}
+    events: list[dict[str, Any]] = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": _PROCESS,
+            "tid": _CONSUMER,
+            "args": {"name": f"statecore loader ({trace.executor})"},
+        },
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": _PROCESS,
+            "tid": _CONSUMER,
+            "args": {"name": "consumer (training loop)"},
+        },
+        {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": _PROCESS,
+            "tid": _CONSUMER,
+            "args": {"sort_index": 0},
+        },
+    ]
+    for worker in range(trace.num_workers):
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": _PROCESS,
+                "tid": worker + 1,
+                "args": {"name": f"worker {worker}"},
+            }
+        )
+        events.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": _PROCESS,
+                "tid": worker + 1,
+                "args": {"sort_index": worker + 1},
+            }
+        )
+    for b in trace.batches:
+        if b.started is None or b.finished is None:
+            continue
+        straggler = (b.epoch, b.task, b.worker) in stragglers
+        args: dict[str, Any] = {
+            "task": b.task,
+            "epoch": b.epoch,
+            "index": _jsonable(b.index),
+            "cpu_ms": None if b.cpu is None else round(b.cpu * 1e3, 3),
+            "slowest_samples": [
+                {"index": _jsonable(index), "ms": round(took * 1e3, 3)} for index, took in b.slowest
+            ],
+            "queued_ms": round((b.started - b.sent) * 1e3, 3),
+        }
+        if b.handed is not None and b.arrived is not None:
+            args["held_ms"] = round((b.handed - b.arrived) * 1e3, 3)
+        name = f"{'straggler ' if straggler else ''}batch {b.task}"
+        if b.failed:
+            name = f"failed {name}"
+        event: dict[str, Any] = {
+            "name": name,
+            "cat": "straggler" if straggler else "batch",
+            "ph": "X",
+            "pid": _PROCESS,
+            "tid": b.worker + 1,
+            "ts": _us(b.started, origin),
+            "dur": max(0.0, _us(b.finished, b.started)),
+            "args": args,
+        }
+        if straggler:
+            event["cname"] = "terrible"
+        events.append(event)
+    for wait in trace.waits:
+        events.append(
+            {
+                "name": "waiting for a batch" if wait.task is not None else "waiting",
+                "cat": "wait",
+                "ph": "X",
+                "pid": _PROCESS,
+                "tid": _CONSUMER,
+                "ts": _us(wait.asked, origin),
+                "dur": max(0.0, _us(wait.got, wait.asked)),
+                "args": {"task": wait.task, "held_ms": round(wait.held * 1e3, 3)},
+            }
+        )
+    for mark in trace.marks:
+        global_mark = mark.worker is None
+        events.append(
+            {
+                "name": mark.kind if not mark.detail else f"{mark.kind}: {mark.detail}",
+                "cat": "lifecycle",
+                "ph": "i",
+                "s": "g" if global_mark else "t",
+                "pid": _PROCESS,
+                "tid": _CONSUMER if global_mark else (mark.worker or 0) + 1,
+                "ts": _us(mark.time, origin),
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "statecore",
+            "verdict": stats.verdict(),
+        },
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` if JSON takes it as it is (numbers, strings, lists of them), else its repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(item, (bool, int, float, str)) for item in value
+    ):
+        return list(value)
+    if isinstance(value, torch.Tensor) and value.numel() <= 64:
+        return value.tolist()
+    return _index(value)

@@ -1,0 +1,596 @@
+"""Tracing a loader: the trace, the verdict, the Chrome/Perfetto file, the timeline, `profile`.
+
+The real runs load a dataset with one known straggler (dataset index 37, a sample that takes
+far longer than the others) and check that the trace puts it on the worker that really loaded
+it, at its index, and that the verdict names it. Which worker loaded it comes from the
+dataset itself (`get_worker_info`), not from the trace. The verdict's suggestions are checked
+on made-up traces, so that no test depends on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import Dataset, get_worker_info
+
+import statecore
+from statecore.executors._timing import WHOLE_BATCH
+from statecore.executors._trace import (
+    TRACE_VARIABLE,
+    BatchRecord,
+    Mark,
+    Trace,
+    Tracer,
+    Wait,
+)
+from statecore.tools.timeline import draw_timeline
+
+STRAGGLER = 37
+BATCH_SIZE = 4
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class OneStraggler(Dataset[tuple[int, int]]):
+    """48 samples; sample 37 waits until `released` is set or 0.2 s pass, the others 1 ms.
+    Each sample is (its index, the id of the worker that loaded it, -1 in the main process)."""
+
+    def __init__(self, size: int = 48) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        time.sleep(0.2 if index == STRAGGLER else 0.001)
+        info = get_worker_info()
+        return index, -1 if info is None else info.id
+
+
+def traced_epoch(executor: str, workers: int, **options: Any) -> tuple[Any, dict[int, int]]:
+    """One traced epoch; the loader and which worker loaded each sample, as the dataset saw."""
+    loader = statecore.DataLoader(
+        OneStraggler(),
+        batch_size=BATCH_SIZE,
+        num_workers=workers,
+        executor=executor,
+        trace=True,
+        **options,
+    )
+    loaded_by = {}
+    for indices, worker_ids in loader:
+        for index, worker in zip(indices.tolist(), worker_ids.tolist(), strict=True):
+            loaded_by[index] = worker
+    return loader, loaded_by
+
+
+def straggler_record(trace: Trace) -> BatchRecord:
+    (record,) = [b for b in trace.batches if STRAGGLER in list(b.index)]
+    return record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("executor", ["mp", "thread"])
+def test_the_trace_shows_the_straggler_on_the_worker_that_loaded_it_at_its_index(
+    executor: str,
+) -> None:
+    loader, loaded_by = traced_epoch(executor, workers=2)
+    record = straggler_record(loader.trace_record())
+    assert record.worker == loaded_by[STRAGGLER]
+    assert record.slowest[0][0] == STRAGGLER
+    assert record.slowest[0][1] >= 0.2
+    assert record.seconds is not None and record.seconds >= 0.2
+    stats = loader.stats()
+    assert stats.stragglers[0] == record
+    assert stats.slowest[0][:1] == (STRAGGLER,) and stats.slowest[0][2] == record.worker
+
+
+@pytest.mark.timeout(120)
+def test_every_batch_is_traced_from_sent_to_handed_over_in_order_of_time() -> None:
+    loader, _ = traced_epoch("thread", workers=2)
+    trace = loader.trace_record()
+    assert len(trace.batches) == 48 // BATCH_SIZE
+    for b in trace.batches:
+        assert b.started is not None and b.finished is not None
+        assert b.arrived is not None and b.handed is not None
+        assert b.sent <= b.started <= b.finished <= b.arrived <= b.handed
+    kinds = [mark.kind for mark in trace.marks]
+    assert kinds[0] == "epoch start" and kinds[-1] == "epoch end"
+
+
+@pytest.mark.timeout(120)
+def test_the_verdict_names_the_straggler_by_its_dataset_index() -> None:
+    loader, loaded_by = traced_epoch("thread", workers=2)
+    verdict = loader.stats().verdict()
+    assert f"index {STRAGGLER}:" in verdict
+    assert f"worker {loaded_by[STRAGGLER]}" in verdict
+    assert "straggler batch" in verdict
+
+
+@pytest.mark.timeout(60)
+def test_loading_in_the_training_loops_thread_is_traced_too() -> None:
+    loader, _ = traced_epoch("inline", workers=0)
+    record = straggler_record(loader.trace_record())
+    assert record.worker == 0 and record.slowest[0][0] == STRAGGLER
+    assert "no workers (inline)" in loader.stats().verdict()
+
+
+# --- Chrome's trace event format ----------------------------------------------------------------
+
+PHASES_WITH_DURATION = {"X"}
+INSTANT_SCOPES = {"g", "p", "t"}
+
+
+def format_problems(document: Any) -> list[str]:
+    """What breaks the rules of Chrome's trace event format (JSON object form), as Perfetto
+    and chrome://tracing read it; empty if nothing does."""
+    problems = []
+    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        return ["the top level must be an object with a traceEvents list"]
+    if document.get("displayTimeUnit", "ms") not in ("ms", "ns"):
+        problems.append("displayTimeUnit must be ms or ns")
+    for number, event in enumerate(document["traceEvents"]):
+        where = f"event {number} ({event.get('name')!r})"
+        if not isinstance(event.get("name"), str):
+            problems.append(f"{where}: name must be a string")
+        phase = event.get("ph")
+        if phase not in {"X", "B", "E", "i", "I", "M", "C"}:
+            problems.append(f"{where}: unknown phase {phase!r}")
+        for key in ("pid", "tid"):
+            if not isinstance(event.get(key), int):
+                problems.append(f"{where}: {key} must be an integer")
+        if phase != "M":
+            ts = event.get("ts")
+            if not isinstance(ts, (int, float)) or ts < 0:
+                problems.append(f"{where}: ts must be a number of microseconds, not negative")
+        if phase in PHASES_WITH_DURATION:
+            dur = event.get("dur")
+            if not isinstance(dur, (int, float)) or dur < 0:
+                problems.append(f"{where}: a complete event needs a duration of 0 or more")
+        if phase == "i" and event.get("s", "t") not in INSTANT_SCOPES:
+            problems.append(f"{where}: an instant event's scope must be g, p or t")
+        if phase == "M" and not isinstance(event.get("args"), dict):
+            problems.append(f"{where}: a metadata event needs args")
+        if "args" in event and not isinstance(event["args"], dict):
+            problems.append(f"{where}: args must be an object")
+    return problems
+
+
+def test_the_format_check_catches_what_breaks_the_format() -> None:
+    assert format_problems({"events": []})
+    bad = {"traceEvents": [{"name": "x", "ph": "X", "pid": 1, "tid": 1, "ts": -1.0}]}
+    assert len(format_problems(bad)) == 2  # negative ts, no duration
+
+
+@pytest.mark.timeout(120)
+def test_the_chrome_trace_follows_the_format_and_puts_the_straggler_on_its_workers_track(
+    tmp_path: Path,
+) -> None:
+    loader, loaded_by = traced_epoch("mp", workers=2)
+    path = loader.trace_record().write_chrome(tmp_path / "loader.trace.json")
+    document = json.loads(path.read_text())
+    assert format_problems(document) == []
+    names = {
+        (event["tid"], event["args"]["name"])
+        for event in document["traceEvents"]
+        if event["name"] == "thread_name"
+    }
+    assert names == {(0, "consumer (training loop)"), (1, "worker 0"), (2, "worker 1")}
+    (straggler,) = [e for e in document["traceEvents"] if e.get("cat") == "straggler"]
+    assert straggler["tid"] == loaded_by[STRAGGLER] + 1
+    assert straggler["args"]["slowest_samples"][0]["index"] == STRAGGLER
+    waits = [e for e in document["traceEvents"] if e.get("cat") == "wait"]
+    assert waits and all(e["tid"] == 0 for e in waits)
+
+
+@pytest.mark.timeout(120)
+def test_the_timeline_is_a_png(tmp_path: Path) -> None:
+    loader, _ = traced_epoch("thread", workers=2)
+    path = draw_timeline(loader.trace_record(), tmp_path / "timeline.png")
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+# --- switching it on ------------------------------------------------------------------------------
+
+
+def test_an_untraced_loader_says_how_to_trace_it() -> None:
+    loader = statecore.DataLoader(OneStraggler(4), batch_size=2)
+    assert loader.trace is False
+    with pytest.raises(RuntimeError, match="trace=True, or set STATECORE_TRACE=1"):
+        loader.stats()
+
+
+def test_the_environment_traces_loaders_made_without_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(TRACE_VARIABLE, "1")
+    assert statecore.DataLoader(OneStraggler(4)).trace is True
+    assert statecore.DataLoader(OneStraggler(4), trace=False).trace is False
+    monkeypatch.setenv(TRACE_VARIABLE, "0")
+    assert statecore.DataLoader(OneStraggler(4)).trace is False
+
+
+@pytest.mark.timeout(60)
+def test_an_untraced_loaders_workers_send_no_timings() -> None:
+    loader = statecore.DataLoader(OneStraggler(8), batch_size=4, num_workers=1, executor="thread")
+    seen = []
+    original = loader.executor_factory
+
+    def spying(launch: Any) -> Any:
+        executor = original(launch)
+        poll = executor.poll
+
+        def watched(timeout: float | None) -> Any:
+            event = poll(timeout)
+            seen.append(event)
+            return event
+
+        executor.poll = watched
+        return executor
+
+    loader.executor = spying
+    list(loader)
+    timings = [getattr(event, "timing", None) for event in seen]
+    assert timings and all(timing is None for timing in timings)
+
+
+def test_a_tracer_keeps_at_most_its_limit_of_batches() -> None:
+    tracer = Tracer(1, True, False, "inline", limit=3)
+    from statecore import Config, initial_state, step
+
+    traced = tracer.wrap(step)
+    state = initial_state(Config(num_workers=1, prefetch_factor=1, lazy=True))
+    from statecore import NextRequested, ResetRequested, TaskCompleted
+    from statecore.executors._quick import index_drawn
+
+    state, _ = traced(state, ResetRequested())
+    for task in range(6):
+        state, _ = traced(state, NextRequested())
+        state, _ = traced(state, index_drawn(task))
+        state, _ = traced(state, TaskCompleted(task, 0, task))
+    trace = tracer.trace()
+    assert [b.task for b in trace.batches] == [3, 4, 5]
+    assert trace.dropped == 3
+
+
+# --- the verdict's suggestions, on made-up traces -------------------------------------------------
+
+
+def made_up(
+    *,
+    in_order: bool = True,
+    persistent: bool = False,
+    executor: str = "mp",
+    cpu: float = 0.009,
+    waits: tuple[tuple[float, float, int], ...] = (),
+    batches: tuple[BatchRecord, ...] | None = None,
+    epochs: tuple[float, ...] = (0.0,),
+) -> Trace:
+    """Two workers; by default each loads five 10 ms batches back to back from t=0.01."""
+    if batches is None:
+        made = []
+        for task in range(10):
+            worker, turn = task % 2, task // 2
+            start = 0.01 + 0.01 * turn
+            made.append(
+                BatchRecord(
+                    task,
+                    worker,
+                    1,
+                    [task],
+                    0.0,
+                    start,
+                    start + 0.01,
+                    start + 0.0101,
+                    start + 0.0102,
+                    cpu,
+                    (((task), 0.01),),
+                )
+            )
+        batches = tuple(made)
+    marks = tuple(Mark(t, "epoch start", None, f"epoch {n + 1}") for n, t in enumerate(epochs))
+    return Trace(
+        num_workers=2,
+        in_order=in_order,
+        persistent_workers=persistent,
+        executor=executor,
+        batches=batches,
+        waits=tuple(Wait(asked, got, task) for asked, got, task in waits),
+        marks=marks,
+    )
+
+
+def test_a_loop_that_hardly_waits_is_told_loading_is_not_what_holds_it_back() -> None:
+    trace = made_up(waits=((0.0, 0.0005, 0),))
+    stats = trace.stats()
+    assert stats.suggestions() == ()
+    assert "loading is not what holds it back" in stats.verdict()
+
+
+def test_busy_workers_whose_samples_wait_are_told_to_add_workers() -> None:
+    trace = made_up(waits=((0.0, 0.03, 0),), cpu=0.0005)
+    (tip, *_) = trace.stats().suggestions()
+    assert tip.startswith("more workers (num_workers=2 now)")
+
+
+def test_samples_that_wait_in_worker_processes_are_told_about_threads() -> None:
+    trace = made_up(waits=((0.0, 0.03, 0),), cpu=0.0005)
+    assert any(tip.startswith('executor="thread"') for tip in trace.stats().suggestions())
+    computing = made_up(waits=((0.0, 0.03, 0),), cpu=0.0095)
+    assert not any(tip.startswith('executor="thread"') for tip in computing.stats().suggestions())
+
+
+def test_workers_idle_behind_another_workers_slow_batch_are_told_in_order_false() -> None:
+    # Worker 1's task 1 takes 100 ms; worker 0 finishes task 0 and task 2, then sits idle with
+    # them ready (its prefetch full) while the loop waits for task 1.
+    batches = (
+        BatchRecord(0, 0, 1, [0], 0.0, 0.0, 0.01, 0.01, 0.011, 0.001),
+        BatchRecord(1, 1, 1, [1], 0.0, 0.0, 0.10, 0.10, 0.101, 0.001),
+        BatchRecord(2, 0, 1, [2], 0.0, 0.01, 0.02, 0.02, 0.102, 0.001),
+        BatchRecord(3, 1, 1, [3], 0.0, 0.10, 0.11, 0.11, 0.112, 0.001),
+        BatchRecord(4, 0, 1, [4], 0.011, 0.10, 0.11, 0.11, 0.113, 0.001),
+    )
+    trace = made_up(batches=batches, waits=((0.0, 0.011, 0), (0.011, 0.101, 1)))
+    stats = trace.stats()
+    assert stats.idle_behind_order == pytest.approx(0.08)  # worker 0, from 0.02 to 0.10
+    assert any(tip.startswith("in_order=False") for tip in stats.suggestions())
+    out_of_order = made_up(
+        batches=batches, waits=((0.0, 0.011, 0), (0.011, 0.101, 1)), in_order=False
+    )
+    assert not any(tip.startswith("in_order") for tip in out_of_order.stats().suggestions())
+
+
+def test_epochs_that_wait_for_new_workers_are_told_persistent_workers() -> None:
+    second = 1.0
+    later = tuple(
+        BatchRecord(
+            10 + t,
+            t % 2,
+            2,
+            [t],
+            second,
+            second + 0.05,
+            second + 0.06,
+            second + 0.06,
+            second + 0.061,
+            0.009,
+        )
+        for t in range(2)
+    )
+    trace = made_up(
+        epochs=(0.0, second),
+        batches=made_up().batches + later,
+        waits=((0.0, 0.0202, 0), (second, second + 0.061, 10)),
+    )
+    tips = trace.stats().suggestions()
+    assert any(tip.startswith("persistent_workers=True") for tip in tips)
+    kept = attrs_evolve(trace, persistent_workers=True)
+    assert not any(tip.startswith("persistent") for tip in kept.stats().suggestions())
+
+
+def attrs_evolve(trace: Trace, **changes: Any) -> Trace:
+    import attrs
+
+    return attrs.evolve(trace, **changes)
+
+
+# --- python -m statecore profile ----------------------------------------------------------------
+
+SCRIPT = f"""
+import sys, time
+import torch
+from torch.utils.data import Dataset
+from statecore import DataLoader
+
+class Samples(Dataset):
+    def __len__(self):
+        return 32
+    def __getitem__(self, index):
+        time.sleep(0.15 if index == {STRAGGLER - 16} else 0.001)
+        return index
+
+if __name__ == "__main__":
+    for batch in DataLoader(Samples(), batch_size=4, num_workers=2):
+        pass
+    print("arguments", sys.argv[1:])
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_profile_runs_the_script_with_its_arguments_and_writes_three_outputs_per_loader(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment.pop(TRACE_VARIABLE, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "statecore", "profile", "--out", str(out), str(script), "3"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=170,
+    )
+    assert done.returncode == 3, done.stderr  # the script's own exit status
+    assert "arguments ['3']" in done.stdout
+    assert sorted(path.name for path in out.iterdir()) == [
+        "loader-0.timeline.png",
+        "loader-0.trace.json",
+        "loader-0.verdict.txt",
+    ]
+    assert format_problems(json.loads((out / "loader-0.trace.json").read_text())) == []
+    verdict = (out / "loader-0.verdict.txt").read_text()
+    assert f"index {STRAGGLER - 16}:" in verdict
+    assert verdict in done.stdout + "\n"
+
+
+@pytest.mark.timeout(60)
+def test_profile_says_so_when_the_script_makes_no_statecore_loader(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("print('no loader here')\n")
+    from statecore.tools.profile import profile
+
+    class Capture:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, text: str) -> int:
+            self.text += text
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    errors = Capture()
+    assert profile(str(script), (), tmp_path / "out", Capture(), errors) == 1  # type: ignore[arg-type]
+    assert "made no statecore DataLoader" in errors.text
+
+
+def test_profile_refuses_a_script_that_is_not_there(tmp_path: Path) -> None:
+    from statecore.tools.profile import profile
+
+    assert profile(str(tmp_path / "missing.py"), (), tmp_path / "out") == 2
+
+
+# --- how a worker times its samples ---------------------------------------------------------------
+
+
+class FastButFive(Dataset[int]):
+    """Samples that cost nothing, except index 5, which takes 2 ms."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            time.sleep(0.002)
+        return index
+
+
+def a_timed_fetch() -> Any:
+    from torch.utils.data.dataloader import _DatasetKind
+
+    from statecore.executors._timing import TimedFetch
+
+    fetcher = _DatasetKind.create_fetcher(
+        _DatasetKind.Map, FastButFive(), True, lambda samples: samples, False
+    )
+    return TimedFetch(fetcher, map_style=True)
+
+
+def test_a_workers_first_batch_is_timed_sample_by_sample() -> None:
+    fetch = a_timed_fetch()
+    assert fetch([0, 1, 2, 3]) == [0, 1, 2, 3]
+    ((index, _),) = fetch.slowest
+    assert index in (0, 1, 2, 3)
+
+
+def test_samples_too_fast_to_time_one_by_one_are_timed_by_their_batch() -> None:
+    fetch = a_timed_fetch()
+    fetch([0, 1, 2, 3])
+    assert fetch([8, 9, 10, 11]) == [8, 9, 10, 11]
+    ((index, _),) = fetch.slowest
+    assert index is WHOLE_BATCH  # the main process knows the batch's indices
+
+
+def test_a_slow_batch_of_fast_samples_brings_back_the_time_of_each_sample() -> None:
+    fetch = a_timed_fetch()
+    fetch([0, 1, 2, 3])
+    fetch([4, 5, 6, 7])
+    ((batch, took),) = fetch.slowest
+    assert batch is WHOLE_BATCH and took >= 0.002
+    fetch([5, 12])  # the next batch is timed sample by sample, and finds index 5
+    ((index, took),) = fetch.slowest
+    assert index == 5 and took >= 0.002
+
+
+class Terminal:
+    """A stand-in stderr that says it is a terminal, and keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+SLOW_SCRIPT = """
+import time
+from torch.utils.data import Dataset
+from statecore import DataLoader
+
+class Samples(Dataset):
+    def __len__(self):
+        return 24
+    def __getitem__(self, index):
+        time.sleep(0.05)
+        return index
+
+for batch in DataLoader(Samples(), batch_size=2, num_workers=2, executor="thread"):
+    pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_profile_on_a_terminal_counts_the_batches_traced_on_a_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from statecore.tools.profile import profile
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("TERM", raising=False)
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SCRIPT)
+    errors = Terminal()
+    assert profile(str(script), (), tmp_path / "out", Terminal(), errors) == 0  # type: ignore[arg-type]
+    assert "profile: 1 loader" in errors.text and "batch" in errors.text
+
+
+@pytest.mark.timeout(120)
+def test_profile_with_no_progress_draws_no_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from statecore.tools.profile import profile
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("TERM", raising=False)
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SCRIPT)
+    errors = Terminal()
+    status = profile(str(script), (), tmp_path / "out", Terminal(), errors, progress_bar=False)  # type: ignore[arg-type]
+    assert status == 0 and "profile: 1 loader" not in errors.text
+
+
+def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
+    loader = statecore.DataLoader(FastButFive(), batch_size=4, trace=True)
+    list(loader)
+    batches = sorted(loader.trace_record().batches, key=lambda b: b.task)
+    # The first batch is timed sample by sample; the next, of fast samples, as a whole.
+    assert batches[1].slowest[0][0] == [4, 5, 6, 7]
+
+
+@pytest.mark.timeout(60)
+def test_the_cost_tool_times_a_workload_with_tracing_off_and_on_in_turns() -> None:
+    from statecore.tools.trace_cost import compare
+    from statecore.tools.workloads import select
+
+    cost = compare(select(["inline-b1"])[0].resized(20), rounds=2)
+    assert len(cost.off) == len(cost.on) == 2
+    assert all(ratio > 0 for ratio in cost.ratios)
+    assert cost.describe().startswith("inline-b1: off ")

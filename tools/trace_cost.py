@@ -1,0 +1,85 @@
+"""What tracing costs: a workload of `statecore bench` with `trace=True` and without, in turns.
+
+    python -m statecore.tools.trace_cost [WORKLOAD ...] [--rounds N] [--batches N]
+
+For each workload (default: inline-b1 and processes-b64), statecore's loader runs with tracing
+off and on, alternately (off first in even rounds, on first in odd ones), and the command
+prints both medians and the median of the per-round ratios with its quartiles: runs seconds
+apart see the same machine, so the ratio within a round is the steadier figure on a shared
+machine. docs/profiling.md quotes its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+
+import attrs
+
+import statecore
+from statecore.tools.workloads import Workload, measure, select
+
+__all__ = ["TraceCost", "compare", "main"]
+
+
+@attrs.frozen
+class TraceCost:
+    """A workload's figures with tracing off and on, round by round."""
+
+    workload: Workload
+    off: tuple[float, ...]
+    on: tuple[float, ...]
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """Per round, the traced run's time over the untraced one's (above 1: tracing costs)."""
+        # A figure where lower is better is a time; otherwise a rate, whose inverse is a time.
+        timed = self.workload.unit.lower_is_better
+        return tuple(
+            traced / untraced if timed else untraced / traced
+            for untraced, traced in zip(self.off, self.on, strict=True)
+        )
+
+    def describe(self) -> str:
+        ratios = sorted(self.ratios)
+        quarter = len(ratios) // 4
+        unit = self.workload.unit.value
+        return (
+            f"{self.workload.name}: off {statistics.median(self.off):.1f} {unit}, "
+            f"on {statistics.median(self.on):.1f} {unit}; traced time / untraced, per round: "
+            f"median {statistics.median(ratios):.3f}, quartiles {ratios[quarter]:.3f} to "
+            f"{ratios[-1 - quarter]:.3f} ({len(ratios)} rounds)"
+        )
+
+
+def compare(workload: Workload, rounds: int) -> TraceCost:
+    """`rounds` rounds of `workload` with statecore's loader, tracing off and on in turns."""
+    off: list[float] = []
+    on: list[float] = []
+    for number in range(rounds):
+        order = (False, True) if number % 2 == 0 else (True, False)
+        for traced in order:
+            run = measure(workload, statecore.DataLoader, {"trace": traced})
+            (on if traced else off).append(workload.unit.figure(run.throughput))
+    return TraceCost(workload, tuple(off), tuple(on))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m statecore.tools.trace_cost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("workloads", nargs="*", default=["inline-b1", "processes-b64"])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--batches", type=int, default=None, help="batches per epoch")
+    args = parser.parse_args(argv)
+    for workload in select(args.workloads):
+        if args.batches is not None:
+            workload = workload.resized(args.batches)
+        print(compare(workload, args.rounds).describe(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
