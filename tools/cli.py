@@ -1,4 +1,4 @@
-"""The command line: `python -m statecore check | diagram | demo | bench`."""
+"""The command line: `python -m statecore check | diagram | demo | bench | profile | replay`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import attrs
 from statecore import Config
 from statecore.models.explorer import Bounds, default_scenarios, explore_all
 from statecore.models.world import Scenario
+from statecore.tools.progress import Bar
 
 __all__ = ["main", "scenario_label"]
 
@@ -59,8 +60,12 @@ def scenario_label(scenario: Scenario) -> str:
     )
 
 
-def check(processes: int, bench: bool, verbose: bool) -> int:
-    """Explore every default scenario; print what was covered and any violation."""
+def check(processes: int, bench: bool, verbose: bool, progress_bar: bool = True) -> int:
+    """Explore every default scenario; print what was covered and any violation.
+
+    While exploring, a bar over the configurations is drawn on stderr if it is a terminal and
+    `progress_bar` is true (`statecore.tools.progress`); nothing is printed there otherwise.
+    """
     scenarios = list(default_scenarios(Bounds()))
     print(
         f"exploring {len(scenarios)} configurations exhaustively "
@@ -70,7 +75,8 @@ def check(processes: int, bench: bool, verbose: bool) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    reports = explore_all(scenarios, processes=processes)
+    with Bar(len(scenarios), unit="config", description="check", show=progress_bar) as bar:
+        reports = explore_all(scenarios, processes=processes, on_progress=lambda _: bar.advance())
     elapsed = time.perf_counter() - started
     if verbose:
         labels = [scenario_label(report.scenario) for report in reports]
@@ -112,6 +118,16 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _add_no_progress(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="draw no progress bar, even on a terminal (none is drawn when stderr is not one, "
+        "nor under CI=true or TERM=dumb)",
+    )
+
+
 def _add_bench(commands: Any) -> None:
     bench_parser = commands.add_parser(
         "bench",
@@ -145,6 +161,7 @@ def _add_bench(commands: Any) -> None:
         help="skip the peak-memory runs (each a fresh interpreter per loader and workload)",
     )
     bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    _add_no_progress(bench_parser)
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -166,6 +183,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         json_path=args.json,
         plot_path=args.plot,
         memory=args.memory,
+        progress_bar=args.progress,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 
@@ -190,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_parser.add_argument(
         "-v", "--verbose", action="store_true", help="print a line per configuration"
     )
+    _add_no_progress(check_parser)
     commands.add_parser("diagram", help="print the state diagram (Mermaid) from the table")
     demo_parser = commands.add_parser(
         "demo",
@@ -207,12 +226,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="batches per epoch (default: 40, or 6 with --quick)",
     )
     _add_bench(commands)
+    profile_parser = commands.add_parser(
+        "profile",
+        help="run a training script with every statecore loader traced; write each loader's "
+        "Chrome/Perfetto trace, timeline PNG and verdict",
+    )
+    profile_parser.add_argument(
+        "--out",
+        default="statecore-profile",
+        metavar="DIR",
+        help="the folder for the outputs (default: statecore-profile)",
+    )
+    profile_parser.add_argument("script", help="the training script, as for `python script.py`")
+    _add_no_progress(profile_parser)
+    profile_parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="the script's own arguments"
+    )
+    replay_parser = commands.add_parser(
+        "replay",
+        help="re-drive the scheduler through a flight recorder's file (named in the error that "
+        "wrote it), check every invariant and print the trace",
+    )
+    replay_parser.add_argument("file", help="the flight recorder's JSON file")
     arguments = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(arguments)
+    if args.command == "replay":
+        from statecore.tools.replay import replay_file
+
+        return replay_file(args.file)
+    if args.command == "profile":
+        from statecore.tools.profile import profile
+
+        return profile(args.script, args.script_args, args.out, progress_bar=args.progress)
     if args.command == "bench":
         return _bench(args, arguments)
     if args.command == "check":
-        return check(args.processes, args.bench, args.verbose)
+        return check(args.processes, args.bench, args.verbose, args.progress)
     if args.command == "demo":
         from statecore.tools.demo import demo
 
