@@ -24,8 +24,8 @@ traced batch several microseconds more, and the trace's slowest samples come fro
 its batches anyway."""
 
 
-TaskTiming = tuple[float, float, float, tuple[tuple[Any, float], ...]]
-"""One task as its worker saw it: `(started, finished, cpu, slowest)`.
+TaskTiming = tuple[float, float, float, tuple[tuple[Any, float], ...], float | None]
+"""One task as its worker saw it: `(started, finished, cpu, slowest, ready)`.
 
 - `started`, `finished`: `time.perf_counter()` when the worker began the task and when its
   batch was made (collated), before the executor sends it;
@@ -34,7 +34,9 @@ TaskTiming = tuple[float, float, float, tuple[tuple[Any, float], ...]]
 - `slowest`: the task's slowest samples as (dataset index, seconds), slowest first, up to
   `SLOWEST_KEPT`; empty for an iterable dataset (its samples have no index); one entry for the
   whole batch, its index `WHOLE_BATCH`, when the dataset loads it at once (`__getitems__`) or
-  its samples take under `FAST_SAMPLE` each.
+  its samples take under `FAST_SAMPLE` each;
+- `ready`: with a worker's first answer, when the worker became ready (seeded, its dataset
+  prepared, `worker_init_fn` run); None with every later one.
 
 A plain tuple, not a class: every answer of a traced loader carries one across the process
 boundary, and a tuple of floats unpickles in 0.5 us where a named tuple takes 2 us.

@@ -557,7 +557,12 @@ class Tracer:
                     unhanded[task] = now
                     timing = event.timing  # type: ignore[attr-defined]
                     if timing is not None:
-                        fields[_STARTED], fields[_FINISHED], fields[_CPU], fields[_SLOWEST] = timing
+                        started, finished, cpu, slowest, ready = timing
+                        fields[_STARTED], fields[_FINISHED] = started, finished
+                        fields[_CPU], fields[_SLOWEST] = cpu, slowest
+                        if ready is not None:
+                            worker = event.worker  # type: ignore[attr-defined]
+                            self.marks.append(Mark(ready, "worker ready", worker))
                     if kind is TaskFailed:
                         fields[_FAILED] = True
             elif kind is NextRequested:

@@ -218,6 +218,9 @@ class WorkerRuntime:
         self.skip = 0
         """Batches to fast-forward before the next one: those handed over before a checkpoint."""
         self.stateful = False
+        self.ready: float | None = time.perf_counter() if setup.trace else None
+        """For a traced loader: when this worker became ready (seeded, `worker_init_fn` run,
+        its dataset prepared), told with its first answer, then None."""
         if dataset is None:
             dataset = setup.dataset
             if init_error is None:
@@ -356,7 +359,9 @@ class WorkerRuntime:
                 time.perf_counter(),
                 time.thread_time() - cpu,
                 fetch.slowest if isinstance(fetch, TimedFetch) else (),
+                self.ready,
             )
+            self.ready = None
             # The event was made just now, here, and nobody else holds it yet: its slot is
             # filled in place rather than the event copied (attrs.evolve: 3 us a batch).
             _TIMING_SLOT[kind](event, timing)

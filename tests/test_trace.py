@@ -547,10 +547,8 @@ for batch in DataLoader(Samples(), batch_size=2, num_workers=2, executor="thread
 """
 
 
-@pytest.mark.timeout(120)
-def test_profile_on_a_terminal_counts_the_batches_traced_on_a_bar(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def profile_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: Any) -> str:
+    """Profile SLOW_SCRIPT with stderr a terminal outside CI; what went to stderr."""
     from statecore.tools.profile import profile
 
     monkeypatch.delenv("CI", raising=False)
@@ -558,23 +556,26 @@ def test_profile_on_a_terminal_counts_the_batches_traced_on_a_bar(
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SCRIPT)
     errors = Terminal()
-    assert profile(str(script), (), tmp_path / "out", Terminal(), errors) == 0  # type: ignore[arg-type]
-    assert "profile: 1 loader" in errors.text and "batch" in errors.text
+    status = profile(str(script), (), tmp_path / "out", Terminal(), errors, **options)  # type: ignore[arg-type]
+    assert status == 0
+    return errors.text
+
+
+@pytest.mark.timeout(120)
+def test_profile_on_a_terminal_counts_the_batches_traced_on_a_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shown = profile_on_a_terminal(tmp_path, monkeypatch)
+    assert "profile: 1 loader" in shown and "batch" in shown
 
 
 @pytest.mark.timeout(120)
 def test_profile_with_no_progress_draws_no_bar(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from statecore.tools.profile import profile
-
-    monkeypatch.delenv("CI", raising=False)
-    monkeypatch.delenv("TERM", raising=False)
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_SCRIPT)
-    errors = Terminal()
-    status = profile(str(script), (), tmp_path / "out", Terminal(), errors, progress_bar=False)  # type: ignore[arg-type]
-    assert status == 0 and "profile: 1 loader" not in errors.text
+    assert "profile: 1 loader" not in profile_on_a_terminal(
+        tmp_path, monkeypatch, progress_bar=False
+    )
 
 
 def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
@@ -594,3 +595,14 @@ def test_the_cost_tool_times_a_workload_with_tracing_off_and_on_in_turns() -> No
     assert len(cost.off) == len(cost.on) == 2
     assert all(ratio > 0 for ratio in cost.ratios)
     assert cost.describe().startswith("inline-b1: off ")
+
+
+@pytest.mark.timeout(120)
+def test_each_worker_is_marked_ready_before_its_first_batch() -> None:
+    loader, _ = traced_epoch("mp", workers=2)
+    trace = loader.trace_record()
+    ready = {mark.worker: mark.time for mark in trace.marks if mark.kind == "worker ready"}
+    assert set(ready) == {0, 1}
+    for worker, moment in ready.items():
+        first = min(b.started for b in trace.batches if b.worker == worker and b.started)
+        assert trace.start <= moment <= first

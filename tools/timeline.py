@@ -3,7 +3,8 @@
 One row per worker, with a bar for every batch it loaded (stragglers in red, labelled with
 their slowest sample's dataset index), and a row for the consumer, the training loop, with a
 bar for every wait in `next()` or `iter()` (darker where a later batch was ready and held back
-for the order of delivery). Epoch starts are dashed lines. Needs matplotlib (the `bench`
+for the order of delivery). Epoch starts are dashed lines; a green triangle marks when a
+worker became ready, a cross when one died. Needs matplotlib (the `bench`
 extra).
 """
 
@@ -40,7 +41,7 @@ def draw_timeline(trace: Trace, path: str | os.PathLike[str], title: str = "") -
     stragglers = {(b.epoch, b.task, b.worker) for b in stats.stragglers}
     origin = trace.start
     rows = trace.num_workers + 1
-    figure = Figure(figsize=(12, 1.2 + 0.45 * rows), layout="constrained")
+    figure = Figure(figsize=(12, 1.8 + 0.45 * rows), layout="constrained")
     axes = figure.add_subplot()
     labelled = set()
     for b in trace.batches:
@@ -94,10 +95,21 @@ def draw_timeline(trace: Trace, path: str | os.PathLike[str], title: str = "") -
             axes.axvline(mark.time - origin, color="grey", linestyle="--", linewidth=0.8)
         elif mark.kind == "worker died" and mark.worker is not None:
             axes.plot([mark.time - origin], [mark.worker + 1], "kx", markersize=9)
+        elif mark.kind == "worker ready" and mark.worker is not None:
+            label = "worker ready"
+            axes.plot(
+                [mark.time - origin],
+                [mark.worker + 1],
+                marker=">",
+                color="tab:green",
+                linestyle="none",
+                label=None if label in labelled else label,
+            )
+            labelled.add(label)
     axes.set_yticks(
         range(rows), ["training loop"] + [f"worker {w}" for w in range(trace.num_workers)]
     )
-    axes.set_ylim(-0.7, rows - 0.1 + 0.5)
+    axes.set_ylim(-0.7, rows - 0.3)
     axes.invert_yaxis()
     axes.set_xlabel("seconds since the first iter(loader)")
     heading = (
@@ -105,7 +117,8 @@ def draw_timeline(trace: Trace, path: str | os.PathLike[str], title: str = "") -
         f"{len(stats.stragglers)} straggler batch(es)"
     )
     axes.set_title(f"{title}: {heading}" if title else heading, fontsize=10)
-    axes.legend(fontsize=8, loc="lower right", ncols=4)
+    # Below the axes, where it hides no bar.
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncols=5)
     path = Path(path)
     figure.savefig(path, format="png", dpi=100)
     return path
