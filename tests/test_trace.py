@@ -381,6 +381,24 @@ def attrs_evolve(trace: Trace, **changes: Any) -> Trace:
     return attrs.evolve(trace, **changes)
 
 
+class Written:
+    """A stand-in stdout or stderr that keeps what is written to it; a terminal if told so."""
+
+    def __init__(self, terminal: bool = False) -> None:
+        self.text = ""
+        self.terminal = terminal
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
 # --- python -m statecore profile ----------------------------------------------------------------
 
 SCRIPT = f"""
@@ -439,19 +457,8 @@ def test_profile_says_so_when_the_script_makes_no_statecore_loader(tmp_path: Pat
     script.write_text("print('no loader here')\n")
     from statecore.tools.profile import profile
 
-    class Capture:
-        def __init__(self) -> None:
-            self.text = ""
-
-        def write(self, text: str) -> int:
-            self.text += text
-            return len(text)
-
-        def flush(self) -> None:
-            pass
-
-    errors = Capture()
-    assert profile(str(script), (), tmp_path / "out", Capture(), errors) == 1  # type: ignore[arg-type]
+    errors = Written()
+    assert profile(str(script), (), tmp_path / "out", Written(), errors) == 1  # type: ignore[arg-type]
     assert "made no statecore DataLoader" in errors.text
 
 
@@ -513,23 +520,6 @@ def test_a_slow_batch_of_fast_samples_brings_back_the_time_of_each_sample() -> N
     assert index == 5 and took >= 0.002
 
 
-class Terminal:
-    """A stand-in stderr that says it is a terminal, and keeps what is written to it."""
-
-    def __init__(self) -> None:
-        self.text = ""
-
-    def write(self, text: str) -> int:
-        self.text += text
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return True
-
-
 SLOW_SCRIPT = """
 import time
 from torch.utils.data import Dataset
@@ -555,8 +545,8 @@ def profile_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **opt
     monkeypatch.delenv("TERM", raising=False)
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SCRIPT)
-    errors = Terminal()
-    status = profile(str(script), (), tmp_path / "out", Terminal(), errors, **options)  # type: ignore[arg-type]
+    errors = Written(terminal=True)
+    status = profile(str(script), (), tmp_path / "out", Written(), errors, **options)  # type: ignore[arg-type]
     assert status == 0
     return errors.text
 
