@@ -15,6 +15,7 @@ verdict in words (`Trace.verdict`), and a Chrome/Perfetto trace file (`Trace.chr
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
@@ -450,7 +451,14 @@ def _idle_behind_order(trace: Trace) -> float:
     """Worker-seconds idle with a ready batch held, while the consumer waited for another
     worker's batch (see `LoaderStats.idle_behind_order`)."""
     owner = {(b.epoch, b.task): b.worker for b in trace.batches}
-    epochs = sorted((m.time, m.detail) for m in trace.marks if m.kind == "epoch start")
+    starts = sorted(m.time for m in trace.marks if m.kind == "epoch start")
+    # Each wait for a batch, with the worker that batch was loaded by (its epoch: the number
+    # of epochs begun by then), found once for all workers.
+    awaited = [
+        (wait.asked, wait.got, owner.get((bisect.bisect_right(starts, wait.asked), wait.task)))
+        for wait in trace.waits
+        if wait.task is not None
+    ]
     total = 0.0
     for worker in range(trace.num_workers):
         mine = sorted(
@@ -467,14 +475,10 @@ def _idle_behind_order(trace: Trace) -> float:
         ready = _merged(
             [(b.arrived, b.handed) for b in mine if b.arrived is not None and b.handed is not None]
         )
-        waiting = []
-        for wait in trace.waits:
-            if wait.task is None:
-                continue
-            epoch = sum(1 for began, _ in epochs if began <= wait.asked)
-            if owner.get((epoch, wait.task), worker) != worker:
-                waiting.append((wait.asked, wait.got))
-        blocked = _intersected(_intersected(gaps, ready), _merged(waiting))
+        waiting = _merged(
+            [(asked, got) for asked, got, other in awaited if other not in (None, worker)]
+        )
+        blocked = _intersected(_intersected(gaps, ready), waiting)
         total += sum(end - start for start, end in blocked)
     return total
 
@@ -524,7 +528,6 @@ class Tracer:
         """The consumer's waits: (asked, got, task, held), as `Wait` has them."""
         self.marks: list[Mark] = []
         self.dropped = 0
-        self.drivers = 0
         self.epoch = 0
         self.asked: float | None = None
         self.unhanded: dict[int, float] = {}
@@ -533,7 +536,6 @@ class Tracer:
 
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, watched: the step function for one driver (one loader iterator)."""
-        self.drivers += 1
         clock = self.clock
         tasks: dict[int, list[Any]] = {}
         self.tasks.append(tasks)

@@ -19,36 +19,37 @@ from collections.abc import Sequence
 import attrs
 
 import statecore
-from statecore.tools.workloads import Workload, measure, select
+from statecore.tools.loader_bench import pair_ratios
+from statecore.tools.workloads import Measurement, Workload, measure, select
 
 __all__ = ["TraceCost", "compare", "main"]
 
 
 @attrs.frozen
 class TraceCost:
-    """A workload's figures with tracing off and on, round by round."""
+    """A workload's runs with tracing off and on, round by round."""
 
     workload: Workload
-    off: tuple[float, ...]
-    on: tuple[float, ...]
+    off: tuple[Measurement, ...]
+    on: tuple[Measurement, ...]
 
     @property
     def ratios(self) -> tuple[float, ...]:
-        """Per round, the traced run's time over the untraced one's (above 1: tracing costs)."""
-        # A figure where lower is better is a time; otherwise a rate, whose inverse is a time.
-        timed = self.workload.unit.lower_is_better
-        return tuple(
-            traced / untraced if timed else untraced / traced
-            for untraced, traced in zip(self.off, self.on, strict=True)
-        )
+        """Per round, the traced run's time over the untraced one's (above 1: tracing costs):
+        the inverse of the throughput ratio the bench reports (`pair_ratios`)."""
+        return tuple(1.0 / ratio for ratio in pair_ratios(self.off, self.on))
 
     def describe(self) -> str:
         ratios = sorted(self.ratios)
         quarter = len(ratios) // 4
-        unit = self.workload.unit.value
+        unit = self.workload.unit
+
+        def median(runs: tuple[Measurement, ...]) -> float:
+            return statistics.median(unit.figure(run.throughput) for run in runs)
+
         return (
-            f"{self.workload.name}: off {statistics.median(self.off):.1f} {unit}, "
-            f"on {statistics.median(self.on):.1f} {unit}; traced time / untraced, per round: "
+            f"{self.workload.name}: off {median(self.off):.1f} {unit.value}, "
+            f"on {median(self.on):.1f} {unit.value}; traced time / untraced, per round: "
             f"median {statistics.median(ratios):.3f}, quartiles {ratios[quarter]:.3f} to "
             f"{ratios[-1 - quarter]:.3f} ({len(ratios)} rounds)"
         )
@@ -56,13 +57,13 @@ class TraceCost:
 
 def compare(workload: Workload, rounds: int) -> TraceCost:
     """`rounds` rounds of `workload` with statecore's loader, tracing off and on in turns."""
-    off: list[float] = []
-    on: list[float] = []
+    off: list[Measurement] = []
+    on: list[Measurement] = []
     for number in range(rounds):
         order = (False, True) if number % 2 == 0 else (True, False)
         for traced in order:
             run = measure(workload, statecore.DataLoader, {"trace": traced})
-            (on if traced else off).append(workload.unit.figure(run.throughput))
+            (on if traced else off).append(run)
     return TraceCost(workload, tuple(off), tuple(on))
 
 
