@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -358,6 +360,26 @@ def test_replay_of_a_written_file_exits_0_and_prints_the_trace(flight_dir: Path)
     assert "    1  ResetRequested(seed=None, resume=None) -> DrawIndex()" in lines
     assert any(re.match(r" +\d+  TaskCompleted\(task=2, worker=0\) -> ", line) for line in lines)
     assert lines[-1].startswith("replay: 13 steps; every invariant holds")
+
+
+def test_replay_into_a_reader_that_went_away_ends_quietly(flight_dir: Path) -> None:
+    # `replay FILE | head`: the reader closes its end before the trace is all written
+    path = _written(flight_dir)
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "statecore", "replay", str(path)],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=100,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(writer)
+    assert done.returncode == 128 + signal.SIGPIPE
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
 
 
 def _edited(path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
