@@ -16,7 +16,15 @@ import operator
 import time
 from typing import Any
 
-__all__ = ["FAST_SAMPLE", "SLOWEST_KEPT", "WHOLE_BATCH", "TaskTiming", "TimedFetch"]
+__all__ = [
+    "CPU_SAMPLED_EVERY",
+    "FAST_SAMPLE",
+    "FAST_TASK",
+    "SLOWEST_KEPT",
+    "WHOLE_BATCH",
+    "TaskTiming",
+    "TimedFetch",
+]
 
 SLOWEST_KEPT = 1
 """Samples of a task whose times a worker sends: the slowest only. Finding more costs every
@@ -24,13 +32,15 @@ traced batch several microseconds more, and the trace's slowest samples come fro
 its batches anyway."""
 
 
-TaskTiming = tuple[float, float, float, tuple[tuple[Any, float], ...], float | None]
+TaskTiming = tuple[float, float, float | None, tuple[tuple[Any, float], ...], float | None]
 """One task as its worker saw it: `(started, finished, cpu, slowest, ready)`.
 
 - `started`, `finished`: `time.perf_counter()` when the worker began the task and when its
   batch was made (collated), before the executor sends it;
 - `cpu`: CPU seconds the worker's thread spent on it (`time.thread_time`): far below the
-  task's duration when its samples wait (I/O, sleeps), close to it when they compute;
+  task's duration when its samples wait (I/O, sleeps), close to it when they compute. None
+  when it was not read: a worker reads it for every task after one that took `FAST_TASK` or
+  more, and for one in `CPU_SAMPLED_EVERY` of the faster ones;
 - `slowest`: the task's slowest samples as (dataset index, seconds), slowest first, up to
   `SLOWEST_KEPT`; empty for an iterable dataset (its samples have no index); one entry for the
   whole batch, its index `WHOLE_BATCH`, when the dataset loads it at once (`__getitems__`) or
@@ -50,6 +60,14 @@ batch's indices, puts them back in its place rather than have every answer carry
 FAST_SAMPLE = 20e-6
 """Below this mean time a sample, a worker times its batches whole, not each sample: the two
 clock readings around a sample cost about 0.2 us, which is then over 1% of loading."""
+
+
+FAST_TASK = 200e-6
+"""Below this a task is fast: the two readings of the CPU clock around it (system calls, 0.8 us
+each) would cost it over 1%, so only one in `CPU_SAMPLED_EVERY` fast tasks has its CPU time
+read. The CPU share of a trace is taken over the tasks that have one."""
+
+CPU_SAMPLED_EVERY = 16
 
 
 class TimedFetch:
@@ -85,19 +103,20 @@ class TimedFetch:
             samples = getitems(index)
             self.slowest = ((WHOLE_BATCH, clock() - started),)
             return fetcher.collate_fn(samples)
-        indices = list(index)
-        if not indices:
-            return fetcher.collate_fn([])
         if self.sample_seconds < FAST_SAMPLE:
             # Samples this fast cost less than the clock readings around each would: the batch
             # is timed as a whole, and a slow sample shows as its batch, by its indices. A
             # batch slow enough to matter brings the timing of each sample back.
             started = clock()
-            samples = [dataset[sample_index] for sample_index in indices]
+            samples = [dataset[sample_index] for sample_index in index]
             took = clock() - started
             self.slowest = ((WHOLE_BATCH, took),)
-            self.sample_seconds = took / len(indices)
+            if samples:
+                self.sample_seconds = took / len(samples)
             return fetcher.collate_fn(samples)
+        indices = list(index)
+        if not indices:
+            return fetcher.collate_fn([])
         # One clock reading after each sample; the differences and the slowest found in C.
         samples = []
         stamps = [clock()]

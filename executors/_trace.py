@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,9 +75,69 @@ STRAGGLER_FACTOR = 3.0
 
 StepFunction = Callable[[State, Event], Transition]
 
-# A task's fields while it is traced, in a list (cheaper to fill than an object), by position:
-_TASK, _WORKER, _EPOCH, _INDEX, _SENT, _STARTED, _FINISHED = 0, 1, 2, 3, 4, 5, 6
-_ARRIVED, _HANDED, _CPU, _SLOWEST, _FAILED = 7, 8, 9, 10, 11
+# The trace's own tables are columns holding numbers and None, which the garbage collector
+# leaves out of its walks, and the sampler's index lists, which it walks anyway. A table of
+# lists, one per batch, with the timings' tuples in them, added four objects a batch to every
+# young collection of the main process: a third of what tracing cost where batches are small
+# and fast.
+_FIELDS = ("worker", "epoch", "index", "sent", "started", "finished", "arrived", "handed", "cpu")
+
+
+class _Tasks:
+    """One driver's (one loader iterator's) tasks as columns: per field, task -> value."""
+
+    def __init__(self) -> None:
+        self.worker: dict[int, int] = {}
+        self.epoch: dict[int, int] = {}
+        self.index: dict[int, Any] = {}
+        self.sent: dict[int, float] = {}
+        self.started: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.arrived: dict[int, float] = {}
+        self.handed: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}
+        self.slowest_index: dict[int, Any] = {}
+        self.slowest_took: dict[int, float] = {}
+        """A task's slowest sample, as its worker reported it (a worker reports one)."""
+        self.failed: set[int] = set()
+
+    def forget_oldest(self) -> bool:
+        """Forget the oldest task kept; False if none is."""
+        if not self.sent:
+            return False
+        task = next(iter(self.sent))
+        for field in _FIELDS:
+            getattr(self, field).pop(task, None)
+        self.slowest_index.pop(task, None)
+        self.slowest_took.pop(task, None)
+        self.failed.discard(task)
+        return True
+
+    def _slowest(self, task: int) -> tuple[tuple[Any, float], ...]:
+        if task not in self.slowest_took:
+            return ()
+        index = self.slowest_index[task]
+        return ((self.index[task] if index is WHOLE_BATCH else index, self.slowest_took[task]),)
+
+    def records(self) -> list[BatchRecord]:
+        get = dict.get
+        return [
+            BatchRecord(
+                task=task,
+                worker=self.worker[task],
+                epoch=self.epoch[task],
+                index=self.index[task],
+                sent=sent,
+                started=get(self.started, task),
+                finished=get(self.finished, task),
+                arrived=get(self.arrived, task),
+                handed=get(self.handed, task),
+                cpu=get(self.cpu, task),
+                slowest=self._slowest(task),
+                failed=task in self.failed,
+            )
+            for task, sent in self.sent.items()
+        ]
 
 
 _collected: list[Tracer] | None = None
@@ -262,8 +323,9 @@ class LoaderStats:
         for worker in range(trace.num_workers):
             mine = sum(b.seconds or 0.0 for b in done if b.worker == worker)
             busy.append(mine / seconds if seconds > 0 else 0.0)
+        # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
         cpu = sum(b.cpu for b in done if b.cpu is not None)
-        wall = sum(durations)
+        wall = sum(b.seconds or 0.0 for b in done if b.cpu is not None)
         samples = [
             (index, took, b.worker, b.task, b.epoch) for b in done for index, took in b.slowest
         ]
@@ -520,12 +582,12 @@ class Tracer:
         self.executor = executor
         self.limit = limit
         self.clock = clock
-        self.tasks: list[dict[int, list[Any]]] = []
-        """Per driver (loader iterator), task -> the fields of its `BatchRecord`, in order,
-        filled as they come."""
+        self.tasks: list[_Tasks] = []
+        """Per driver (loader iterator), its tasks' fields, filled as they come."""
         self.kept = 0
-        self.waits: list[tuple[float, float, int | None, float]] = []
-        """The consumer's waits: (asked, got, task, held), as `Wait` has them."""
+        self.waits = (array("d"), array("d"), array("q"), array("d"))
+        """The consumer's waits, in columns: asked, got, task (-1 for none), held, as `Wait`
+        has them."""
         self.marks: list[Mark] = []
         self.dropped = 0
         self.epoch = 0
@@ -537,14 +599,17 @@ class Tracer:
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, watched: the step function for one driver (one loader iterator)."""
         clock = self.clock
-        tasks: dict[int, list[Any]] = {}
+        tasks = _Tasks()
         self.tasks.append(tasks)
+        worker_of, epoch_of, index_of, sent_at = tasks.worker, tasks.epoch, tasks.index, tasks.sent
+        started_at, finished_at, arrived_at = tasks.started, tasks.finished, tasks.arrived
+        handed_at, cpu_of = tasks.handed, tasks.cpu
+        slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
         unhanded = self.unhanded = {}
-        waits = self.waits
+        waits_asked, waits_got, waits_task, waits_held = self.waits
         limit = self.limit
 
-        # Every step of a traced loader runs this: what is asked most comes first, and what
-        # is kept per batch is a list and a tuple (objects are built when the trace is read).
+        # Every step of a traced loader runs this: what is asked most comes first.
         def traced(state: State, event: Event) -> Transition:
             now = clock()
             transition = step(state, event)
@@ -553,20 +618,18 @@ class Tracer:
                 pass
             elif kind is TaskCompleted or kind is TaskFailed:
                 task = event.task  # type: ignore[attr-defined]
-                fields = tasks.get(task)
-                if fields is not None:
-                    fields[_ARRIVED] = now
-                    unhanded[task] = now
+                if task in sent_at:
+                    arrived_at[task] = unhanded[task] = now
                     timing = event.timing  # type: ignore[attr-defined]
                     if timing is not None:
-                        started, finished, cpu, slowest, ready = timing
-                        fields[_STARTED], fields[_FINISHED] = started, finished
-                        fields[_CPU], fields[_SLOWEST] = cpu, slowest
+                        started_at[task], finished_at[task], cpu_of[task], slowest, ready = timing
+                        if slowest:
+                            slowest_index[task], slowest_took[task] = slowest[0]
                         if ready is not None:
                             worker = event.worker  # type: ignore[attr-defined]
                             self.marks.append(Mark(ready, "worker ready", worker))
                     if kind is TaskFailed:
-                        fields[_FAILED] = True
+                        tasks.failed.add(task)
             elif kind is NextRequested:
                 if self.asked is None:
                     self.asked = now
@@ -577,20 +640,11 @@ class Tracer:
                 ckind = type(command)
                 if ckind is SendTask:
                     task = command.task
-                    tasks[task] = [
-                        task,
-                        command.worker,
-                        self.epoch,
-                        command.index,
-                        now,  # sent
-                        None,  # started
-                        None,  # finished
-                        None,  # arrived
-                        None,  # handed
-                        None,  # cpu
-                        (),  # slowest
-                        False,  # failed
-                    ]
+                    index = command.index
+                    worker_of[task] = command.worker
+                    epoch_of[task] = self.epoch
+                    index_of[task] = index
+                    sent_at[task] = now
                     self.kept += 1
                     if self.kept > limit:
                         self._forget_oldest()
@@ -603,15 +657,17 @@ class Tracer:
                         task = None
                         self.marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
                     if task is not None:
-                        fields = tasks.get(task)
-                        if fields is not None:
-                            fields[_HANDED] = now
+                        if task in sent_at:
+                            handed_at[task] = now
                         unhanded.pop(task, None)
                     asked = self.asked
                     if asked is not None:
                         # Any other batch that arrived before this outcome was ready meanwhile.
                         ready = min(unhanded.values()) if unhanded else now
-                        waits.append((asked, now, task, now - (asked if asked > ready else ready)))
+                        waits_asked.append(asked)
+                        waits_got.append(now)
+                        waits_task.append(-1 if task is None else task)
+                        waits_held.append(now - (asked if asked > ready else ready))
                         self.asked = None
                 elif ckind is ResumeWorker:
                     self.marks.append(Mark(now, "resume sent", command.worker))
@@ -621,8 +677,7 @@ class Tracer:
 
     def _forget_oldest(self) -> None:
         for tasks in self.tasks:
-            if tasks:
-                del tasks[next(iter(tasks))]
+            if tasks.forget_oldest():
                 self.kept -= 1
                 self.dropped += 1
                 return
@@ -646,34 +701,16 @@ class Tracer:
 
     def trace(self) -> Trace:
         """What was traced so far."""
-        batches = [
-            BatchRecord(
-                task=fields[_TASK],
-                worker=fields[_WORKER],
-                epoch=fields[_EPOCH],
-                index=fields[_INDEX],
-                sent=fields[_SENT],
-                started=fields[_STARTED],
-                finished=fields[_FINISHED],
-                arrived=fields[_ARRIVED],
-                handed=fields[_HANDED],
-                cpu=fields[_CPU],
-                slowest=tuple(
-                    (fields[_INDEX] if index is WHOLE_BATCH else index, took)
-                    for index, took in fields[_SLOWEST]
-                ),
-                failed=fields[_FAILED],
-            )
-            for tasks in self.tasks
-            for fields in tasks.values()
-        ]
         return Trace(
             num_workers=self.num_workers,
             in_order=self.in_order,
             persistent_workers=self.persistent_workers,
             executor=self.executor,
-            batches=tuple(batches),
-            waits=tuple(Wait(*wait) for wait in self.waits),
+            batches=tuple(record for tasks in self.tasks for record in tasks.records()),
+            waits=tuple(
+                Wait(asked, got, None if task == -1 else task, held)
+                for asked, got, task, held in zip(*self.waits, strict=True)
+            ),
             marks=tuple(self.marks),
             dropped=self.dropped,
         )

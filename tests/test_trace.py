@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from torch.utils.data import Dataset, get_worker_info
 
@@ -566,6 +567,45 @@ def test_profile_with_no_progress_draws_no_bar(
     assert "profile: 1 loader" not in profile_on_a_terminal(
         tmp_path, monkeypatch, progress_bar=False
     )
+
+
+class Sleepy(Dataset[int]):
+    """Samples that each take at least 1 ms: every task is slower than `FAST_TASK`."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(0.001)
+        return index
+
+
+def test_every_task_slow_enough_has_its_cpu_time_read() -> None:
+    loader = statecore.DataLoader(Sleepy(), batch_size=1, trace=True)
+    list(loader)
+    batches = loader.trace_record().batches
+    assert len(batches) == 20 and all(b.cpu is not None for b in batches)
+
+
+def test_fast_tasks_have_their_cpu_time_read_one_in_so_many() -> None:
+    from statecore.executors._timing import CPU_SAMPLED_EVERY
+
+    dataset = list(range(4 * CPU_SAMPLED_EVERY))
+    loader = statecore.DataLoader(dataset, batch_size=1, trace=True)
+    list(loader)
+    batches = sorted(loader.trace_record().batches, key=lambda b: b.task)
+    read = [b.task for b in batches if b.cpu is not None]
+    # The first task is read; a task that was slow after all (the machine busy) has the next
+    # one read too, so there may be more, never fewer.
+    assert read[0] == 0 and len(read) >= 4
+    assert len(read) < len(dataset)
+
+
+def test_the_cpu_share_is_taken_over_the_batches_whose_cpu_time_was_read() -> None:
+    trace = made_up()
+    unread = tuple(attrs.evolve(b, cpu=None) if b.task % 2 else b for b in trace.batches)
+    assert attrs.evolve(trace, batches=unread).stats().cpu_share == pytest.approx(0.9)
+    assert trace.stats().cpu_share == pytest.approx(0.9)
 
 
 def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
