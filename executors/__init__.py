@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Launch,
         capabilities_of,
     )
+    from statecore.executors._ray import RayOptions, RayUnavailableError, ray
     from statecore.executors._registry import ENTRY_POINT_GROUP, available
     from statecore.executors._remote import RemoteError
     from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
@@ -40,6 +41,8 @@ _WHERE = {
     "Launch": "_protocol",
     "Pinned": "_pinned",
     "PinnedExecutor": "_pinned",
+    "RayOptions": "_ray",
+    "RayUnavailableError": "_ray",
     "RemoteError": "_remote",
     "WorkerRuntime": "_worker",
     "WorkerSetup": "_worker",
@@ -49,6 +52,7 @@ _WHERE = {
     "failure_exception": "_driver",
     "get_worker_info": "_worker",
     "pinned": "_pinned",
+    "ray": "_ray",
 }
 
 __all__ = [
@@ -62,6 +66,8 @@ __all__ = [
     "Launch",
     "Pinned",
     "PinnedExecutor",
+    "RayOptions",
+    "RayUnavailableError",
     "RemoteError",
     "WorkerRuntime",
     "WorkerSetup",
@@ -71,6 +77,7 @@ __all__ = [
     "failure_exception",
     "get_worker_info",
     "pinned",
+    "ray",
 ]
 
 

@@ -415,7 +415,13 @@ def failure_exception(failure: Failure) -> BaseException:
 
 def death_message(death: WorkerDeath) -> str:
     """torch's sentence for a dead worker, which logs and alert rules match, then our detail."""
-    who = f"pid {death.pid}" if death.pid is not None else f"thread {death.worker}"
+    if death.pid is not None:
+        who = f"pid {death.pid}"
+    elif death.reason is not None:
+        # An executor with an account of its own (Ray's actor that died starting): not a thread.
+        who = f"worker {death.worker}"
+    else:
+        who = f"thread {death.worker}"
     code = death.exitcode
     if code is not None and code < 0:
         number = -code
@@ -440,6 +446,9 @@ def death_message(death: WorkerDeath) -> str:
     else:
         message = f"DataLoader worker ({who}) exited unexpectedly. "
         detail = f"It was statecore worker {death.worker}. "
+    if death.reason is not None:
+        # The executor's own account (Ray's, say), which often names the cause outright.
+        detail += f"The executor reported: {death.reason} "
     return (
         message + detail + "If this repeats, run with num_workers=0 to see the error in the "
         "main process."

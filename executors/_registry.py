@@ -1,11 +1,12 @@
 """Executors by name, and what `num_workers` means for the one chosen: `resolve_executor`.
 
-The built-in names are "inline", "mp", "thread" and "pinned" (the pin-memory stage over the
-executor num_workers would choose: "inline" or "mp"). Other packages add executors through the
-entry-point group `statecore.executors`: each entry point names an executor factory, a callable
-taking a `Launch` and returning an `Executor`. What an executor loads with comes from what it
-declares (`Capabilities`, read by `capabilities_of`): one that declares `in_process` loads in
-the calling thread and takes `num_workers=0`; any other takes `num_workers > 0`.
+The built-in names are "inline", "mp", "thread", "ray" (Ray actors, see `_ray`) and "pinned"
+(the pin-memory stage over the executor num_workers would choose: "inline" or "mp"). Other
+packages add executors through the entry-point group `statecore.executors`: each entry point
+names an executor factory, a callable taking a `Launch` and returning an `Executor`. What an
+executor loads with comes from what it declares (`Capabilities`, read by `capabilities_of`):
+one that declares `in_process` loads in the calling thread and takes `num_workers=0`; any other
+takes `num_workers > 0`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _thread(launch: Launch) -> Executor:
     return ThreadExecutor(launch)
 
 
+def _ray(launch: Launch) -> Executor:
+    from statecore.executors._ray import RayExecutor
+
+    return RayExecutor(launch)
+
+
 def _built_in(make: ExecutorFactory, capabilities: Capabilities) -> tuple[ExecutorFactory, bool]:
     return Declared(make, capabilities), capabilities.in_process
 
@@ -72,6 +79,8 @@ BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
     "inline": _built_in(_inline, Capabilities(in_process=True)),
     "mp": _built_in(_mp, Capabilities(poll_from_any_thread=True)),
     "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True)),
+    # Ray is imported when a loader starts its actors, not when the name is looked up.
+    "ray": _built_in(_ray, Capabilities(confirms_answers=True)),
 }
 """name -> (factory, whether it loads in the calling thread, as the factory declares)."""
 

@@ -174,11 +174,16 @@ class WorkerResumed(Event):
 
 @attrs.frozen
 class WorkerDied(Event):
-    """`worker` ended without being told to. A negative exit code is a signal number, negated."""
+    """`worker` ended without being told to. A negative exit code is a signal number, negated.
+
+    `reason` is what the executor was told of the death, when that says more than an exit code
+    (a cluster's account of a lost worker, say); it ends up in the user's error message.
+    """
 
     worker: int
     pid: int | None = None
     exitcode: int | None = None
+    reason: str | None = None
 
 
 CONSUMER_EVENTS: frozenset[type[Event]] = frozenset(

@@ -155,6 +155,8 @@ class WorkerDeath:
     worker: int
     pid: int | None = None
     exitcode: int | None = None
+    reason: str | None = None
+    """What the executor was told of the death (`WorkerDied.reason`), if anything."""
 
     def describe(self) -> str:
         who = f"DataLoader worker {self.worker}"
@@ -166,6 +168,8 @@ class WorkerDeath:
             how = f"was killed by signal {-self.exitcode}"
         else:
             how = f"exited unexpectedly with exit code {self.exitcode}"
+        if self.reason is not None:
+            how += f": {self.reason}"
         return f"{who} {how}"
 
 

@@ -793,7 +793,7 @@ def _on_died(state: State, event: WorkerDied) -> Transition:
         raise _refuse(state, event, f"there is no worker {event.worker}")
     if workers[event.worker] is STOPPED:
         return Transition(state, ())  # it was told to stop: its exit is expected
-    return _fail(state, WorkerDeath(event.worker, event.pid, event.exitcode))
+    return _fail(state, WorkerDeath(event.worker, event.pid, event.exitcode, event.reason))
 
 
 def _on_timeout(state: State, event: TimedOut) -> Transition:

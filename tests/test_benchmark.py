@@ -405,7 +405,8 @@ def test_workloads_that_ask_for_it_get_a_memory_row_for_each_loader() -> None:
         peak=fake_peak,
     )
     measured, unmeasured = report.results
-    assert [peak.side for peak in measured.memory] == list(Side)
+    # Ray's side is opt-in, and its memory is not measured (see loader_bench._peaked).
+    assert [peak.side for peak in measured.memory] == [Side.TORCH, Side.STATECORE, Side.THREADS]
     assert unmeasured.memory == ()
     lines = report.table().splitlines()
     row = lines[lines.index(next(line for line in lines if line.startswith("peak memory"))) + 2]
@@ -655,3 +656,111 @@ def test_bench_writes_the_json_and_the_png_it_was_asked_for(
     assert [item.name for item in report.results] == ["inline-b1"]
     assert report.command.startswith("python -m statecore bench --only inline-b1")
     assert png_path.read_bytes().startswith(PNG_MAGIC)
+
+
+# --- the Ray side (bench --ray) -----------------------------------------------------------------
+
+
+def test_ray_runs_only_when_asked_for_and_only_on_workloads_with_workers() -> None:
+    assert Side.RAY not in workload("processes-b64").sides  # the default output is unchanged
+    assert workload("processes-b64").with_ray().sides == (
+        Side.TORCH,
+        Side.STATECORE,
+        Side.THREADS,
+        Side.RAY,
+    )
+    assert workload("inline-b1").with_ray().sides == (Side.TORCH, Side.STATECORE)
+    assert Side.RAY.loader_class() is Side.STATECORE.loader_class()
+    assert Side.RAY.options() == {"executor": "ray"}
+
+
+def test_with_ray_every_loader_takes_its_turn_in_rotating_rounds() -> None:
+    calls: list[tuple[str, int, Side]] = []
+    no_warmup = attrs.evolve(workload("processes-b64", 50), warmup=False).with_ray()
+    report = run_benchmark([no_warmup], rounds=4, measure=recording(calls), peak=None)
+    t, s, h, r = Side.TORCH, Side.STATECORE, Side.THREADS, Side.RAY
+    assert [side for _, _, side in calls] == [t, s, h, r, s, h, r, t, h, r, t, s, r, t, s, h]
+    result = report.results[0]
+    assert result.first == (t, s, h, r)
+    assert len(result.ray) == 4 and result.sides == (t, s, h, r)
+    assert result.ratio_of(Side.RAY) == 1.0
+
+
+def test_the_ray_columns_and_json_appear_only_when_ray_ran(tmp_path: Path) -> None:
+    plain = made_up_report()
+    assert "ray" not in plain.table().splitlines()[0]
+    assert all("ray" not in entry for entry in plain.to_json()["workloads"])
+    io = plain.results[1]
+    # ray: 45, 40, 43.2 % of the ideal against torch's 90, 80, 86.4: 0.5x in every round
+    ray_runs = (Measurement(1.0, 0.45), Measurement(1.0, 0.40), Measurement(1.1, 0.475))
+    with_ray = attrs.evolve(plain, results=(plain.results[0], attrs.evolve(io, ray=ray_runs)))
+    table = with_ray.table()
+    assert table.splitlines()[0].split()[-4:] == ["rounds", "ray", "(min-max)", "ratio"]
+    row = next(line for line in table.splitlines() if line.startswith("io ") and "x" in line)
+    assert row.split()[-3:] == ["43.2", "(40.0-45.0)", "0.50x"]
+    inline_row = next(line for line in table.splitlines() if line.startswith("inline-b1 "))
+    assert inline_row.split()[-2:] == ["-", "-"]
+    assert 'ray: statecore with executor="ray"' in table
+    path = tmp_path / "figures.json"
+    write_json(with_ray, str(path))
+    again = BenchReport.from_json(json.loads(path.read_text()))
+    assert again.results[1].ray == ray_runs
+    assert again.results[1].ratio_of(Side.RAY) == pytest.approx(0.5)
+
+
+def test_the_cli_passes_ray_to_bench_and_bench_adds_the_ray_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, Any] = {}
+    bench = loader_bench.bench
+
+    def fake(**options: Any) -> int:
+        seen.update(options)
+        return 0
+
+    monkeypatch.setattr(loader_bench, "bench", fake)
+    assert main(["bench", "--ray", "--only", "io"]) == 0
+    assert seen["ray"] is True
+    assert main(["bench", "--only", "io"]) == 0
+    assert seen["ray"] is False
+
+    ran: list[tuple[Workload, ...]] = []
+
+    def run(workloads: Any, rounds: int, **options: Any) -> BenchReport:
+        ran.append(tuple(workloads))
+        return made_up_report()
+
+    monkeypatch.setattr(loader_bench, "run_benchmark", run)
+    monkeypatch.setattr(loader_bench, "_importable", lambda name: True)
+    assert bench(only=["io", "inline-b1"], ray=True) == 0
+    assert [item.ray for item in ran[0]] == [True, True]
+    assert {item.name: Side.RAY in item.sides for item in ran[0]} == {
+        "io": True,
+        "inline-b1": False,
+    }
+
+
+def test_bench_ray_without_ray_installed_names_the_extra_before_running_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(loader_bench, "_importable", lambda name: name != "ray")
+    monkeypatch.setattr(loader_bench, "run_benchmark", lambda *a, **k: pytest.fail("ran"))
+    assert loader_bench.bench(only=["io"], ray=True) == 2
+    assert "pip install 'statecore[ray]'" in capsys.readouterr().err
+
+
+def test_with_ray_the_memory_runs_are_the_other_loaders_and_every_run_is_counted() -> None:
+    heard: list[tuple[str, int, int]] = []
+    spec = attrs.evolve(workload("epoch2-persistent"), warmup=False).with_ray()
+    report = run_benchmark(
+        [spec],
+        rounds=1,
+        measure=recording([]),
+        peak=fake_peak,
+        on_run=lambda name, done, total: heard.append((name, done, total)),
+    )
+    result = report.results[0]
+    assert len(result.ray) == 1
+    assert [peak.side for peak in result.memory] == [Side.TORCH, Side.STATECORE, Side.THREADS]
+    # 4 timed runs and 3 memory runs, all counted: the bar ends full
+    assert heard[-1] == ("epoch2-persistent", 7, 7)

@@ -69,7 +69,7 @@ def test_a_plugin_cannot_take_a_built_in_name(acme: str) -> None:
 
 
 def test_a_misspelt_name_lists_the_registered_executors_too(acme: str) -> None:
-    with pytest.raises(ValueError, match="acme, inline, mp, pinned, thread"):
+    with pytest.raises(ValueError, match="acme, inline, mp, pinned, ray, thread"):
         statecore.DataLoader(torch.arange(4), num_workers=2, executor="acmee")
 
 

@@ -57,6 +57,13 @@ def test_a_worker_death_fails_the_loader_and_shuts_every_worker_down_in_order() 
     assert state.life.workers == (WorkerStatus.STOPPED,) * 2
 
 
+def test_the_executors_account_of_a_death_is_kept_in_the_failure() -> None:
+    account = "The actor died unexpectedly before finishing this task."
+    state, _ = feed(_busy(), WorkerDied(worker=1, pid=4242, reason=account))
+    assert state.life.failure == WorkerDeath(worker=1, pid=4242, reason=account)
+    assert WorkerDied(worker=1).reason is None
+
+
 def test_a_worker_death_is_raised_to_a_waiting_consumer_after_the_shutdown() -> None:
     state, _ = feed(_busy(), NextRequested())
     state, commands = feed(state, WorkerDied(worker=0, pid=7, exitcode=1))

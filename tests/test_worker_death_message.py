@@ -52,6 +52,17 @@ def test_a_death_without_a_pid_names_the_worker_thread() -> None:
     assert message.startswith("DataLoader worker (thread 2) exited unexpectedly.")
 
 
+def test_the_executors_account_of_a_death_is_in_the_message_and_the_core_keeps_it() -> None:
+    account = "The actor died unexpectedly before finishing this task."
+    message = death_message(WorkerDeath(worker=1, pid=77, exitcode=None, reason=account))
+    assert message.startswith("DataLoader worker (pid 77) exited unexpectedly.")
+    assert f"The executor reported: {account}" in message
+    # Without a pid, an executor with an account of its own is not a thread executor.
+    unstarted = death_message(WorkerDeath(worker=1, pid=None, reason=account))
+    assert unstarted.startswith("DataLoader worker (worker 1) exited unexpectedly.")
+    assert WorkerDeath(1, 77, None, account).describe().endswith(f"unexpectedly: {account}")
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_killed_by_a_signal_raises_torchs_sentence() -> None:
     loader = DataLoader(DiesAt(4, 2, signal.SIGSEGV), batch_size=None, num_workers=1)

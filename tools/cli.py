@@ -160,6 +160,12 @@ def _add_bench(commands: Any) -> None:
         action="store_false",
         help="skip the peak-memory runs (each a fresh interpreter per loader and workload)",
     )
+    bench_parser.add_argument(
+        "--ray",
+        action="store_true",
+        help='also time statecore with executor="ray" on the workloads with workers (a local '
+        "Ray instance unless RAY_ADDRESS names a cluster; needs the ray extra)",
+    )
     bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     _add_no_progress(bench_parser)
 
@@ -184,6 +190,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         plot_path=args.plot,
         memory=args.memory,
         progress_bar=args.progress,
+        ray=args.ray,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 

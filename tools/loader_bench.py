@@ -74,6 +74,8 @@ ROUNDS = 5
 """Rounds per workload by default: one run of each loader in each."""
 QUICK_ROUNDS = 3
 """Rounds per workload under `--quick`."""
+_ALWAYS = (Side.TORCH, Side.STATECORE)
+"""The loaders every workload runs; the others only where they have runs."""
 # statecore is installed from its checkout (README, "Run it"), not from an index: a bare
 # `pip install 'statecore[bench]'` would look for it on PyPI.
 INSTALL_HINT = "pip install -e '.[bench]' in the statecore checkout"
@@ -152,6 +154,8 @@ class WorkloadResult:
     """Each loader's peak memory, for the workloads that measure it."""
     memory_error: str | None = None
     """Why the memory could not be measured, if it could not: the timings still stand."""
+    ray: tuple[Measurement, ...] = ()
+    """statecore's runs with `executor="ray"`, when asked for (`bench --ray`)."""
 
     @property
     def ok(self) -> bool:
@@ -159,13 +163,16 @@ class WorkloadResult:
 
     @property
     def sides(self) -> tuple[Side, ...]:
-        """The loaders that ran: threads only on workloads with workers."""
-        return tuple(side for side in Side if side is not Side.THREADS or self.threads)
+        """The loaders that ran: threads only on workloads with workers, Ray if asked for."""
+        return tuple(side for side in Side if side in _ALWAYS or self.runs(side))
 
     def runs(self, side: Side) -> tuple[Measurement, ...]:
-        return {Side.TORCH: self.torch, Side.STATECORE: self.statecore, Side.THREADS: self.threads}[
-            side
-        ]
+        return {
+            Side.TORCH: self.torch,
+            Side.STATECORE: self.statecore,
+            Side.THREADS: self.threads,
+            Side.RAY: self.ray,
+        }[side]
 
     def figures(self, side: Side) -> tuple[float, ...]:
         """The reported figure of each run, in the workload's unit."""
@@ -235,7 +242,8 @@ class WorkloadResult:
             "first": [which.value for which in self.first],
             "error": self.error,
             "memory_error": self.memory_error,
-            **{which.value: side(which) for which in Side},
+            # Ray's figures only where it ran: a report without them reads as it always did.
+            **{which.value: side(which) for which in Side if which is not Side.RAY or self.ray},
         }
 
     @classmethod
@@ -265,6 +273,7 @@ class WorkloadResult:
             threads=runs(Side.THREADS),
             memory=memory,
             memory_error=data.get("memory_error"),
+            ray=runs(Side.RAY),
         )
 
 
@@ -353,11 +362,14 @@ class BenchReport:
 
     def table(self) -> str:
         """The report as the command prints it."""
+        with_ray = any(result.ray for result in self.results)
         header = (
             f"{'workload':20} {'unit':8} {'torch median (min-max)':>23} "
             f"{'statecore (min-max)':>21} {'ratio':>6} "
             f"{'threads (min-max)':>21} {'ratio':>6} {'rounds':>6}"
         )
+        if with_ray:
+            header += f" {'ray (min-max)':>21} {'ratio':>6}"
         lines = [header]
         for result in self.results:
             if not result.ok:
@@ -371,11 +383,15 @@ class BenchReport:
                 spread = f"({_number(result.low(side))}-{_number(result.high(side))})"
                 cells[side] = f"{_number(result.median(side))} {spread}"
             threads_ratio = f"{result.ratio_of(Side.THREADS):5.2f}x" if result.threads else "-"
-            lines.append(
+            row = (
                 f"{result.name:20} {result.unit.value:8} {cells[Side.TORCH]:>23} "
                 f"{cells[Side.STATECORE]:>21} {result.ratio:5.2f}x "
                 f"{cells[Side.THREADS]:>21} {threads_ratio:>6} {len(result.ratios):6d}"
             )
+            if with_ray:
+                ray_ratio = f"{result.ratio_of(Side.RAY):5.2f}x" if result.ray else "-"
+                row += f" {cells[Side.RAY]:>21} {ray_ratio:>6}"
+            lines.append(row)
         cost = self.state_cost()
         if cost is not None:
             lines.append(
@@ -386,7 +402,8 @@ class BenchReport:
         lines += self.losses_table()
         lines += [
             "ratio: median over rounds of statecore throughput / torch throughput "
-            '(above 1: statecore faster); threads: statecore with executor="thread"',
+            '(above 1: statecore faster); threads: statecore with executor="thread"'
+            + ('; ray: statecore with executor="ray" (a local Ray instance)' if with_ray else ""),
             "% ideal: (measured work of every sample / workers) / elapsed; "
             "us/batch and ms: lower is better",
             f"machine: {self.machine.describe()}; {self.seconds:.0f} s in all",
@@ -564,7 +581,7 @@ def _run_rounds(
     memory_error = None
     if peak is not None and workload.memory and error is None:
         try:
-            for side in sides:
+            for side in _peaked(sides):
                 memory.append(peak(workload, side))
                 ran()
         except Exception as failure:  # the timings stand; the memory row says what failed
@@ -585,14 +602,22 @@ def _run_rounds(
         threads=tuple(runs[Side.THREADS][:complete]),
         memory=tuple(memory),
         memory_error=memory_error,
+        ray=tuple(runs[Side.RAY][:complete]),
     )
+
+
+def _peaked(sides: Iterable[Side]) -> tuple[Side, ...]:
+    """The sides whose peak memory is measured: not Ray's, whose actors are not this process's
+    children (the memory run's process tree would miss them) and would need a Ray instance of
+    their own in the fresh interpreter each memory run takes."""
+    return tuple(side for side in sides if side is not Side.RAY)
 
 
 def _planned_runs(workload: Workload, rounds: int, memory: bool) -> int:
     """The runs `_run_rounds` makes of `workload` if none raises: warm-up, rounds, memory."""
     sides = len(workload.sides)
     warmup = sides if workload.warmup else 0
-    peaks = sides if memory and workload.memory else 0
+    peaks = len(_peaked(workload.sides)) if memory and workload.memory else 0
     return warmup + max(rounds, 0) * sides + peaks
 
 
@@ -658,6 +683,8 @@ def run_benchmark(
                     if result.threads
                     else ""
                 )
+                if result.ray:
+                    threads += f", ray/torch {result.ratio_of(Side.RAY):.2f}x"
                 say(f"{workload.name}: statecore/torch {result.ratio:.2f}x{threads} ({took:.0f} s)")
             if result.memory_error is not None:
                 say(f"{workload.name}: memory not measured: {result.memory_error}")
@@ -696,7 +723,12 @@ def missing_dependencies(workloads: Iterable[Workload], plot: bool) -> str | Non
     return f"{'; '.join(missing)}, which is not installed: {INSTALL_HINT}"
 
 
-_COLORS = {Side.TORCH: "tab:orange", Side.STATECORE: "tab:blue", Side.THREADS: "tab:green"}
+_COLORS = {
+    Side.TORCH: "tab:orange",
+    Side.STATECORE: "tab:blue",
+    Side.THREADS: "tab:green",
+    Side.RAY: "tab:red",
+}
 
 
 def plot(report: BenchReport, path: str | os.PathLike[str]) -> None:
@@ -818,8 +850,12 @@ def bench(
     stream: TextIO | None = None,
     memory: bool = True,
     progress_bar: bool = True,
+    ray: bool = False,
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
+
+    `ray` adds statecore's Ray executor as one more loader on the workloads with workers (a
+    local Ray instance unless this process is connected to one, or RAY_ADDRESS says where).
 
     Returns 0; 1 if a workload failed (its row says why, the others are complete); 2 on misuse
     or when an output asked for cannot be written.
@@ -839,6 +875,9 @@ def bench(
         print(f"bench: {error}", file=sys.stderr)
         return 2
     missing = missing_dependencies(workloads, plot=plot_path is not None)
+    if ray and not _importable("ray"):
+        ray_missing = "--ray needs ray, which is not installed: pip install 'statecore[ray]'"
+        missing = ray_missing if missing is None else f"{missing}; {ray_missing}"
     if missing is not None:
         print(f"bench: {missing}", file=sys.stderr)
         return 2
@@ -851,9 +890,12 @@ def bench(
         workloads = tuple(workload.resized(batches) for workload in workloads)
     if rounds is not None:  # asked for explicitly: every workload runs that many rounds
         workloads = tuple(attrs.evolve(workload, rounds=None) for workload in workloads)
+    if ray:
+        workloads = tuple(workload.with_ray() for workload in workloads)
     count = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
+    executors = "default executor, threads and ray" if ray else "default executor and threads"
     print(
-        f"torch's DataLoader against statecore's (default executor and threads), "
+        f"torch's DataLoader against statecore's ({executors}), "
         f"{len(workloads)} workload(s), runs taking turns in rounds ...",
         file=out,
         flush=True,

@@ -491,7 +491,7 @@ class Measurement:
 
 
 class Side(enum.Enum):
-    """Which loader a run used: torch's, statecore's default, or statecore's threads."""
+    """Which loader a run used: torch's, statecore's default, its threads, or its Ray actors."""
 
     TORCH = "torch"
     STATECORE = "statecore"
@@ -499,6 +499,9 @@ class Side(enum.Enum):
     where `num_workers > 0` and the calling thread otherwise."""
     THREADS = "threads"
     """statecore with `executor="thread"`: its workers are threads of the main process."""
+    RAY = "ray"
+    """statecore with `executor="ray"`: its workers are Ray actors. Opt-in (`bench --ray`):
+    only workloads made `with_ray()` run it."""
 
     def loader_class(self) -> type[Loader]:
         if self is Side.TORCH:
@@ -510,11 +513,15 @@ class Side(enum.Enum):
 
     def options(self) -> dict[str, Any]:
         """Loader arguments of this side's own, beyond the workload's."""
-        return {"executor": "thread"} if self is Side.THREADS else {}
+        if self is Side.THREADS:
+            return {"executor": "thread"}
+        return {"executor": "ray"} if self is Side.RAY else {}
 
     def runs(self, workload: Workload) -> bool:
         """Whether this side has anything of its own to show on `workload`: with no workers,
-        statecore loads in the calling thread whatever its executor."""
+        statecore loads in the calling thread whatever its executor; Ray only when asked."""
+        if self is Side.RAY:
+            return workload.ray and workload.num_workers > 0
         return self is not Side.THREADS or workload.num_workers > 0
 
 
@@ -551,6 +558,8 @@ class Workload:
     """An iterable dataset is not shuffled by the loader (torch refuses)."""
     memory: bool = False
     """Whether the benchmark also measures each loader's peak memory on this workload."""
+    ray: bool = False
+    """Whether statecore's Ray executor runs too (`bench --ray`), on a workload with workers."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -568,8 +577,13 @@ class Workload:
 
     @property
     def sides(self) -> tuple[Side, ...]:
-        """The loaders this workload compares: threads only where there are workers."""
+        """The loaders this workload compares: threads (and Ray, if asked for) only where there
+        are workers."""
         return tuple(side for side in Side if side.runs(self))
+
+    def with_ray(self) -> Workload:
+        """This workload with statecore's Ray executor as one more side (`Side.RAY`)."""
+        return attrs.evolve(self, ray=True)
 
     def quick(self) -> Workload:
         """This workload as `--quick` runs it: smaller epochs, and maybe fewer pairs."""

@@ -1,0 +1,380 @@
+"""The Ray executor (`executor="ray"`) against a real local Ray instance with 2 CPUs.
+
+One Ray instance serves the whole module (`cluster`), started by the first test that needs it
+and shut down when the module ends. The shutdown is for the rest of the suite: Ray's driver
+runs gRPC and I/O threads in this process, and the mp executor's tests fork worker processes
+from it afterwards, in the same pytest process. A child forked while such a thread holds a
+lock inherits the lock held; after `ray.shutdown()` the connection is closed and the local
+instance's processes are gone, so later forks copy no live Ray state. Checked by running
+`pytest tests/test_ray_executor.py tests/test_mp_*.py tests/test_loader_api.py -p no:randomly`
+(Ray first, then every fork-based test): all pass.
+
+The datasets are defined here, at module level: the actors' processes import this module to
+unpickle them, so the fixture puts the tests' folder on their PYTHONPATH. Items carry the pid
+of the actor that made them, which is how a test learns whom to kill.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+from hypothesis import settings as Settings
+from torch.utils.data import Dataset, IterableDataset
+
+import statecore
+from statecore import LoaderTimeoutError, WorkerDiedError
+from statecore.executors import RayOptions
+from statecore.models.kit import check_executor
+
+ray = pytest.importorskip("ray")
+
+TESTS = Path(__file__).resolve().parent
+WORKER = "_Worker"
+"""The class name of statecore's actors, as Ray's state lists it."""
+SETTLED_WITHIN = 30.0
+"""Bounded wait for Ray's own bookkeeping (the GCS's actor table) to reach a state."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A local Ray instance with 2 CPUs for this module; shut down at its end (see above)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def live_actors() -> list[dict[str, Any]]:
+    """statecore's actors that Ray's control store does not list as dead.
+
+    `ray.util.state.list_actors` needs Ray's dashboard, which this instance runs without; the
+    control store's actor table (`ray._private.state.actors`) is what it reads underneath.
+    """
+    table = ray._private.state.actors()
+    return [
+        actor
+        for actor in table.values()
+        if actor["ActorClassName"] == WORKER and actor["State"] != "DEAD"
+    ]
+
+
+def owned_references() -> set[Any]:
+    """The object references this process holds or owns, as Ray's reference table has them."""
+    worker = ray._private.worker.global_worker
+    return set(worker.core_worker.get_all_reference_counts())
+
+
+def settles(condition: Any) -> bool:
+    """Whether `condition()` holds within SETTLED_WITHIN, looking again every 20 ms: Ray
+    records deaths asynchronously, so this bounds a wait, it does not guess one."""
+    deadline = time.monotonic() + SETTLED_WITHIN
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class Pids(Dataset[tuple[int, int, float]]):
+    """(index, pid of the process loading it, a draw from torch's seeded generator)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, int, float]:
+        return index, os.getpid(), float(torch.rand(()))
+
+
+class Drawn(Dataset[dict[str, Any]]):
+    """Items from the worker's seeded generators and its WorkerInfo (torch's and ours)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        ours = statecore.executors.get_worker_info()
+        assert info is not None and ours is info
+        return {
+            "index": index,
+            "image": torch.rand(3, 4, 4),
+            "worker": info.id,
+            "seed": info.seed,
+            "initialised": getattr(info.dataset, "initialised", -1),
+        }
+
+
+def mark_initialised(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.initialised = worker_id * 10
+
+
+class Sharded(IterableDataset[torch.Tensor]):
+    """Shards itself by torch's get_worker_info(), as many iterable datasets do."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for index in range(worker, 23, workers):
+            yield torch.tensor([index, worker]) + torch.rand(2)
+
+
+class StuckAt(Dataset[int]):
+    """Item `stuck` never comes (its worker waits far longer than any test's timeout)."""
+
+    def __init__(self, stuck: int) -> None:
+        self.stuck = stuck
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.stuck:
+            time.sleep(3600)
+        return index
+
+
+def torch_batches(dataset: Any, **options: Any) -> list[Any]:
+    return list(torch.utils.data.DataLoader(dataset, **options))
+
+
+def same(left: Any, right: Any) -> bool:
+    if isinstance(left, torch.Tensor):
+        return isinstance(right, torch.Tensor) and torch.equal(left, right)
+    if isinstance(left, dict):
+        return left.keys() == right.keys() and all(same(left[k], right[k]) for k in left)
+    if isinstance(left, list | tuple):
+        return len(left) == len(right) and all(map(same, left, right))
+    return bool(left == right)
+
+
+@pytest.mark.timeout(180)
+def test_map_style_batches_equal_torchs_shuffled_by_a_generator(cluster: Any) -> None:
+    options: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    dataset = Drawn()
+    expected = torch_batches(
+        dataset,
+        generator=torch.Generator().manual_seed(7),
+        worker_init_fn=mark_initialised,
+        **options,
+    )
+    loader = statecore.DataLoader(
+        dataset,
+        executor="ray",
+        generator=torch.Generator().manual_seed(7),
+        worker_init_fn=mark_initialised,
+        **options,
+    )
+    got = list(loader)
+    # Seeds, worker ids and what worker_init_fn set, as torch's worker processes have them.
+    assert same(got, expected)
+    assert {int(w) for batch in got for w in batch["worker"]} == {0, 1}
+    assert settles(lambda: not live_actors())
+
+
+@pytest.mark.timeout(180)
+def test_an_iterable_dataset_shards_itself_as_with_torchs_workers(cluster: Any) -> None:
+    options: dict[str, Any] = {"batch_size": 3, "num_workers": 2}
+    expected = torch_batches(Sharded(), generator=torch.Generator().manual_seed(3), **options)
+    got = list(
+        statecore.DataLoader(
+            Sharded(), executor="ray", generator=torch.Generator().manual_seed(3), **options
+        )
+    )
+    assert same(got, expected)
+
+
+@pytest.mark.timeout(180)
+def test_persistent_workers_keep_their_actors_and_their_order_across_epochs(
+    cluster: Any,
+) -> None:
+    loader = statecore.DataLoader(
+        Pids(12),
+        batch_size=2,
+        num_workers=2,
+        executor="ray",
+        persistent_workers=True,
+        in_order=False,
+    )
+    first = list(loader)
+    second = list(loader)
+    for epoch in (first, second):
+        assert sorted(int(i) for batch in epoch for i in batch[0]) == list(range(12))
+    pids = {int(p) for batch in first for p in batch[1]}
+    assert pids == {int(p) for batch in second for p in batch[1]}  # the same two actors
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert len(live_actors()) == 2
+    del loader
+    gc.collect()
+    assert settles(lambda: not live_actors())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_the_ray_executor_passes_the_conformance_kit(cluster: Any) -> None:
+    # The whole torch comparison matrix, and the Hypothesis machine with fewer drawn runs than
+    # the kit's default 10: every loader starts fresh actors, each importing torch (seconds on
+    # a 2-core machine). `check_executor("ray")` with its defaults passes too (docs/distributed.md).
+    machine = Settings(max_examples=3, stateful_step_count=6, deadline=None, derandomize=True)
+    # raises ConformanceError on any difference from torch
+    report = check_executor("ray", settings=machine)
+    assert "'ray'" in report.describe()
+    assert settles(lambda: not live_actors())
+
+
+@pytest.mark.timeout(180)
+def test_an_actor_killed_mid_epoch_fails_the_loader_naming_worker_pid_and_rays_text(
+    cluster: Any,
+) -> None:
+    before = owned_references()
+    loader = statecore.DataLoader(Pids(200), batch_size=2, num_workers=2, executor="ray")
+    batches = iter(loader)
+    first = next(batches)  # task 0 goes to worker 0
+    victim = int(first[1][0])
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError) as raised:
+        for _ in batches:
+            pass
+    error = raised.value
+    assert error.worker == 0
+    assert error.pid == victim
+    message = str(error)
+    assert f"pid {victim}" in message
+    assert "statecore worker 0" in message
+    assert "Ray reported" in message and "actor" in message.lower()
+    assert str(victim) in message.split("Ray reported", 1)[1]  # Ray's own text names it
+    del batches, first, loader
+    gc.collect()
+    assert settles(lambda: not live_actors())
+    assert owned_references() <= before
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_never_answers_times_out_and_its_actor_is_killed(cluster: Any) -> None:
+    loader = statecore.DataLoader(
+        StuckAt(0), batch_size=None, num_workers=2, executor="ray", timeout=5
+    )
+    with pytest.raises(LoaderTimeoutError):
+        for _ in loader:
+            pass
+    # The actor stuck in its item is killed with the loader, not left to finish it.
+    assert settles(lambda: not live_actors())
+
+
+@pytest.mark.timeout(180)
+def test_nothing_is_left_behind_after_exhaustion_abandonment_or_collection(cluster: Any) -> None:
+    before = owned_references()
+    loader = statecore.DataLoader(Pids(40), batch_size=4, num_workers=2, executor="ray")
+
+    exhausted = list(loader)
+    assert len(exhausted) == 10
+    assert settles(lambda: not live_actors())
+
+    for _ in loader:
+        break  # the iterator goes with the loop
+    gc.collect()
+    assert settles(lambda: not live_actors())
+
+    abandoned = iter(loader)
+    next(abandoned)
+    assert len(live_actors()) == 2
+    del abandoned
+    gc.collect()
+    assert settles(lambda: not live_actors())
+
+    del exhausted, loader
+    gc.collect()
+    # Every batch's object and every call's result was let go of with the loader.
+    assert owned_references() <= before
+
+
+@pytest.mark.timeout(180)
+def test_the_factory_passes_actor_options_to_ray(cluster: Any) -> None:
+    # Every node has the custom resource "node:<its address>": asking for a sliver of it
+    # places the actors on that node, as a cluster's own custom resources would.
+    here = {f"node:{ray.util.get_node_ip_address()}": 0.01}
+    factory = statecore.executors.ray(num_cpus=1, resources=here, scheduling_strategy="SPREAD")
+    assert factory.options == RayOptions(num_cpus=1)  # resources and strategy compare as equal
+    assert factory.options.actor_options() == {
+        "max_restarts": 0,
+        "max_task_retries": 0,
+        "num_cpus": 1,
+        "resources": here,
+        "scheduling_strategy": "SPREAD",
+    }
+    # Each of two actors reserves one of the instance's two CPUs while it lives.
+    loader = statecore.DataLoader(Pids(8), batch_size=2, num_workers=2, executor=factory)
+    batches = iter(loader)
+    next(batches)
+    assert ray.available_resources().get("CPU", 0.0) == 0.0
+    del batches
+    gc.collect()
+    assert settles(lambda: ray.available_resources().get("CPU", 0.0) == 2.0)
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_cluster_gets_a_clear_error_not_a_hang() -> None:
+    # A fresh interpreter, not connected to the module's instance. Nothing listens on the port
+    # (bound, then closed): Ray alone would retry connecting to it for two minutes.
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+    script = (
+        "import torch, statecore\n"
+        "from statecore.executors import RayUnavailableError\n"
+        "loader = statecore.DataLoader(list(range(4)), num_workers=1, executor='ray')\n"
+        "try:\n"
+        "    next(iter(loader))\n"
+        "except RayUnavailableError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert "REFUSED" in result.stdout, result.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in result.stdout
+    assert "ray start --head" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_importing_statecore_and_naming_the_executor_does_not_import_ray() -> None:
+    script = (
+        "import sys, statecore, statecore.executors\n"
+        "from statecore.executors._registry import lookup\n"
+        "lookup('ray'); statecore.executors.ray(num_cpus=1)\n"
+        "assert 'ray' in statecore.executors.available()\n"
+        "print('ray' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=True
+    )
+    assert result.stdout.strip() == "False"
