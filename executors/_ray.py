@@ -35,6 +35,7 @@ import importlib
 import os
 import socket
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -47,6 +48,7 @@ from statecore import Event, ResumeWorker, SendTask, TaskFailed, WorkerDied
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
+from statecore.executors._timing import ClockSkew
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["RayExecutor", "RayOptions", "RayUnavailableError", "ray"]
@@ -258,11 +260,13 @@ class _Worker:
         )
         _plain_storages()
         self.pid = os.getpid()
+        self.node = library.get_runtime_context().get_node_id()
         self.runtime = WorkerRuntime.in_worker(setup, worker_id, self.pid)
 
-    def process_id(self) -> int:
-        """The pid of this actor's process, for the error that reports its death."""
-        return self.pid
+    def placement(self) -> tuple[int, str]:
+        """The pid of this actor's process, for the error that reports its death, and its
+        node, which says whether its clock is the training process's (see `ClockSkew`)."""
+        return self.pid, self.node
 
     def answer(self, command: SendTask | ResumeWorker) -> Event:
         return self.runtime.answer(command)
@@ -284,6 +288,12 @@ def _actor_class(library: Any) -> Any:
 # The caller's side.
 
 
+def _this_node(library: Any) -> str:
+    """The Ray node this process runs on."""
+    node: str = library.get_runtime_context().get_node_id()
+    return node
+
+
 @attrs.frozen
 class _Call:
     """A call owed by an actor: its result's reference, and the command it answers."""
@@ -302,8 +312,12 @@ class RayExecutor:
         self.options = options or RayOptions()
         self.library: Any = None
         self.actors: list[Any] = []
-        self.pids: list[Any] = []
-        """Per worker, the reference to its actor's pid, there once the actor has started."""
+        self.placements: list[Any] = []
+        """Per worker, the reference to its actor's (pid, node), there once it has started."""
+        self.skews: dict[int, ClockSkew | None] = {}
+        """For a traced loader, per worker once known: None if its actor shares this process's
+        node (and so its clock), else the skew of its node's clock."""
+        self.node: str | None = None
         self.owed: list[deque[_Call]] = []
         self.gone: set[int] = set()
         """Workers stopped or reported dead: nothing more is read from them."""
@@ -315,6 +329,7 @@ class RayExecutor:
 
     def start(self) -> None:
         library = self.library = _connect(self.options)
+        self.node = _this_node(library)
         actor_class = _actor_class(library).options(**self.options.actor_options())
         # One copy of the setup (the dataset above all) in the store, read once per node,
         # rather than one pickled into each actor's creation call. Our reference goes when
@@ -323,7 +338,7 @@ class RayExecutor:
         for worker in range(self.launch.num_workers):
             actor = actor_class.remote(setup, worker)
             self.actors.append(actor)
-            self.pids.append(actor.process_id.remote())
+            self.placements.append(actor.placement.remote())
             self.owed.append(deque())
 
     def dispatch(self, command: SendTask) -> None:
@@ -388,7 +403,27 @@ class RayExecutor:
                 where="while Ray moved the batch to the main process",
             )
             return TaskFailed(call.command.task, worker, failed)
+        if self.launch.setup.trace:
+            return self._on_this_clock(worker, answer)
         return answer
+
+    def _on_this_clock(self, worker: int, answer: Event) -> Event:
+        """`answer` with its timing on this process's clock: an actor on another node reads
+        its node's clock (see `ClockSkew`)."""
+        timing = getattr(answer, "timing", None)
+        if timing is None:
+            return answer
+        arrived = time.perf_counter()
+        if worker not in self.skews:
+            try:
+                _, node = self.library.get(self.placements[worker], timeout=0)
+            except Exception:
+                return answer  # the actor answered, so this ran before: not reached
+            self.skews[worker] = None if node == self.node else ClockSkew()
+        skew = self.skews[worker]
+        if skew is None:
+            return answer
+        return attrs.evolve(answer, timing=skew.shifted(timing, arrived))
 
     def _died(self, worker: int, error: BaseException) -> WorkerDied:
         self.gone.add(worker)
@@ -400,7 +435,7 @@ class RayExecutor:
         """The worker's pid, if its actor ever started."""
         library = self.library
         try:
-            pid = library.get(self.pids[worker], timeout=0)
+            pid, _ = library.get(self.placements[worker], timeout=0)
         except Exception:
             return None
         return int(pid)
@@ -440,7 +475,7 @@ class RayExecutor:
                 confirms = [actor.__ray_ready__.remote() for actor in actors]
                 library.wait(confirms, num_returns=len(confirms), timeout=SHUTDOWN_TIMEOUT)
         self.actors = []
-        self.pids = []
+        self.placements = []
         self.owed = []
         self.ready.clear()
         self.unconfirmed = None

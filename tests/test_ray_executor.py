@@ -336,6 +336,46 @@ def test_the_factory_passes_actor_options_to_ray(cluster: Any) -> None:
     assert settles(lambda: ray.available_resources().get("CPU", 0.0) == 2.0)
 
 
+SKEW = 1000.0
+"""Seconds an actor's clock is set ahead by, as another machine's clock would be."""
+
+
+def skew_the_clock(worker_id: int) -> None:
+    """worker_init_fn: this actor's `time.perf_counter` reads SKEW seconds ahead, as the clock
+    of a node booted earlier would (CLOCK_MONOTONIC counts from a machine's boot)."""
+    if not getattr(time, "statecore_skewed", False):
+        real = time.perf_counter
+        time.perf_counter = lambda: real() + SKEW
+        time.statecore_skewed = True  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["same-node", "other-node"])
+def test_a_traced_actors_times_are_on_the_training_processs_clock(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch, elsewhere: bool
+) -> None:
+    options: dict[str, Any] = {}
+    if elsewhere:
+        # One machine stands in for two: the actors' clock runs ahead, and this process is
+        # told it is on another node than they are.
+        import statecore.executors._ray as ray_executor
+
+        monkeypatch.setattr(ray_executor, "_this_node", lambda library: "the-training-node")
+        options["worker_init_fn"] = skew_the_clock
+    loader = statecore.DataLoader(
+        Pids(16), batch_size=2, num_workers=2, executor="ray", trace=True, **options
+    )
+    assert len(list(loader)) == 8
+    trace = loader.trace_record()
+    for batch in trace.batches:
+        assert batch.started is not None and batch.finished is not None
+        assert batch.arrived is not None
+        # No task starts before it was sent or ends after its answer arrived.
+        assert batch.sent <= batch.started <= batch.finished <= batch.arrived
+    ready = [mark for mark in trace.marks if mark.kind == "worker ready"]
+    assert len(ready) == 2 and all(mark.time < trace.end for mark in ready)
+
+
 @pytest.mark.timeout(120)
 def test_an_unreachable_cluster_gets_a_clear_error_not_a_hang() -> None:
     # A fresh interpreter, not connected to the module's instance. Nothing listens on the port

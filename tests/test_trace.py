@@ -608,6 +608,25 @@ def test_the_cpu_share_is_taken_over_the_batches_whose_cpu_time_was_read() -> No
     assert trace.stats().cpu_share == pytest.approx(0.9)
 
 
+def test_another_machines_clock_is_aligned_by_the_fastest_answer_seen() -> None:
+    from statecore.executors._timing import ClockSkew
+
+    skew = ClockSkew()
+    # The worker's clock reads 1000 s ahead; answers take 3 ms, then 1 ms, to arrive.
+    started, finished, cpu, slowest, ready = skew.shifted(
+        (1010.0, 1010.5, 0.4, (), 1009.0), arrived=10.503
+    )
+    assert (started, finished, ready) == pytest.approx((10.003, 10.503, 9.003))
+    assert (cpu, slowest) == (0.4, ())
+    started, finished, cpu, slowest, ready = skew.shifted(
+        (1011.0, 1011.5, None, ((7, 0.1),), None), arrived=11.501
+    )
+    assert (started, finished) == pytest.approx((11.001, 11.501))
+    assert (cpu, slowest, ready) == (None, ((7, 0.1),), None)
+    # A slower answer later changes nothing: the estimate keeps the fastest transit.
+    assert skew.shifted((1012.0, 1012.5, 0.1, (), None), arrived=12.6)[1] == pytest.approx(12.501)
+
+
 def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
     loader = statecore.DataLoader(FastButFive(), batch_size=4, trace=True)
     list(loader)
