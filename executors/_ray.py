@@ -39,16 +39,16 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import attrs
 import torch
 
-from statecore import Event, ResumeWorker, SendTask, TaskFailed, WorkerDied
+from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed, WorkerDied
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
-from statecore.executors._timing import ClockSkew
+from statecore.executors._timing import ClockSkew, TaskTiming
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["RayExecutor", "RayOptions", "RayUnavailableError", "ray"]
@@ -410,9 +410,9 @@ class RayExecutor:
     def _on_this_clock(self, worker: int, answer: Event) -> Event:
         """`answer` with its timing on this process's clock: an actor on another node reads
         its node's clock (see `ClockSkew`)."""
-        timing = getattr(answer, "timing", None)
-        if timing is None:
+        if not isinstance(answer, (TaskCompleted, TaskFailed)) or answer.timing is None:
             return answer
+        timing = cast(TaskTiming, answer.timing)  # what a traced worker's runtime measured
         arrived = time.perf_counter()
         if worker not in self.skews:
             try:
