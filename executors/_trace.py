@@ -16,6 +16,7 @@ verdict in words (`Trace.verdict`), and a Chrome/Perfetto trace file (`Trace.chr
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import json
 import os
@@ -80,15 +81,19 @@ StepFunction = Callable[[State, Event], Transition]
 # lists, one per batch, with the timings' tuples in them, added four objects a batch to every
 # young collection of the main process: a third of what tracing cost where batches are small
 # and fast.
-_FIELDS = ("worker", "epoch", "index", "sent", "started", "finished", "arrived", "handed", "cpu")
+_FIELDS = ("worker", "index", "sent", "started", "finished", "arrived", "handed", "cpu")
+
+LIMIT_CHECKED_EVERY = 1024
+"""Tasks a driver sends between two looks at the tracer's limit: between them it may keep up
+to this many more batches than the limit; a trace read is cut to the limit exactly."""
 
 
 class _Tasks:
-    """One driver's (one loader iterator's) tasks as columns: per field, task -> value."""
+    """One driver's (one loader iterator's) tasks as columns: per field, task -> value. A
+    task's epoch is not kept: it is the number of epochs begun when it was sent."""
 
     def __init__(self) -> None:
         self.worker: dict[int, int] = {}
-        self.epoch: dict[int, int] = {}
         self.index: dict[int, Any] = {}
         self.sent: dict[int, float] = {}
         self.started: dict[int, float] = {}
@@ -100,6 +105,12 @@ class _Tasks:
         self.slowest_took: dict[int, float] = {}
         """A task's slowest sample, as its worker reported it (a worker reports one)."""
         self.failed: set[int] = set()
+        self.asked = array("d")
+        self.got = array("d")
+        self.waited_for = array("q")
+        """The consumer's waits on this driver, in columns: when it asked, when it got its
+        answer, and for which task (-1: the end of an epoch). What of each wait was spent
+        holding a ready batch back is worked out when the trace is read (`waits`)."""
 
     def forget_oldest(self) -> bool:
         """Forget the oldest task kept; False if none is."""
@@ -119,13 +130,44 @@ class _Tasks:
         index = self.slowest_index[task]
         return ((self.index[task] if index is WHOLE_BATCH else index, self.slowest_took[task]),)
 
-    def records(self) -> list[BatchRecord]:
+    def waits(self, epoch_starts: list[float]) -> list[Wait]:
+        """This driver's waits, each with the time during which another batch of its epoch had
+        arrived and was not handed over yet (`Wait.held`): a sweep in order of time over the
+        answers' arrivals, with the batches handed over meanwhile struck off."""
+        ready: list[tuple[float, int]] = []  # (arrived, task), a heap
+        arrivals = sorted((at, task) for task, at in self.arrived.items())
+        next_arrival = 0
+        waits = []
+        for asked, got, task in zip(self.asked, self.got, self.waited_for, strict=True):
+            while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= got:
+                heapq.heappush(ready, arrivals[next_arrival])
+                next_arrival += 1
+            epoch = bisect.bisect_right(epoch_starts, asked)
+            while ready:
+                other = ready[0][1]
+                handed = self.handed.get(other)
+                # Gone for good: handed over by now (the batch this wait got, among them), or
+                # of an epoch before this wait's, abandoned; the waits come in order of time.
+                if (handed is not None and handed <= got) or self._epoch(
+                    other, epoch_starts
+                ) < epoch:
+                    heapq.heappop(ready)
+                    continue
+                break
+            since = ready[0][0] if ready else got
+            waits.append(Wait(asked, got, None if task == -1 else task, got - max(asked, since)))
+        return waits
+
+    def _epoch(self, task: int, epoch_starts: list[float]) -> int:
+        return bisect.bisect_right(epoch_starts, self.sent[task]) if task in self.sent else 0
+
+    def records(self, epoch_starts: list[float]) -> list[BatchRecord]:
         get = dict.get
         return [
             BatchRecord(
                 task=task,
                 worker=self.worker[task],
-                epoch=self.epoch[task],
+                epoch=bisect.bisect_right(epoch_starts, sent),
                 index=self.index[task],
                 sent=sent,
                 started=get(self.started, task),
@@ -584,33 +626,29 @@ class Tracer:
         self.clock = clock
         self.tasks: list[_Tasks] = []
         """Per driver (loader iterator), its tasks' fields, filled as they come."""
-        self.kept = 0
-        self.waits = (array("d"), array("d"), array("q"), array("d"))
-        """The consumer's waits, in columns: asked, got, task (-1 for none), held, as `Wait`
-        has them."""
         self.marks: list[Mark] = []
         self.dropped = 0
         self.epoch = 0
-        self.asked: float | None = None
-        self.unhanded: dict[int, float] = {}
-        """The current driver's tasks whose answers arrived and were not handed over yet, and
-        when they arrived."""
 
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, watched: the step function for one driver (one loader iterator)."""
         clock = self.clock
         tasks = _Tasks()
         self.tasks.append(tasks)
-        worker_of, epoch_of, index_of, sent_at = tasks.worker, tasks.epoch, tasks.index, tasks.sent
+        worker_of, index_of, sent_at = tasks.worker, tasks.index, tasks.sent
         started_at, finished_at, arrived_at = tasks.started, tasks.finished, tasks.arrived
         handed_at, cpu_of = tasks.handed, tasks.cpu
         slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
-        unhanded = self.unhanded = {}
-        waits_asked, waits_got, waits_task, waits_held = self.waits
+        asked_at, got_at, waited_for = tasks.asked.append, tasks.got.append, tasks.waited_for.append
+        marks = self.marks
         limit = self.limit
+        asked: float | None = None
 
-        # Every step of a traced loader runs this: what is asked most comes first.
+        # Every step of a traced loader runs this, in the main process, between the loader's
+        # own work: what is asked most comes first, and everything that can wait until the
+        # trace is read (which batches were ready while the loop waited) does.
         def traced(state: State, event: Event) -> Transition:
+            nonlocal asked
             now = clock()
             transition = step(state, event)
             kind = type(event)
@@ -619,7 +657,7 @@ class Tracer:
             elif kind is TaskCompleted or kind is TaskFailed:
                 task = event.task  # type: ignore[attr-defined]
                 if task in sent_at:
-                    arrived_at[task] = unhanded[task] = now
+                    arrived_at[task] = now
                     timing = event.timing  # type: ignore[attr-defined]
                     if timing is not None:
                         started_at[task], finished_at[task], cpu_of[task], slowest, ready = timing
@@ -627,71 +665,65 @@ class Tracer:
                             slowest_index[task], slowest_took[task] = slowest[0]
                         if ready is not None:
                             worker = event.worker  # type: ignore[attr-defined]
-                            self.marks.append(Mark(ready, "worker ready", worker))
+                            marks.append(Mark(ready, "worker ready", worker))
                     if kind is TaskFailed:
                         tasks.failed.add(task)
             elif kind is NextRequested:
-                if self.asked is None:
-                    self.asked = now
+                if asked is None:
+                    asked = now
+            elif kind is ResetRequested:
+                self.epoch += 1
+                marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
+                if asked is None:
+                    asked = now
             else:
                 self._saw_rare(now, event)
-            commands: tuple[Any, ...] = transition[1]
-            for command in commands:
-                ckind = type(command)
-                if ckind is SendTask:
+            for command in transition[1]:
+                if isinstance(command, SendTask):
                     task = command.task
-                    index = command.index
                     worker_of[task] = command.worker
-                    epoch_of[task] = self.epoch
-                    index_of[task] = index
+                    index_of[task] = command.index
                     sent_at[task] = now
-                    self.kept += 1
-                    if self.kept > limit:
-                        self._forget_oldest()
-                elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
-                    if ckind is Deliver:
+                    if not task % LIMIT_CHECKED_EVERY:
+                        self._forget_beyond(limit)
+                elif isinstance(command, (Deliver, RaiseError, EndEpoch)):
+                    if isinstance(command, Deliver):
                         task = command.task
-                    elif ckind is RaiseError:
+                    elif isinstance(command, RaiseError):
                         task = getattr(command.failure, "task", None)
                     else:
                         task = None
-                        self.marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
-                    if task is not None:
-                        if task in sent_at:
-                            handed_at[task] = now
-                        unhanded.pop(task, None)
-                    asked = self.asked
+                        marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
+                    if task is not None and task in sent_at:
+                        handed_at[task] = now
                     if asked is not None:
-                        # Any other batch that arrived before this outcome was ready meanwhile.
-                        ready = min(unhanded.values()) if unhanded else now
-                        waits_asked.append(asked)
-                        waits_got.append(now)
-                        waits_task.append(-1 if task is None else task)
-                        waits_held.append(now - (asked if asked > ready else ready))
-                        self.asked = None
-                elif ckind is ResumeWorker:
-                    self.marks.append(Mark(now, "resume sent", command.worker))
+                        asked_at(asked)
+                        got_at(now)
+                        waited_for(-1 if task is None else task)
+                        asked = None
+                elif isinstance(command, ResumeWorker):
+                    marks.append(Mark(now, "resume sent", command.worker))
             return transition
 
         return traced
 
-    def _forget_oldest(self) -> None:
+    @property
+    def kept(self) -> int:
+        """Batches kept now."""
+        return sum(len(tasks.sent) for tasks in self.tasks)
+
+    def _forget_beyond(self, limit: int) -> None:
+        """Forget the oldest batches kept beyond `limit`, the oldest iterator's first."""
+        over = self.kept - limit
         for tasks in self.tasks:
-            if tasks.forget_oldest():
-                self.kept -= 1
+            while over > 0 and tasks.forget_oldest():
+                over -= 1
                 self.dropped += 1
-                return
 
     def _saw_rare(self, now: float, event: Event) -> None:
         """The events that come once an epoch or less."""
         kind = type(event)
-        if kind is ResetRequested:
-            self.epoch += 1
-            self.marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
-            self.unhanded.clear()  # an abandoned epoch's answers are never handed over
-            if self.asked is None:
-                self.asked = now
-        elif kind is WorkerDied:
+        if kind is WorkerDied:
             detail = f"pid {event.pid}, exit code {event.exitcode}"  # type: ignore[attr-defined]
             self.marks.append(Mark(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
         elif kind is WorkerResumed:
@@ -701,16 +733,16 @@ class Tracer:
 
     def trace(self) -> Trace:
         """What was traced so far."""
+        self._forget_beyond(self.limit)
+        starts = [mark.time for mark in self.marks if mark.kind == "epoch start"]
+        waits = [wait for tasks in self.tasks for wait in tasks.waits(starts)]
         return Trace(
             num_workers=self.num_workers,
             in_order=self.in_order,
             persistent_workers=self.persistent_workers,
             executor=self.executor,
-            batches=tuple(record for tasks in self.tasks for record in tasks.records()),
-            waits=tuple(
-                Wait(asked, got, None if task == -1 else task, held)
-                for asked, got, task, held in zip(*self.waits, strict=True)
-            ),
+            batches=tuple(record for tasks in self.tasks for record in tasks.records(starts)),
+            waits=tuple(sorted(waits, key=lambda wait: wait.asked)),
             marks=tuple(self.marks),
             dropped=self.dropped,
         )

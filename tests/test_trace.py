@@ -9,6 +9,7 @@ on made-up traces, so that no test depends on this machine's speed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -259,6 +260,41 @@ def test_a_tracer_keeps_at_most_its_limit_of_batches() -> None:
     trace = tracer.trace()
     assert [b.task for b in trace.batches] == [3, 4, 5]
     assert trace.dropped == 3
+
+
+def test_a_wait_counts_as_held_back_the_time_a_later_batch_sat_ready() -> None:
+    from statecore import (
+        Config,
+        DrawIndex,
+        NextRequested,
+        ResetRequested,
+        TaskCompleted,
+        initial_state,
+        step,
+    )
+    from statecore.executors._quick import index_drawn
+
+    now = [0.0]
+    drawn = itertools.count()
+    tracer = Tracer(2, True, False, "mp", clock=lambda: now[0])
+    traced = tracer.wrap(step)
+    state = initial_state(Config(num_workers=2, prefetch_factor=1))
+
+    def at(moment: float, event: Any) -> None:
+        nonlocal state
+        now[0] = moment
+        state, commands = traced(state, event)
+        for command in commands:  # the sampler's indices, drawn as the scheduler asks
+            if isinstance(command, DrawIndex):
+                at(moment, index_drawn(next(drawn)))
+
+    at(0.0, ResetRequested())  # iter(): tasks 0 and 1 go out; the wait for a batch begins
+    at(1.0, NextRequested())
+    at(5.0, TaskCompleted(1, 1, "later batch"))  # ready at t=5, held back for the order
+    at(8.0, TaskCompleted(0, 0, "first batch"))  # comes at t=8 and is handed over
+    (wait,) = tracer.trace().waits
+    assert (wait.asked, wait.got, wait.task) == (0.0, 8.0, 0)
+    assert wait.held == 3.0  # from t=5, when task 1 was ready, to t=8
 
 
 # --- the verdict's suggestions, on made-up traces -------------------------------------------------
