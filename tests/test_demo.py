@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -110,20 +111,39 @@ def test_progress_off_a_terminal_prints_a_line_per_stage() -> None:
     ]
 
 
-def test_progress_on_a_terminal_redraws_one_line() -> None:
+def test_progress_on_a_terminal_is_a_tqdm_bar_named_for_the_loader_now_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
     stream = Terminal()
-    progress = Progress(total=4, stream=stream, width=4)
-    progress.stage("inline")
-    for _ in range(4):
-        progress.advance()
-    progress.done("done")
-    text = stream.getvalue()
-    assert text.count("\n") == 1 and text.endswith("demo: done\n")
-    assert "[####] 100%  inline" in text
+    progress = Progress(total=4, stream=stream)
+    progress.stage("inline run 1/1")
+    assert re.search(r"inline run 1/1: +0%\|.*\| 0/4 \[", stream.getvalue())
+    progress.advance(4)
+    progress.done("1 epochs loaded")
+    assert "demo: inline run 1/1 ..." not in stream.getvalue()
+    assert stream.getvalue().endswith("demo: 1 epochs loaded\n")
+
+
+def test_progress_told_not_to_show_prints_the_stage_lines_even_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("CI", raising=False)
+    stream = Terminal()
+    progress = Progress(total=4, stream=stream, show=False)
+    progress.stage("mp run 1/1")
+    progress.advance(4)
+    progress.done("1 epochs loaded")
+    assert stream.getvalue().splitlines() == ["demo: mp run 1/1 ...", "demo: 1 epochs loaded"]
 
 
 def test_the_demo_refuses_no_batches(capsys: pytest.CaptureFixture[str]) -> None:

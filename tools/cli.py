@@ -232,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="batches per epoch (default: 40, or 6 with --quick)",
     )
+    _add_no_progress(demo_parser)
     _add_bench(commands)
     profile_parser = commands.add_parser(
         "profile",
@@ -272,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from statecore.tools.demo import demo
 
-        return demo(quick=args.quick, batches=args.batches)
+        return demo(quick=args.quick, batches=args.batches, progress_bar=args.progress)
     from statecore.tools.diagram import mermaid
 
     sys.stdout.write(mermaid())

@@ -24,6 +24,8 @@ import attrs
 import torch
 import torch.utils.data
 
+from statecore.tools.progress import Bar
+
 __all__ = [
     "DemoResult",
     "Progress",
@@ -113,50 +115,28 @@ def _outline(batch: object) -> str:
 
 
 class Progress:
-    """A progress bar on a terminal; one line per stage anywhere else (a log, a pipe).
+    """The demo's progress: a tqdm bar (`statecore.tools.progress.Bar`) showing the loader now
+    loading, where a bar is wanted; anywhere else (a log, a pipe, CI) one line per stage.
 
-    On a terminal the bar is redrawn in place, at most ten times a second. Elsewhere nothing
-    is redrawn: `stage` and `done` each print one line.
+    The stage lines are what a log of the demo needs to show where it stands; on a terminal
+    the bar's description says the same, so only the closing line is printed there.
     """
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
-        self.stream = sys.stderr if stream is None else stream
-        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total = max(1, total)
-        self.width = width
-        self.count = 0
-        self.label = ""
-        self.drawn = 0.0
+    def __init__(self, total: int, stream: TextIO | None = None, show: bool = True) -> None:
+        self.bar = Bar(total, unit="batch", description="demo", show=show, stream=stream)
 
     def stage(self, label: str) -> None:
-        self.label = label
-        if self.live:
-            self._draw(force=True)
+        if self.bar.live:
+            self.bar.describe(label)
         else:
-            self.stream.write(f"demo: {label} ...\n")
-            self.stream.flush()
+            self.bar.note(f"demo: {label} ...")
 
     def advance(self, steps: int = 1) -> None:
-        self.count = min(self.total, self.count + steps)
-        if self.live:
-            self._draw()
+        self.bar.advance(steps)
 
     def done(self, message: str) -> None:
-        if self.live:
-            self.stream.write("\r\x1b[2K")
-        self.stream.write(f"demo: {message}\n")
-        self.stream.flush()
-
-    def _draw(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.drawn < 0.1 and self.count < self.total:
-            return
-        self.drawn = now
-        filled = self.width * self.count // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        percent = 100 * self.count // self.total
-        self.stream.write(f"\r\x1b[2K[{bar}] {percent:3d}%  {self.label}")
-        self.stream.flush()
+        self.bar.close()
+        self.bar.note(f"demo: {message}")
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -244,6 +224,7 @@ def run_demo(
     repeats: int = 3,
     seed: int = 0,
     stream: TextIO | None = None,
+    progress_bar: bool = True,
 ) -> list[DemoResult]:
     """Time and check every loader; results in table order (executors, then torch, per group).
 
@@ -255,7 +236,7 @@ def run_demo(
     dataset = SyntheticImages(batches * batch_size)
     groups = _groups(dataset, batch_size, workers, seed)
     runs = [run for theirs, ours in groups for run in (theirs, *ours)]
-    progress = Progress(total=len(runs) * repeats * batches, stream=stream)
+    progress = Progress(len(runs) * repeats * batches, stream, show=progress_bar)
     seconds: dict[Run, list[float]] = {run: [] for run in runs}
     counts: dict[Run, int] = {}
     mismatch: dict[Run, str | None] = {run: None for run in runs}
@@ -307,7 +288,9 @@ def format_table(results: Sequence[DemoResult], repeats: int) -> str:
     return "\n".join(lines)
 
 
-def demo(quick: bool = False, batches: int | None = None, workers: int = 2) -> int:
+def demo(
+    quick: bool = False, batches: int | None = None, workers: int = 2, progress_bar: bool = True
+) -> int:
     """The `demo` command: print the table; 0 if every loader matched torch, else 1."""
     batch_size, repeats = (16, 2) if quick else (32, 3)
     count = batches if batches is not None else (6 if quick else 40)
@@ -319,7 +302,13 @@ def demo(quick: bool = False, batches: int | None = None, workers: int = 2) -> i
         f"shuffled with a seeded generator, through each executor and through torch ...",
         flush=True,
     )
-    results = run_demo(batches=count, batch_size=batch_size, workers=workers, repeats=repeats)
+    results = run_demo(
+        batches=count,
+        batch_size=batch_size,
+        workers=workers,
+        repeats=repeats,
+        progress_bar=progress_bar,
+    )
     print(format_table(results, repeats))
     failed = [result for result in results if result.mismatch is not None]
     for result in failed:

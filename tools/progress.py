@@ -90,6 +90,11 @@ class Bar:
         if description is not None:
             self._tqdm.refresh()  # a new description shows now, not at the next update
 
+    def describe(self, description: str) -> None:
+        """Show `description` before the bar now (a new stage of the command)."""
+        if self._tqdm is not None:
+            self._tqdm.set_description_str(description, refresh=True)
+
     def note(self, message: str) -> None:
         """Print `message` as a line of its own on the bar's stream: above the bar when it is
         drawn, as a plain line when not."""
