@@ -671,6 +671,29 @@ def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
     assert batches[1].slowest[0][0] == [4, 5, 6, 7]
 
 
+class AnyKey(Dataset[int]):
+    """Loads 0 for any key: the batches' keys are what a test looks at."""
+
+    def __getitem__(self, key: object) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [[3, 1, 2], [-5, 2**40], [7]],
+        [["a", "b"], ["c"]],
+        [[1, 2], [2**70, 4], [5]],  # a list that will not pack, after one that did
+    ],
+    ids=["ints", "strings", "beyond-64-bits"],
+)
+def test_each_batchs_indices_come_back_as_the_sampler_gave_them(batches: list[list[Any]]) -> None:
+    loader = statecore.DataLoader(AnyKey(), batch_sampler=batches, trace=True)
+    list(loader)
+    traced = sorted(loader.trace_record().batches, key=lambda b: b.task)
+    assert [b.index for b in traced] == batches
+
+
 @pytest.mark.timeout(60)
 def test_the_cost_tool_times_a_workload_with_tracing_off_and_on_in_turns() -> None:
     from statecore.tools.trace_cost import compare
