@@ -33,6 +33,7 @@ import torch
 
 from statecore import (
     Deliver,
+    DrawIndex,
     EndEpoch,
     Event,
     IndexDrawn,
@@ -92,19 +93,21 @@ to this many more batches than the limit; a trace read is cut to the limit exact
 
 
 class _Packer:
-    """Packs a batch sampler's list of indices into bytes, eight a number: 0.55 us for 64,
-    where keeping the list kept 65 objects alive (see `_FIELDS`).
+    """Packs a batch sampler's lists of indices into bytes, eight a number: 0.55 us for 64,
+    where keeping a list kept 65 objects alive (see `_FIELDS`).
 
-    A list that does not pack (not all ints, or one beyond 64 bits) is kept as it is, and so is
-    every later one: a sampler that yields such lists once will again, and the failed attempt
-    would cost each batch an exception.
+    A list that does not pack (not all integers, or one beyond 64 bits) is kept as it is, and
+    so is every later one: a sampler that yields such lists once will again, and the failed
+    attempt would cost each batch an exception.
     """
 
     def __init__(self) -> None:
-        self.packs = True
         self.formats: dict[int, Callable[..., bytes]] = {}
+        self.pack = self._pack
+        """Packs a list, or answers None: the attribute is the method until a list does not
+        pack, and then a function that answers None at once."""
 
-    def __call__(self, index: list[Any]) -> bytes | None:
+    def _pack(self, index: list[Any]) -> bytes | None:
         size = len(index)
         pack = self.formats.get(size)
         if pack is None:
@@ -112,8 +115,12 @@ class _Packer:
         try:
             return pack(*index)
         except (struct.error, TypeError, OverflowError):
-            self.packs = False
+            self.pack = _keep
             return None
+
+
+def _keep(index: list[Any]) -> None:
+    return None
 
 
 class _Tasks:
@@ -677,7 +684,7 @@ class Tracer:
         self.tasks.append(tasks)
         worker_of, index_of, packed_of = tasks.worker, tasks.index, tasks.packed
         sent_at = tasks.sent
-        pack = _Packer()
+        packing = _Packer()
         started_at, finished_at, arrived_at = tasks.started, tasks.finished, tasks.arrived
         handed_at, cpu_of = tasks.handed, tasks.cpu
         slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
@@ -721,26 +728,26 @@ class Tracer:
             else:
                 self._saw_rare(now, event)
             for command in transition[1]:
-                if isinstance(command, SendTask):
-                    task = command.task
-                    worker_of[task] = command.worker
-                    index = command.index
-                    if type(index) is list and pack.packs:
-                        packed = pack(index)
-                        if packed is not None:
-                            packed_of[task] = packed
-                        else:
-                            index_of[task] = index
-                    else:
-                        index_of[task] = index
+                ckind = type(command)
+                if ckind is DrawIndex:
+                    continue
+                if ckind is SendTask:
+                    task = command.task  # type: ignore[attr-defined]
+                    worker_of[task] = command.worker  # type: ignore[attr-defined]
                     sent_at[task] = now
+                    index = command.index  # type: ignore[attr-defined]
+                    packed = packing.pack(index) if type(index) is list else None
+                    if packed is None:
+                        index_of[task] = index
+                    else:
+                        packed_of[task] = packed
                     if not task % LIMIT_CHECKED_EVERY:
                         self._forget_beyond(limit)
-                elif isinstance(command, (Deliver, RaiseError, EndEpoch)):
-                    if isinstance(command, Deliver):
-                        task = command.task
-                    elif isinstance(command, RaiseError):
-                        task = getattr(command.failure, "task", None)
+                elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
+                    if ckind is Deliver:
+                        task = command.task  # type: ignore[attr-defined]
+                    elif ckind is RaiseError:
+                        task = getattr(command.failure, "task", None)  # type: ignore[attr-defined]
                     else:
                         task = None
                         marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
@@ -751,8 +758,8 @@ class Tracer:
                         got_at(now)
                         waited_for(-1 if task is None else task)
                         asked = None
-                elif isinstance(command, ResumeWorker):
-                    marks.append(Mark(now, "resume sent", command.worker))
+                elif ckind is ResumeWorker:
+                    marks.append(Mark(now, "resume sent", command.worker))  # type: ignore[attr-defined]
             return transition
 
         return traced
