@@ -126,6 +126,70 @@ class ShardedRange(IterableDataset):  # type: ignore[type-arg]
         return iter(range(info.id, self.n, info.num_workers))
 
 
+class Positioned:
+    """An iterator over `items` that says where it is: torchdata's Stateful protocol."""
+
+    reads = 0
+    """Items read by every instance in this process: a restored one does not read again."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+        self.at = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= len(self.items):
+            raise StopIteration
+        Positioned.reads += 1
+        self.at += 1
+        return self.items[self.at - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.at = state["at"]
+
+
+def share_of_range(n: int) -> list[int]:
+    """This worker's items of range(n), dealt round by worker id; all of them in-process."""
+    info = get_worker_info()
+    return list(range(n)) if info is None else list(range(info.id, n, info.num_workers))
+
+
+class StatefulIterator(IterableDataset[int]):
+    """Its iterator has the state: saved after each batch, loaded into a fresh iterator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Positioned:
+        return Positioned(share_of_range(self.n))
+
+
+class StatefulDataset(IterableDataset[int]):
+    """The dataset has the state, and its next iterator starts from it (as Hugging Face's)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        items, self.start = share_of_range(self.n)[self.start :], 0
+        self.yielded = 0
+        for item in items:
+            self.yielded += 1
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": getattr(self, "yielded", 0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start = state["start"]
+
+
 class PerWorkerCounts(IterableDataset):  # type: ignore[type-arg]
     """Worker k yields counts[k] items (100 * k + j), so workers run dry at different times.
 

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 from _checkpoints import roundtrip, run_to_end, take
-from _datasets import PerWorkerCounts, ShardedRange
+from _datasets import (
+    PerWorkerCounts,
+    Positioned,
+    ShardedRange,
+    StatefulDataset,
+    StatefulIterator,
+    share_of_range,
+)
 from _side_by_side import WORKERS, as_lists
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -28,69 +35,6 @@ RUNS = [
     pytest.param("thread", 2, id="thread-2"),
     pytest.param("mp", 2, id="mp-2"),
 ]
-
-
-class Positioned:
-    """An iterator over `items` that says where it is: torchdata's Stateful protocol."""
-
-    reads = 0
-    """Items read by every instance in this process: a restored one does not read again."""
-
-    def __init__(self, items: list[int]) -> None:
-        self.items = items
-        self.at = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return self
-
-    def __next__(self) -> int:
-        if self.at >= len(self.items):
-            raise StopIteration
-        Positioned.reads += 1
-        self.at += 1
-        return self.items[self.at - 1]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"at": self.at}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.at = state["at"]
-
-
-def _share(n: int) -> list[int]:
-    info = get_worker_info()
-    return list(range(n)) if info is None else list(range(info.id, n, info.num_workers))
-
-
-class StatefulIterator(IterableDataset[int]):
-    """Its iterator has the state: saved after each batch, loaded into a fresh iterator."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Positioned:
-        return Positioned(_share(self.n))
-
-
-class StatefulDataset(IterableDataset[int]):
-    """The dataset has the state, and its next iterator starts from it (as Hugging Face's)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.start = 0
-
-    def __iter__(self) -> Iterator[int]:
-        items, self.start = _share(self.n)[self.start :], 0
-        self.yielded = 0
-        for item in items:
-            self.yielded += 1
-            yield item
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"start": getattr(self, "yielded", 0)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.start = state["start"]
 
 
 class SkipsAnError(IterableDataset[int]):
@@ -117,7 +61,7 @@ class SkipsAnError(IterableDataset[int]):
 
 class StateDictRaises(StatefulIterator):
     def __iter__(self) -> Positioned:
-        return Broken(_share(self.n))
+        return Broken(share_of_range(self.n))
 
 
 class Broken(Positioned):

@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data
+from _checkpoints import roundtrip, run_to_end, take
+from _datasets import Numbers, ShardedRange, StatefulDataset, StatefulIterator
 from hypothesis import settings as Settings
 from torch.utils.data import Dataset, IterableDataset
 
@@ -231,6 +233,41 @@ def test_persistent_workers_keep_their_actors_and_their_order_across_epochs(
     del loader
     gc.collect()
     assert settles(lambda: not live_actors())
+
+
+@pytest.mark.timeout(240)
+def test_a_map_style_checkpoint_taken_under_ray_resumes_exactly_under_ray(cluster: Any) -> None:
+    options: dict[str, Any] = {"batch_size": 3, "num_workers": 2, "executor": "ray"}
+    original = statecore.DataLoader(
+        Numbers(30), shuffle=True, generator=torch.Generator().manual_seed(5), **options
+    )
+    iterator = iter(original)
+    take(iterator, 4)
+    state = roundtrip(original.state_dict())
+    rest = run_to_end(iterator)
+    resumed = statecore.DataLoader(
+        Numbers(30), shuffle=True, generator=torch.Generator().manual_seed(99), **options
+    )
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest and rest
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dataset", [ShardedRange, StatefulIterator, StatefulDataset])
+def test_an_iterable_checkpoint_taken_under_ray_resumes_each_workers_part_exactly(
+    cluster: Any, dataset: type
+) -> None:
+    # Each actor's dataset state (or a fast-forward, for ShardedRange) rides on its batches'
+    # marks across the object store, as on the mp executor's pipes.
+    options: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "executor": "ray"}
+    original = statecore.DataLoader(dataset(23), **options)
+    iterator = iter(original)
+    take(iterator, 5)
+    state = roundtrip(original.state_dict())
+    rest = run_to_end(iterator)
+    resumed = statecore.DataLoader(dataset(23), **options)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest and rest
 
 
 @pytest.mark.timeout(300)
