@@ -96,6 +96,13 @@ def test_the_images_are_the_same_in_every_process_and_pickle() -> None:
         dataset[5]
 
 
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_off_a_terminal_prints_a_line_per_stage() -> None:
     stream = io.StringIO()
     progress = Progress(total=100, stream=stream)
@@ -114,10 +121,6 @@ def test_progress_off_a_terminal_prints_a_line_per_stage() -> None:
 def test_progress_on_a_terminal_is_a_tqdm_bar_named_for_the_loader_now_loading(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.setenv("TERM", "xterm")
     stream = Terminal()
@@ -133,10 +136,6 @@ def test_progress_on_a_terminal_is_a_tqdm_bar_named_for_the_loader_now_loading(
 def test_progress_told_not_to_show_prints_the_stage_lines_even_on_a_terminal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
     monkeypatch.delenv("CI", raising=False)
     stream = Terminal()
     progress = Progress(total=4, stream=stream, show=False)
