@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -278,3 +279,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sys.stdout.write(mermaid())
     return 0
+
+
+def run() -> int:
+    """`python -m statecore`: `main` with the process's arguments, for a shell's pipes.
+
+    When the reader goes away (`... | head`), what was left to print has nobody to read it.
+    The interpreter's own flush at exit would fail again and print a traceback, so stdout is
+    pointed at /dev/null first, and the status is the one a shell gives a broken pipe.
+    """
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 128 + signal.SIGPIPE
+    return status
