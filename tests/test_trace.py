@@ -243,23 +243,67 @@ def test_an_untraced_loaders_workers_send_no_timings() -> None:
     assert timings and all(timing is None for timing in timings)
 
 
-def test_a_tracer_keeps_at_most_its_limit_of_batches() -> None:
-    tracer = Tracer(1, True, False, "inline", limit=3)
-    from statecore import Config, initial_state, step
-
-    traced = tracer.wrap(step)
-    state = initial_state(Config(num_workers=1, prefetch_factor=1, lazy=True))
-    from statecore import NextRequested, ResetRequested, TaskCompleted
+def one_worker_epoch(traced: Any, batches: int) -> Any:
+    """Drive `traced` through an epoch of `batches` two-index batches on one worker, each
+    asked for, drawn, sent and answered in turn; the state after it."""
+    from statecore import Config, NextRequested, ResetRequested, TaskCompleted, initial_state
     from statecore.executors._quick import index_drawn
 
+    state = initial_state(Config(num_workers=1, prefetch_factor=1, lazy=True))
     state, _ = traced(state, ResetRequested())
-    for task in range(6):
+    for task in range(batches):
         state, _ = traced(state, NextRequested())
-        state, _ = traced(state, index_drawn(task))
+        state, _ = traced(state, index_drawn([task, task + 100]))
         state, _ = traced(state, TaskCompleted(task, 0, task))
+    return state
+
+
+def test_a_tracer_keeps_at_most_its_limit_of_batches() -> None:
+    from statecore import step
+
+    tracer = Tracer(1, True, False, "inline", limit=3)
+    one_worker_epoch(tracer.wrap(step), 6)
     trace = tracer.trace()
     assert [b.task for b in trace.batches] == [3, 4, 5]
     assert trace.dropped == 3
+
+
+def test_reading_a_trace_mid_run_changes_nothing_of_what_a_later_read_gives() -> None:
+    def records(trace: Trace) -> list[Any]:
+        return [(b.task, b.worker, b.epoch, b.index, b.failed) for b in trace.batches]
+
+    once = statecore.DataLoader(OneStraggler(), batch_size=BATCH_SIZE, trace=True)
+    list(once)
+    twice = statecore.DataLoader(OneStraggler(), batch_size=BATCH_SIZE, trace=True)
+    iterator = iter(twice)
+    mid = [next(iterator) for _ in range(5)]
+    assert len(twice.trace_record().batches) >= 5 and mid
+    list(iterator)
+    again = twice.trace_record()
+    assert records(again) == records(once.trace_record())
+    assert len(again.waits) == len(once.trace_record().waits)
+
+
+def test_an_event_the_scheduler_refuses_leaves_the_trace_as_without_it() -> None:
+    from statecore import NextRequested, StatecoreError, TaskCompleted, step
+    from statecore.executors._quick import index_drawn
+
+    tracer = Tracer(1, True, False, "inline")
+    traced = tracer.wrap(step)
+    state = one_worker_epoch(traced, 2)
+    with pytest.raises(StatecoreError):
+        traced(state, TaskCompleted(77, 0, None))  # no task 77 was sent
+    # The driver goes on with the state it had.
+    state, _ = traced(state, NextRequested())
+    state, _ = traced(state, index_drawn([2, 102]))
+    traced(state, TaskCompleted(2, 0, None))
+    trace = tracer.trace()
+    assert [(b.task, b.index) for b in trace.batches] == [
+        (0, [0, 100]),
+        (1, [1, 101]),
+        (2, [2, 102]),
+    ]
+    assert all(b.handed is not None for b in trace.batches)
 
 
 def test_a_wait_counts_as_held_back_the_time_a_later_batch_sat_ready() -> None:
