@@ -249,6 +249,12 @@ def _from_store(packed: tuple[Any, ...]) -> torch.Tensor:
     return flat.view(dtype).reshape(shape)
 
 
+def _this_node(library: Any) -> str:
+    """The Ray node this process runs on."""
+    node: str = library.get_runtime_context().get_node_id()
+    return node
+
+
 class _Worker:
     """One worker, in an actor's process: its `WorkerRuntime` and nothing else."""
 
@@ -260,7 +266,7 @@ class _Worker:
         )
         _plain_storages()
         self.pid = os.getpid()
-        self.node = library.get_runtime_context().get_node_id()
+        self.node = _this_node(library)
         self.runtime = WorkerRuntime.in_worker(setup, worker_id, self.pid)
 
     def placement(self) -> tuple[int, str]:
@@ -286,12 +292,6 @@ def _actor_class(library: Any) -> Any:
 
 
 # The caller's side.
-
-
-def _this_node(library: Any) -> str:
-    """The Ray node this process runs on."""
-    node: str = library.get_runtime_context().get_node_id()
-    return node
 
 
 @attrs.frozen
@@ -415,11 +415,10 @@ class RayExecutor:
         timing = cast(TaskTiming, answer.timing)  # what a traced worker's runtime measured
         arrived = time.perf_counter()
         if worker not in self.skews:
-            try:
-                _, node = self.library.get(self.placements[worker], timeout=0)
-            except Exception:
-                return answer  # the actor answered, so this ran before: not reached
-            self.skews[worker] = None if node == self.node else ClockSkew()
+            placed = self._placement(worker)
+            if placed is None:
+                return answer  # the actor answered, so it has started: not reached
+            self.skews[worker] = None if placed[1] == self.node else ClockSkew()
         skew = self.skews[worker]
         if skew is None:
             return answer
@@ -433,12 +432,16 @@ class RayExecutor:
 
     def _pid(self, worker: int) -> int | None:
         """The worker's pid, if its actor ever started."""
-        library = self.library
+        placed = self._placement(worker)
+        return None if placed is None else int(placed[0])
+
+    def _placement(self, worker: int) -> tuple[int, str] | None:
+        """The worker's actor's (pid, node), if it ever started; asked once, at its start."""
         try:
-            pid, _ = library.get(self.placements[worker], timeout=0)
+            placed: tuple[int, str] = self.library.get(self.placements[worker], timeout=0)
         except Exception:
             return None
-        return int(pid)
+        return placed
 
     def _connected(self) -> bool:
         """Whether Ray is still connected. Once it is not (`ray.shutdown()`, or interpreter

@@ -678,14 +678,12 @@ def run_benchmark(
             if result.error is not None:
                 say(f"{workload.name}: FAILED: {result.error} ({took:.0f} s)")
             else:
-                threads = (
-                    f", threads/torch {result.ratio_of(Side.THREADS):.2f}x"
-                    if result.threads
-                    else ""
+                others = "".join(
+                    f", {side.value}/torch {result.ratio_of(side):.2f}x"
+                    for side in (Side.THREADS, Side.RAY)
+                    if result.runs(side)
                 )
-                if result.ray:
-                    threads += f", ray/torch {result.ratio_of(Side.RAY):.2f}x"
-                say(f"{workload.name}: statecore/torch {result.ratio:.2f}x{threads} ({took:.0f} s)")
+                say(f"{workload.name}: statecore/torch {result.ratio:.2f}x{others} ({took:.0f} s)")
             if result.memory_error is not None:
                 say(f"{workload.name}: memory not measured: {result.memory_error}")
             results.append(result)
