@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -747,6 +749,35 @@ def test_the_cost_tool_times_a_workload_with_tracing_off_and_on_in_turns() -> No
     assert len(cost.off) == len(cost.on) == 2
     assert all(ratio > 0 for ratio in cost.ratios)
     assert cost.describe().startswith("inline-b1: off ")
+    assert "95% interval" in cost.describe()
+
+
+def test_the_cost_tools_interval_holds_the_median_within_the_rounds_seen() -> None:
+    from statecore.tools.trace_cost import median_interval
+
+    ratios = [1.02, 1.11, 0.97, 1.08, 1.05, 1.31, 1.04, 0.99, 1.07]
+    low, high = median_interval(ratios)
+    assert min(ratios) <= low <= statistics.median(ratios) <= high <= max(ratios)
+    assert median_interval(ratios) == (low, high)  # seeded: the same rounds, the same interval
+
+
+def test_the_cost_tools_interval_narrows_as_rounds_are_added() -> None:
+    from statecore.tools.trace_cost import median_interval
+
+    draw = random.Random(7)
+    few = [draw.gauss(1.07, 0.05) for _ in range(9)]
+    many = few + [draw.gauss(1.07, 0.05) for _ in range(391)]
+    few_low, few_high = median_interval(few)
+    many_low, many_high = median_interval(many)
+    assert many_high - many_low < (few_high - few_low) / 2
+    assert many_low < 1.07 < many_high
+
+
+def test_the_cost_tools_interval_refuses_no_rounds() -> None:
+    from statecore.tools.trace_cost import median_interval
+
+    with pytest.raises(ValueError, match="no values"):
+        median_interval([])
 
 
 @pytest.mark.timeout(120)
