@@ -780,6 +780,13 @@ def test_the_cost_tools_interval_refuses_no_rounds() -> None:
         median_interval([])
 
 
+def test_the_cost_tools_interval_refuses_a_confidence_outside_0_to_1() -> None:
+    from statecore.tools.trace_cost import median_interval
+
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        median_interval([1.0, 1.1], confidence=1.0)
+
+
 @pytest.mark.timeout(120)
 def test_each_worker_is_marked_ready_before_its_first_batch() -> None:
     loader, _ = traced_epoch("mp", workers=2)
