@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         capabilities_of,
     )
     from statecore.executors._ray import RayOptions, RayUnavailableError, ray
-    from statecore.executors._registry import ENTRY_POINT_GROUP, available
+    from statecore.executors._registry import ENTRY_POINT_GROUP, available, runnable
     from statecore.executors._remote import RemoteError
     from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
 
@@ -53,6 +53,7 @@ _WHERE = {
     "get_worker_info": "_worker",
     "pinned": "_pinned",
     "ray": "_ray",
+    "runnable": "_registry",
 }
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "get_worker_info",
     "pinned",
     "ray",
+    "runnable",
 ]
 
 

@@ -46,6 +46,7 @@ import torch
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed, WorkerDied
 from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._registry import NEEDS
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
 from statecore.executors._timing import ClockSkew, TaskTiming
@@ -69,8 +70,9 @@ def _ray_library() -> Any:
         return importlib.import_module("ray")
     except ImportError as error:
         raise RayUnavailableError(
-            "executor='ray' needs Ray, which is not installed: pip install 'statecore[ray]' "
-            "(or pip install 'ray>=2.9'), or choose another executor such as executor='mp'."
+            f"executor='ray' needs Ray, which is not installed: {NEEDS['ray'][1]} in a "
+            "statecore checkout (or pip install 'ray>=2.9'), or choose another executor such "
+            "as executor='mp'."
         ) from error
 
 

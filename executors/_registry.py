@@ -11,6 +11,7 @@ takes `num_workers > 0`.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
@@ -29,8 +30,12 @@ from statecore.executors._protocol import (
 __all__ = [
     "BUILT_IN",
     "ENTRY_POINT_GROUP",
+    "NEEDS",
     "PINNED",
+    "Missing",
     "available",
+    "missing",
+    "runnable",
     "loads_in_process",
     "lookup",
     "resolve_executor",
@@ -85,6 +90,23 @@ BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
 """name -> (factory, whether it loads in the calling thread, as the factory declares)."""
 
 
+@attrs.frozen
+class Missing:
+    """Why an executor cannot run here: the package it needs, and how to install it."""
+
+    name: str
+    package: str
+    install: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: skipped, {self.install}"
+
+
+NEEDS: dict[str, tuple[str, str]] = {"ray": ("ray", "pip install -e '.[ray]'")}
+"""name -> (the package a built-in executor imports when it starts, the command that installs
+it: the optional extra of pyproject.toml that brings it)."""
+
+
 def _plugins() -> dict[str, EntryPoint]:
     return {
         point.name: point
@@ -97,6 +119,44 @@ def _plugins() -> dict[str, EntryPoint]:
 def available() -> list[str]:
     """Every executor name: the built-ins and those other packages registered."""
     return sorted({*BUILT_IN, PINNED, *_plugins()})
+
+
+def missing(name: str) -> Missing | None:
+    """Why the executor `name` cannot run here (its optional package is not installed), or None.
+
+    Asks whether the package can be found, without importing it: Ray takes seconds to import.
+    A plug-in is runnable when its entry point loads.
+    """
+    if name in NEEDS:
+        package, install = NEEDS[name]
+        if importlib.util.find_spec(package) is None:
+            return Missing(name, package, install)
+        return None
+    point = _plugins().get(name)
+    if point is not None:
+        try:
+            point.load()
+        except ImportError as error:
+            package = error.name or point.value
+            return Missing(name, package, f"its package failed to import ({error})")
+    return None
+
+
+def runnable() -> tuple[list[str], list[Missing]]:
+    """The executors that can run here, and why each of the others cannot.
+
+    `available()` names every executor; one whose optional package is missing still raises
+    its own clear error when chosen. Programs that try every executor (`demo`) run these.
+    """
+    ready: list[str] = []
+    skipped: list[Missing] = []
+    for name in available():
+        why = missing(name)
+        if why is None:
+            ready.append(name)
+        else:
+            skipped.append(why)
+    return ready, skipped
 
 
 def lookup(name: str) -> tuple[ExecutorFactory, bool]:

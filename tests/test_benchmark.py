@@ -743,10 +743,12 @@ def test_the_cli_passes_ray_to_bench_and_bench_adds_the_ray_side(
 def test_bench_ray_without_ray_installed_names_the_extra_before_running_anything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(loader_bench, "_importable", lambda name: name != "ray")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     monkeypatch.setattr(loader_bench, "run_benchmark", lambda *a, **k: pytest.fail("ran"))
     assert loader_bench.bench(only=["io"], ray=True) == 2
-    assert "pip install 'statecore[ray]'" in capsys.readouterr().err
+    assert "--ray needs ray, which is not installed: pip install -e '.[ray]'" in (
+        capsys.readouterr().err
+    )
 
 
 def test_with_ray_the_memory_runs_are_the_other_loaders_and_every_run_is_counted() -> None:

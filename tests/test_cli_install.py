@@ -147,3 +147,26 @@ def test_an_optional_module_comes_with_the_extra_the_readme_and_the_error_name()
         line = f"pip install -e '.[{extra}]'"
         assert line in run_it
         assert line in INSTALL_HINT
+
+
+def _ci_script() -> str:
+    return (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_runs_the_readme_install_line_exactly_as_the_readme_writes_it() -> None:
+    assigned = re.search(r'^README_RUN_IT="([^"]*)"$', _ci_script(), re.M)
+    assert assigned is not None, ".ci/run no longer names the README's line"
+    assert assigned.group(1) == _readme_install_line()
+
+
+def test_ci_runs_the_readme_line_in_a_fresh_environment_without_the_machines_packages() -> None:
+    script = _ci_script()
+    venv = re.search(r"^python -m venv (.*)$", script, re.M)
+    assert venv is not None and "--system-site-packages" not in venv.group(1)
+    assert 'bash -c "$README_RUN_IT --quick"' in script
+    # ... and before CI installs the extras, so that nothing they bring can hide a gap
+    assert script.index("$README_RUN_IT --quick") < script.index("pip install --quiet -e")
+
+
+def test_the_readme_line_ends_with_the_demo_so_ci_can_ask_for_the_quick_one() -> None:
+    assert _readme_install_line().endswith("python -m statecore demo")

@@ -170,12 +170,13 @@ def _groups(
 ) -> list[tuple[Run, list[Run]]]:
     """torch's loader and statecore's with the same arguments, grouped by num_workers.
 
-    Every available executor is in one group: one that loads in-process with num_workers=0,
-    any other with num_workers=`workers`. "pinned" runs only where there is an accelerator to
-    pin for; elsewhere it would hand over mp's batches again.
+    Every executor that can run here is in one group: one that loads in-process with
+    num_workers=0, any other with num_workers=`workers`. One whose optional package is not
+    installed (Ray without the `ray` extra) is left out; `skipped` names it. "pinned" runs only
+    where there is an accelerator to pin for; elsewhere it would hand over mp's batches again.
     """
     import statecore
-    from statecore.executors._registry import PINNED, available, loads_in_process
+    from statecore.executors._registry import PINNED, loads_in_process, runnable
 
     def arguments(num_workers: int) -> dict[str, Any]:
         return dict(
@@ -192,7 +193,7 @@ def _groups(
         return lambda: statecore.DataLoader(dataset, **arguments(num_workers), executor=name)
 
     executors: dict[int, list[Run]] = {}
-    for name in available():
+    for name in runnable()[0]:
         if name == PINNED and not torch.accelerator.is_available():
             continue  # without an accelerator it hands over mp's batches, unpinned
         num_workers = 0 if loads_in_process(name) else workers
@@ -288,6 +289,15 @@ def format_table(results: Sequence[DemoResult], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def skipped_line() -> str | None:
+    """One line naming each executor that cannot run here and how to install what it needs:
+    "ray: skipped, pip install -e '.[ray]'"; None when every executor can run."""
+    from statecore.executors._registry import runnable
+
+    skipped = runnable()[1]
+    return "; ".join(str(why) for why in skipped) or None
+
+
 def demo(
     quick: bool = False, batches: int | None = None, workers: int = 2, progress_bar: bool = True
 ) -> int:
@@ -302,6 +312,8 @@ def demo(
         f"shuffled with a seeded generator, through each executor and through torch ...",
         flush=True,
     )
+    if skipped := skipped_line():
+        print(skipped, flush=True)
     results = run_demo(
         batches=count,
         batch_size=batch_size,

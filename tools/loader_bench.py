@@ -34,6 +34,7 @@ from typing import Any, TextIO
 import attrs
 import torch
 
+from statecore.executors import _registry as registry
 from statecore.tools.memory import Peak
 from statecore.tools.progress import Bar
 from statecore.tools.workloads import (
@@ -873,8 +874,8 @@ def bench(
         print(f"bench: {error}", file=sys.stderr)
         return 2
     missing = missing_dependencies(workloads, plot=plot_path is not None)
-    if ray and not _importable("ray"):
-        ray_missing = "--ray needs ray, which is not installed: pip install 'statecore[ray]'"
+    if ray and (why := registry.missing("ray")) is not None:
+        ray_missing = f"--ray needs {why.package}, which is not installed: {why.install}"
         missing = ray_missing if missing is None else f"{missing}; {ray_missing}"
     if missing is not None:
         print(f"bench: {missing}", file=sys.stderr)

@@ -1,0 +1,99 @@
+"""Executors whose optional package is missing: the registry knows, programs skip them by name.
+
+"Not installed" is played by `sys.modules[name] = None`, which makes both `import ray` and
+`importlib.util.find_spec("ray")` answer as they do where Ray was never installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import statecore
+from statecore.executors import RayUnavailableError, available, runnable
+from statecore.executors._registry import Missing, missing
+from statecore.tools.demo import skipped_line
+
+# Runs a statecore command in a fresh interpreter in which Ray cannot be imported.
+_WITHOUT_RAY = (
+    "import sys; sys.modules['ray'] = None\n"
+    "from statecore.tools.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_an_executor_whose_package_is_missing_is_not_runnable_and_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    ready, skipped = runnable()
+    assert "ray" not in ready
+    assert skipped == [Missing("ray", "ray", "pip install -e '.[ray]'")]
+    assert str(skipped[0]) == "ray: skipped, pip install -e '.[ray]'"
+
+
+def test_every_executor_is_still_named_as_available_when_its_package_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert "ray" in available()
+
+
+def test_the_executors_without_optional_packages_are_always_runnable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert {"inline", "mp", "thread", "pinned"} <= set(runnable()[0])
+
+
+def test_ray_is_runnable_where_it_is_installed() -> None:
+    pytest.importorskip("ray")
+    assert missing("ray") is None
+    assert "ray" in runnable()[0]
+
+
+def test_asking_whether_ray_can_run_does_not_import_it() -> None:
+    script = (
+        "import sys\n"
+        "from statecore.executors import runnable\n"
+        "runnable()\n"
+        "print('ray' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_choosing_ray_without_ray_installed_keeps_its_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    loader = statecore.DataLoader(list(range(4)), num_workers=1, executor="ray")
+    with pytest.raises(RayUnavailableError, match=r"pip install -e '\.\[ray\]'"):
+        next(iter(loader))
+
+
+def test_the_demo_names_the_skipped_executors_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert skipped_line() == "ray: skipped, pip install -e '.[ray]'"
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_runs_without_ray_and_says_it_skipped_it() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RAY, "demo", "--quick", "--batches", "2"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "ray: skipped, pip install -e '.[ray]'" in lines
+    rows = {line.split()[0] for line in lines if line.strip()}
+    assert {"inline", "mp", "thread", "torch"} <= rows
+    assert "ray" not in rows
