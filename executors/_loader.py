@@ -254,7 +254,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state was taken from; the executor may differ, and so may the number of workers for a
         map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
-        resume = parse(state_dict, self._checkpoint_facts())
+        source = torch.default_generator if self.generator is None else self.generator
+        resume = parse(
+            state_dict,
+            self._checkpoint_facts(),
+            batches=None if self._dataset_kind == _ITER else _length(self._index_sampler),
+            rng_size=source.get_state().numel(),
+        )
         kept = self.__dict__.get("_iterator")
         if isinstance(kept, _Iterator):
             # Persistent workers are in the middle of something else: the resumed epoch gets

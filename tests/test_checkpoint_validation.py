@@ -1,0 +1,192 @@
+"""`load_state_dict` checks every field of a state before using any of it.
+
+A corrupted or foreign state must be refused with an error naming the field, what it holds and
+what was expected, never resume a wrong epoch, and never reach the workers (a seed out of range
+kills them all). A state that passes the checks resumes: a Hypothesis test corrupts fields of
+valid states and accepts nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _checkpoints import run_to_end, take
+from _datasets import Numbers, StatefulIterator
+from hypothesis import given
+from hypothesis import strategies as st
+
+from statecore import DataLoader
+
+REFUSED = "cannot load this DataLoader state"
+
+
+def map_state(**options: Any) -> dict[str, Any]:
+    """A state of a shuffled map-style loader three batches into its 14."""
+    loader = DataLoader(Numbers(40), batch_size=3, shuffle=True, **options)
+    iterator = iter(loader)
+    take(iterator, 3)
+    return loader.state_dict()
+
+
+def fresh_map(**options: Any) -> DataLoader[Any]:
+    return DataLoader(Numbers(40), batch_size=3, shuffle=True, **options)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        (
+            ("progress", "done"),
+            1000,
+            r"progress\.done holds 1000 \(int\); expected an int from 0 to 14",
+        ),
+        (("progress", "done"), 2.7, r"progress\.done holds 2\.7 \(float\)"),
+        (("progress", "done"), True, r"progress\.done holds True \(bool\)"),
+        (("progress", "done"), -1, r"progress\.done holds -1"),
+        (("progress", "also"), "7", r"progress\.also holds '7' \(str\)"),
+        (("progress", "also"), [2], r"progress\.also holds \[2\] \(list\)"),
+        (("progress", "ended"), 1, r"progress\.ended holds 1 \(int\); expected True or False"),
+        (("complete",), "no", r"complete holds 'no' \(str\); expected True or False"),
+        (("epoch",), 0, r"epoch holds 0 \(int\); expected an int from 1"),
+        (("num_yielded",), None, r"num_yielded holds None"),
+        (("base_seed",), 2**70, r"base_seed holds 1180591620717411303424 \(int\)"),
+        (("base_seed",), -5, r"base_seed holds -5"),
+        (("rng", "epoch_start"), "not base64!", r"rng\.epoch_start holds 'not base64!'"),
+        (("rng", "epoch_start"), "AAAA", r"rng\.epoch_start holds 'AAAA' .*bytes"),
+        (("progress",), [3], r"progress holds \[3\] \(list\); expected a dict"),
+    ],
+)
+def test_a_field_of_the_wrong_type_or_range_is_refused_by_name(
+    path: tuple[str, ...], value: Any, named: str
+) -> None:
+    state = map_state()
+    where = state
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    with pytest.raises(ValueError, match=named):
+        fresh_map().load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "path", [("epoch",), ("progress",), ("progress", "done"), ("rng", "now"), ("complete",)]
+)
+def test_a_missing_field_is_refused_by_name(path: tuple[str, ...]) -> None:
+    state = map_state()
+    where = state
+    for key in path[:-1]:
+        where = where[key]
+    del where[path[-1]]
+    with pytest.raises(ValueError, match=rf"{'.'.join(path)} is missing"):
+        fresh_map().load_state_dict(state)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_a_version_that_only_equals_one_loosely_is_refused(version: Any) -> None:
+    state = map_state()
+    state["statecore"] = version
+    with pytest.raises(ValueError, match="format version"):
+        fresh_map().load_state_dict(state)
+
+
+def test_a_batch_size_of_true_is_not_the_batch_size_one() -> None:
+    state = DataLoader(Numbers(10), batch_size=1).state_dict()
+    state["batch_size"] = True
+    with pytest.raises(ValueError, match="batch_size=True"):
+        DataLoader(Numbers(10), batch_size=1).load_state_dict(state)
+
+
+def test_an_iterable_state_with_the_wrong_number_of_worker_entries_is_refused() -> None:
+    loader = DataLoader(StatefulIterator(20), batch_size=2)
+    take(iter(loader), 2)
+    state = loader.state_dict()
+    state["workers"].append({"since": 0, "state": None})
+    with pytest.raises(ValueError, match=r"workers holds .*; expected a list of 1 entries"):
+        DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
+
+
+# --- corrupted at random: refused with a named field, or resumed ----------------------------------
+
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**66), max_value=2**66),
+    st.integers(min_value=-2, max_value=20),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.lists(st.integers(min_value=-2, max_value=20), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+_DELETE = object()
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path in a state (into dicts and lists), the state itself left out."""
+    found = []
+    children: Any = ()
+    if isinstance(value, dict):
+        children = value.items()
+    elif isinstance(value, list):
+        children = enumerate(value)
+    for key, child in children:
+        found.append((*prefix, key))
+        found.extend(_paths(child, (*prefix, key)))
+    return found
+
+
+def _corrupt(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    where: Any = state
+    for key in path[:-1]:
+        where = where[key]
+    if value is _DELETE and isinstance(where, dict):
+        del where[path[-1]]
+    elif value is not _DELETE:
+        where[path[-1]] = value
+
+
+def _iterable_state(**options: Any) -> dict[str, Any]:
+    loader = DataLoader(StatefulIterator(30), batch_size=2, **options)
+    take(iter(loader), 4)
+    return loader.state_dict()
+
+
+_SOURCES: dict[str, tuple[dict[str, Any], Callable[[], DataLoader[Any]]]] = {
+    "map-inline": (map_state(), fresh_map),
+    "map-thread": (
+        map_state(num_workers=2, executor="thread"),
+        lambda: fresh_map(num_workers=2, executor="thread"),
+    ),
+    "iterable-thread": (
+        _iterable_state(num_workers=2, executor="thread"),
+        lambda: DataLoader(StatefulIterator(30), batch_size=2, num_workers=2, executor="thread"),
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@given(
+    source=st.sampled_from(sorted(_SOURCES)),
+    data=st.data(),
+)
+def test_a_corrupted_state_is_refused_with_a_named_field_or_resumes(
+    source: str, data: st.DataObject
+) -> None:
+    valid, build = _SOURCES[source]
+    state = copy.deepcopy(valid)
+    for _ in range(data.draw(st.integers(min_value=1, max_value=2), label="fields")):
+        paths = _paths(state)
+        path = data.draw(st.sampled_from(paths), label="path")
+        _corrupt(state, path, data.draw(st.one_of(st.just(_DELETE), _VALUES), label="value"))
+    loader = build()
+    try:
+        loader.load_state_dict(state)
+    except ValueError as refusal:
+        assert str(refusal).startswith(REFUSED), refusal
+        return
+    # Accepted: it must resume as some epoch of this loader, to its end, with no other error.
+    batches = run_to_end(iter(loader))
+    assert all(isinstance(batch, list) for batch in batches)
