@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import Progress
 from statecore.executors._worker import Mark, has_state
@@ -35,6 +35,7 @@ __all__ = [
     "SamplerLog",
     "decode_rng",
     "encode_rng",
+    "fingerprint",
     "parse",
     "positioned",
     "snapshot",
@@ -65,6 +66,76 @@ def stateful_sampler(index_sampler: Any) -> Any:
     if type(index_sampler) is BatchSampler:
         candidates.append(index_sampler.sampler)
     return next((candidate for candidate in candidates if has_state(candidate)), None)
+
+
+def _qualified(thing: Any) -> str | None:
+    kind = type(thing)
+    return None if thing is None else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def fingerprint(
+    kind: str,
+    *,
+    dataset: Any,
+    sampler: Any,
+    batch_sampler: Any,
+    batch_size: int | None,
+    drop_last: bool,
+    num_workers: int,
+    generator: torch.Generator | None,
+) -> dict[str, Any]:
+    """What a state was taken from, checked on load (plain values: `json` takes them).
+
+    A state loaded into a loader that differs in any of these would resume another stream of
+    batches without a word: another dataset, batching, order (sampler, shuffle), source of
+    randomness, or share of a distributed dataset. For an iterable dataset each worker resumes
+    its own part, so the number of workers counts too; a map-style epoch is positions in the
+    sampler's output, which any number of workers resumes.
+    """
+    samplers = [sampler, batch_sampler]
+    if type(batch_sampler) is BatchSampler:
+        samplers.append(batch_sampler.sampler)
+    own = next(
+        (
+            s.generator
+            for s in samplers
+            if isinstance(getattr(s, "generator", None), torch.Generator)
+            and s.generator is not generator
+        ),
+        None,
+    )
+    source = "sampler" if own is not None else "global" if generator is None else "loader"
+    if kind == "iterable":
+        return {
+            "dataset_kind": kind,
+            "num_workers": num_workers,
+            "batch_size": batch_size,
+            "drop_last": drop_last,
+            "generator": source,
+        }
+    try:
+        length: int | None = len(dataset)
+    except TypeError:
+        length = None
+    shared = next((s for s in samplers if isinstance(s, DistributedSampler)), None)
+    shuffle: bool | None = None
+    for s in samplers:
+        if isinstance(s, RandomSampler | SequentialSampler):
+            shuffle = isinstance(s, RandomSampler)
+    if shared is not None:
+        shuffle = bool(shared.shuffle)
+    return {
+        "dataset_kind": kind,
+        "dataset_length": length,
+        "batch_size": batch_size,
+        "drop_last": drop_last,
+        "sampler_class": _qualified(sampler),
+        "batch_sampler_class": _qualified(batch_sampler),
+        "shuffle": shuffle,
+        "generator": source,
+        "rank": None if shared is None else int(shared.rank),
+        "world_size": None if shared is None else int(shared.num_replicas),
+    }
 
 
 @attrs.define
@@ -312,7 +383,8 @@ def parse(
             shown = "nothing" if theirs is _MISSING else repr(theirs)
             raise _fail(
                 f"it was taken with {name}={shown}, and this loader has {name}={mine!r}; "
-                "a checkpoint resumes only the same dataset, batched the same way"
+                "a checkpoint resumes only the same dataset, sampled and batched the same way "
+                "(and, distributed, the same rank of the same world size)"
             )
     progress = _mapping(_get(state, "progress", "progress"), "progress")
     done = _int(_get(progress, "done", "progress.done"), "progress.done", high=batches)
@@ -340,6 +412,15 @@ def parse(
     rng_epoch_start = _rng(_get(rng, "epoch_start", "rng.epoch_start"), "rng.epoch_start", rng_size)
     rng_now = _rng(_get(rng, "now", "rng.now"), "rng.now", rng_size)
     num_yielded = _int(_get(state, "num_yielded", "num_yielded"), "num_yielded")
+    sampler = _get(state, "sampler", "sampler")
+    if workers is None and not complete and rng_epoch_start is None and sampler is None:
+        # A map-style epoch is drawn again from its start unless the sampler restores itself.
+        raise _wrong(
+            "rng.epoch_start",
+            None,
+            "the generator's state as the epoch began, for a state taken mid-epoch of a "
+            "sampler without state_dict()",
+        )
     return Resume(
         raw=state,
         epoch=epoch,
@@ -348,7 +429,7 @@ def parse(
         base_seed=base_seed,
         rng_epoch_start=rng_epoch_start,
         rng_now=rng_now,
-        sampler=_get(state, "sampler", "sampler"),
+        sampler=sampler,
         num_yielded=num_yielded,
         workers=workers,
     )

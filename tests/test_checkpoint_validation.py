@@ -9,14 +9,17 @@ valid states and accepts nothing else.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from _checkpoints import run_to_end, take
-from _datasets import Numbers, StatefulIterator
-from hypothesis import given
+from _datasets import GrowingBatches, Numbers, StatefulIterator
+from hypothesis import event, given
 from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import DataLoader
 
@@ -33,6 +36,10 @@ def map_state(**options: Any) -> dict[str, Any]:
 
 def fresh_map(**options: Any) -> DataLoader[Any]:
     return DataLoader(Numbers(40), batch_size=3, shuffle=True, **options)
+
+
+def seeded(seed: int = 7) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize(
@@ -106,6 +113,119 @@ def test_an_iterable_state_with_the_wrong_number_of_worker_entries_is_refused() 
     state["workers"].append({"since": 0, "state": None})
     with pytest.raises(ValueError, match=r"workers holds .*; expected a list of 1 entries"):
         DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
+
+
+# --- the fingerprint: what a state was taken from ------------------------------------------------
+
+
+def _distributed(rank: int, world: int = 2, shuffle: bool = True) -> DataLoader[Any]:
+    share = DistributedSampler(Numbers(40), num_replicas=world, rank=rank, shuffle=shuffle)
+    return DataLoader(Numbers(40), batch_size=3, sampler=share)
+
+
+def _state_of(loader: DataLoader[Any]) -> dict[str, Any]:
+    take(iter(loader), 2)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("original", "other", "named"),
+    [
+        (
+            lambda: fresh_map(),
+            lambda: DataLoader(Numbers(40), batch_size=3),
+            r"sampler_class='torch\.utils\.data\.sampler\.RandomSampler', and this loader has "
+            r"sampler_class='torch\.utils\.data\.sampler\.SequentialSampler'",
+        ),
+        (
+            lambda: fresh_map(),
+            lambda: fresh_map(generator=torch.Generator().manual_seed(1)),
+            r"generator='global', and this loader has generator='loader'",
+        ),
+        (
+            lambda: DataLoader(
+                Numbers(40), batch_size=3, sampler=RandomSampler(Numbers(40), generator=seeded())
+            ),
+            lambda: fresh_map(),
+            r"generator='sampler', and this loader has generator='global'",
+        ),
+        (lambda: _distributed(0), lambda: _distributed(1), r"rank=0, and this loader has rank=1"),
+        (
+            lambda: _distributed(0),
+            lambda: _distributed(0, world=4),
+            r"world_size=2, and this loader has world_size=4",
+        ),
+        (
+            lambda: _distributed(0),
+            lambda: _distributed(0, shuffle=False),
+            r"shuffle=True, and this loader has shuffle=False",
+        ),
+        (
+            lambda: _distributed(0),
+            lambda: fresh_map(),
+            r"sampler_class='torch\.utils\.data\.distributed\.DistributedSampler'",
+        ),
+        (
+            lambda: DataLoader(
+                Numbers(40), batch_sampler=BatchSampler(SequentialSampler(range(40)), 3, False)
+            ),
+            lambda: DataLoader(Numbers(40), batch_sampler=GrowingBatches(40)),
+            r"batch_sampler_class='torch\.utils\.data\.sampler\.BatchSampler', and this loader "
+            r"has batch_sampler_class='_datasets\.GrowingBatches'",
+        ),
+    ],
+    ids=[
+        "shuffle",
+        "loader-generator",
+        "sampler-generator",
+        "rank",
+        "world-size",
+        "distributed-shuffle",
+        "distributed-or-not",
+        "batch-sampler",
+    ],
+)
+def test_a_state_taken_from_a_differently_sampled_loader_is_refused_naming_both_values(
+    original: Callable[[], DataLoader[Any]], other: Callable[[], DataLoader[Any]], named: str
+) -> None:
+    state = _state_of(original())
+    with pytest.raises(ValueError, match=named):
+        other().load_state_dict(state)
+
+
+def test_an_iterable_state_is_refused_under_another_number_of_workers() -> None:
+    state = _state_of(DataLoader(StatefulIterator(30), batch_size=2, num_workers=2))
+    other = DataLoader(StatefulIterator(30), batch_size=2, num_workers=3)
+    with pytest.raises(ValueError, match=r"num_workers=2, and this loader has num_workers=3"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("taken", "resumed"), [(0, 2), (2, 0)])
+def test_a_map_style_state_resumes_under_another_number_of_workers(
+    taken: int, resumed: int
+) -> None:
+    original = fresh_map(num_workers=taken, executor="thread" if taken else None)
+    iterator = iter(original)
+    take(iterator, 4)
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    other = fresh_map(num_workers=resumed, executor="thread" if resumed else None)
+    other.load_state_dict(state)
+    assert run_to_end(iter(other)) == after
+
+
+def test_the_fingerprint_is_plain_data() -> None:
+    state = _state_of(_distributed(1))
+    fields = ("sampler_class", "batch_sampler_class", "shuffle", "generator", "rank", "world_size")
+    assert json.loads(json.dumps({name: state[name] for name in fields})) == {
+        "sampler_class": "torch.utils.data.distributed.DistributedSampler",
+        "batch_sampler_class": "torch.utils.data.sampler.BatchSampler",
+        "shuffle": True,
+        "generator": "global",
+        "rank": 1,
+        "world_size": 2,
+    }
 
 
 # --- corrupted at random: refused with a named field, or resumed ----------------------------------
@@ -186,7 +306,9 @@ def test_a_corrupted_state_is_refused_with_a_named_field_or_resumes(
         loader.load_state_dict(state)
     except ValueError as refusal:
         assert str(refusal).startswith(REFUSED), refusal
+        event("refused")
         return
+    event("resumed")
     # Accepted: it must resume as some epoch of this loader, to its end, with no other error.
     batches = run_to_end(iter(loader))
     assert all(isinstance(batch, list) for batch in batches)
