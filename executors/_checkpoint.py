@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import Progress
 from statecore.executors._worker import Mark, has_state
@@ -35,6 +35,7 @@ __all__ = [
     "SamplerLog",
     "decode_rng",
     "encode_rng",
+    "fingerprint",
     "parse",
     "positioned",
     "snapshot",
@@ -65,6 +66,76 @@ def stateful_sampler(index_sampler: Any) -> Any:
     if type(index_sampler) is BatchSampler:
         candidates.append(index_sampler.sampler)
     return next((candidate for candidate in candidates if has_state(candidate)), None)
+
+
+def _qualified(thing: Any) -> str | None:
+    kind = type(thing)
+    return None if thing is None else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def fingerprint(
+    kind: str,
+    *,
+    dataset: Any,
+    sampler: Any,
+    batch_sampler: Any,
+    batch_size: int | None,
+    drop_last: bool,
+    num_workers: int,
+    generator: torch.Generator | None,
+) -> dict[str, Any]:
+    """What a state was taken from, checked on load (plain values: `json` takes them).
+
+    A state loaded into a loader that differs in any of these would resume another stream of
+    batches without a word: another dataset, batching, order (sampler, shuffle), source of
+    randomness, or share of a distributed dataset. For an iterable dataset each worker resumes
+    its own part, so the number of workers counts too; a map-style epoch is positions in the
+    sampler's output, which any number of workers resumes.
+    """
+    samplers = [sampler, batch_sampler]
+    if type(batch_sampler) is BatchSampler:
+        samplers.append(batch_sampler.sampler)
+    own = next(
+        (
+            s.generator
+            for s in samplers
+            if isinstance(getattr(s, "generator", None), torch.Generator)
+            and s.generator is not generator
+        ),
+        None,
+    )
+    source = "sampler" if own is not None else "global" if generator is None else "loader"
+    if kind == "iterable":
+        return {
+            "dataset_kind": kind,
+            "num_workers": num_workers,
+            "batch_size": batch_size,
+            "drop_last": drop_last,
+            "generator": source,
+        }
+    try:
+        length: int | None = len(dataset)
+    except TypeError:
+        length = None
+    shared = next((s for s in samplers if isinstance(s, DistributedSampler)), None)
+    shuffle: bool | None = None
+    for s in samplers:
+        if isinstance(s, RandomSampler | SequentialSampler):
+            shuffle = isinstance(s, RandomSampler)
+    if shared is not None:
+        shuffle = bool(shared.shuffle)
+    return {
+        "dataset_kind": kind,
+        "dataset_length": length,
+        "batch_size": batch_size,
+        "drop_last": drop_last,
+        "sampler_class": _qualified(sampler),
+        "batch_sampler_class": _qualified(batch_sampler),
+        "shuffle": shuffle,
+        "generator": source,
+        "rank": None if shared is None else int(shared.rank),
+        "world_size": None if shared is None else int(shared.num_replicas),
+    }
 
 
 @attrs.define
@@ -175,11 +246,110 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"cannot load this DataLoader state: {message}")
 
 
-def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
+def _wrong(path: str, value: Any, expected: str) -> ValueError:
+    """A field that holds something else than it should: names it, its value and the rule."""
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return _fail(f"{path} holds {shown} ({type(value).__name__}); expected {expected}")
+
+
+_MISSING = object()
+
+
+def _get(mapping: Mapping[str, Any], key: str, path: str) -> Any:
+    value = mapping.get(key, _MISSING)
+    if value is _MISSING:
+        raise _fail(
+            f"{path} is missing; the state was cut short or edited: pass state_dict()'s result "
+            "as it was returned"
+        )
+    return value
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _wrong(path, value, "a dict")
+    return value
+
+
+def _int(value: Any, path: str, low: int = 0, high: int | None = None) -> int:
+    """An int from `low` to `high` (both included); a bool is refused, though Python counts it
+    as an int: `True` in a count or a position is a corrupted state, not a 1."""
+    span = f"from {low}" + ("" if high is None else f" to {high}")
+    if type(value) is not int:
+        raise _wrong(path, value, f"an int {span}")
+    if value < low or (high is not None and value > high):
+        raise _wrong(path, value, f"an int {span}")
+    return value
+
+
+def _bool(value: Any, path: str) -> bool:
+    if type(value) is not bool:
+        raise _wrong(path, value, "True or False")
+    return value
+
+
+def _rng(value: Any, path: str, size: int | None) -> torch.Tensor | None:
+    """A generator state written by `encode_rng`, or None, of the size this loader's has."""
+    if value is None:
+        return None
+    expected = "None or a generator state as base64 text" + (
+        "" if size is None else f" of {size} bytes"
+    )
+    if not isinstance(value, str):
+        raise _wrong(path, value, expected)
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise _wrong(path, value, expected) from None
+    if size is not None and len(raw) != size:
+        raise _wrong(path, value, expected)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+_SEEDS = 2**63 - 1
+"""The largest base seed: torch draws it as a non-negative int64, and a worker's seed (base
+seed plus worker id) must still fit the 64 bits torch's and numpy's generators take."""
+
+
+def _workers(value: Any, count: int) -> tuple[Mark | None, ...]:
+    """An iterable dataset's per-worker marks, as `snapshot` wrote them."""
+    if not isinstance(value, list | tuple) or len(value) != count:
+        raise _wrong("workers", value, f"a list of {count} entries, one per worker")
+    marks: list[Mark | None] = []
+    for w, entry in enumerate(value):
+        path = f"workers[{w}]"
+        entry = _mapping(entry, path)
+        since = _int(_get(entry, "since", f"{path}.since"), f"{path}.since")
+        saved = _get(entry, "state", f"{path}.state")
+        if saved is not None:
+            saved = _mapping(saved, f"{path}.state")
+            unknown = sorted(map(str, saved.keys() - {"dataset", "iterator"}))
+            if unknown:
+                raise _wrong(
+                    f"{path}.state", saved, "None or a dict with 'dataset' and 'iterator' keys"
+                )
+        marks.append((since, saved))
+    return tuple(marks)
+
+
+def parse(
+    state: Any,
+    facts: Mapping[str, Any],
+    *,
+    batches: int | None = None,
+    rng_size: int | None = None,
+) -> Resume:
     """Read a checkpoint made by `snapshot`, refusing one taken from a different loader setup.
 
     `facts` are this loader's own (dataset kind and length, batch size, drop_last): a
     checkpoint of another dataset or batching would resume the wrong epoch, silently.
+    `batches` is the epoch's number of draws when the sampler tells it, and `rng_size` the
+    size of the state of the generator the epoch draws from: positions and generator states
+    beyond them cannot come from this loader. Every field is checked for its type and range
+    before anything is used, and a refusal names the field, what it holds and what was
+    expected: a corrupted state must not resume a wrong epoch or kill the workers.
     """
     if not isinstance(state, Mapping) or _KEY not in state:
         raise _fail(
@@ -189,46 +359,78 @@ def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
             else f"expected the dict that state_dict() returned, got {type(state).__name__}"
         )
     version = state[_KEY]
-    if version != FORMAT:
+    if type(version) is not int or version != FORMAT:
         raise _fail(
             f"it has format version {version!r}, and this statecore reads version {FORMAT}; "
             "load it with the statecore version that wrote it"
         )
     workers = None
+    count = 1
     if facts.get("dataset_kind") == "iterable":
-        taken, have = state.get("num_workers"), facts["num_workers"]
-        if taken != have:
+        taken, have = _get(state, "num_workers", "num_workers"), facts["num_workers"]
+        if type(taken) is not type(have) or taken != have:
             raise _fail(
                 f"it was taken with num_workers={taken!r}, and this loader has "
                 f"num_workers={have!r}: each worker of an iterable dataset goes on with its own "
                 f"part of the dataset, so it resumes only with num_workers={taken!r}"
             )
-        workers = tuple((int(w["since"]), w["state"]) for w in state["workers"])
+        count = max(int(have), 1)
+        workers = _workers(_get(state, "workers", "workers"), count)
     for name, mine in facts.items():
-        theirs = state.get(name)
-        if theirs != mine:
+        theirs = state.get(name, _MISSING)
+        # Compared with their types: True is not the batch size 1, nor 1.0 the length 1.
+        if theirs is _MISSING or type(theirs) is not type(mine) or theirs != mine:
+            shown = "nothing" if theirs is _MISSING else repr(theirs)
             raise _fail(
-                f"it was taken with {name}={theirs!r}, and this loader has {name}={mine!r}; "
-                "a checkpoint resumes only the same dataset, batched the same way"
+                f"it was taken with {name}={shown}, and this loader has {name}={mine!r}; "
+                "a checkpoint resumes only the same dataset, sampled and batched the same way "
+                "(and, distributed, the same rank of the same world size)"
             )
-    progress = state["progress"]
-    done, also, ended = progress["done"], progress["also"], progress["ended"]
-    rng = state["rng"]
+    progress = _mapping(_get(state, "progress", "progress"), "progress")
+    done = _int(_get(progress, "done", "progress.done"), "progress.done", high=batches)
+    also = _get(progress, "also", "progress.also")
+    later = f"a list of distinct positions after progress.done={done}" + (
+        "" if batches is None else f", below {batches}"
+    )
+    if not isinstance(also, list | tuple):
+        raise _wrong("progress.also", also, later)
+    for position in also:
+        top = None if batches is None else batches - 1
+        if type(position) is not int or position <= done or (top is not None and position > top):
+            raise _wrong("progress.also", also, later)
+    if len(set(also)) != len(also):
+        raise _wrong("progress.also", also, later)
+    ended = _bool(_get(progress, "ended", "progress.ended"), "progress.ended")
+    turn = _int(_get(progress, "turn", "progress.turn"), "progress.turn", high=count - 1)
+    complete = _bool(_get(state, "complete", "complete"), "complete")
+    # 0 only before the loader's first epoch, when the state says the next iter() starts one.
+    epoch = _int(_get(state, "epoch", "epoch"), "epoch", low=0 if complete else 1)
+    base_seed = _get(state, "base_seed", "base_seed")
+    if base_seed is not None:
+        base_seed = _int(base_seed, "base_seed", high=_SEEDS - count)
+    rng = _mapping(_get(state, "rng", "rng"), "rng")
+    rng_epoch_start = _rng(_get(rng, "epoch_start", "rng.epoch_start"), "rng.epoch_start", rng_size)
+    rng_now = _rng(_get(rng, "now", "rng.now"), "rng.now", rng_size)
+    num_yielded = _int(_get(state, "num_yielded", "num_yielded"), "num_yielded")
+    sampler = _get(state, "sampler", "sampler")
+    if workers is None and not complete and rng_epoch_start is None and sampler is None:
+        # A map-style epoch is drawn again from its start unless the sampler restores itself.
+        raise _wrong(
+            "rng.epoch_start",
+            None,
+            "the generator's state as the epoch began, for a state taken mid-epoch of a "
+            "sampler without state_dict()",
+        )
     return Resume(
         raw=state,
-        epoch=int(state["epoch"]),
-        progress=Progress(
-            int(done),
-            frozenset(int(p) for p in also),
-            bool(ended),
-            int(progress.get("turn", 0)),
-        ),
-        complete=bool(state["complete"]),
-        base_seed=None if state["base_seed"] is None else int(state["base_seed"]),
-        rng_epoch_start=None if rng["epoch_start"] is None else decode_rng(rng["epoch_start"]),
-        rng_now=None if rng["now"] is None else decode_rng(rng["now"]),
-        sampler=state["sampler"],
-        num_yielded=int(state["num_yielded"]),
+        epoch=epoch,
+        progress=Progress(done, frozenset(also), ended, turn),
+        complete=complete,
+        base_seed=base_seed,
+        rng_epoch_start=rng_epoch_start,
+        rng_now=rng_now,
+        sampler=sampler,
+        num_yielded=num_yielded,
         workers=workers,
     )
 

@@ -31,6 +31,7 @@ from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
     SamplerLog,
+    fingerprint,
     parse,
     positioned,
     snapshot,
@@ -254,7 +255,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state was taken from; the executor may differ, and so may the number of workers for a
         map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
-        resume = parse(state_dict, self._checkpoint_facts())
+        source = torch.default_generator if self.generator is None else self.generator
+        resume = parse(
+            state_dict,
+            self._checkpoint_facts(),
+            batches=None if self._dataset_kind == _ITER else _length(self._index_sampler),
+            rng_size=source.get_state().numel(),
+        )
         kept = self.__dict__.get("_iterator")
         if isinstance(kept, _Iterator):
             # Persistent workers are in the middle of something else: the resumed epoch gets
@@ -264,23 +271,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume = resume
 
     def _checkpoint_facts(self) -> dict[str, Any]:
-        if self._dataset_kind == _ITER:
-            return {
-                "dataset_kind": "iterable",
-                "num_workers": self.num_workers,
-                "batch_size": self.batch_size,
-                "drop_last": self.drop_last,
-            }
-        try:
-            length: int | None = len(self.dataset)  # type: ignore[arg-type]
-        except TypeError:
-            length = None
-        return {
-            "dataset_kind": "map",
-            "dataset_length": length,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-        }
+        return fingerprint(
+            "iterable" if self._dataset_kind == _ITER else "map",
+            dataset=self.dataset,
+            sampler=self.sampler,
+            batch_sampler=self.batch_sampler,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            generator=self.generator,
+        )
 
 
 def _executor_name(loader: DataLoader[Any]) -> str:
