@@ -19,7 +19,10 @@ What torch gives each worker process, each thread gets where it can:
 - `get_worker_info()`, ours and torch's, returns the calling thread's own WorkerInfo (id,
   num_workers, seed = base_seed + id, and that worker's copy of the dataset), so
   IterableDatasets shard themselves as they do in worker processes; datapipes are reseeded and
-  sharded as torch's workers do it. In the main thread it stays None.
+  sharded as torch's workers do it. In the main thread it stays None. As torch's own thread
+  workers will, it also says `worker_method="thread"` and carries the worker's own generators
+  in `rng`, seeded from its seed (see `thread_worker_info`), so `torch.thread_safe_generator()`
+  returns that worker's torch generator.
 - `worker_init_fn(worker_id)` runs in the worker's thread before its first task.
 
 What differs from worker processes:
@@ -38,10 +41,12 @@ What differs from worker processes:
   reseeds one per sample (torchvision's FakeData calls `torch.manual_seed` in `__getitem__`)
   draws numbers that depend on how the threads interleave. A worker thread calling
   `torch.manual_seed`, `torch.seed`, `random.seed` or `numpy.random.seed` is therefore
-  reported with a `ThreadReseedWarning`, once per dataset. The remedy is a generator of the
-  sample's own (`torch.Generator().manual_seed(...)`, seeded from the index or from
-  `get_worker_info().seed`), or `executor="mp"`. Only the seeding functions are watched: a
-  dataset that does not call them pays nothing per sample.
+  reported with a `ThreadReseedWarning`, once per dataset. The remedy is the worker's own
+  generators, `torch.thread_safe_generator()` and `get_worker_info().rng`, which draw in a
+  thread what the process-wide ones draw in a worker process; or a generator of the sample's
+  own (`torch.Generator().manual_seed(...)`, seeded from the index); or `executor="mp"`. Only
+  the seeding functions are watched: a dataset that does not call them pays nothing per
+  sample.
 - A thread cannot be killed. A worker ended by an exception that is not an `Exception`
   (`SystemExit` from `sys.exit()`, a `KeyboardInterrupt` raised by hand) runs none of the
   dataset's code after it: the task it had in hand, and every later one of that worker, fails
@@ -77,7 +82,12 @@ from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._storages import StoragePool
-from statecore.executors._worker import WorkerRuntime, WorkerSetup, prepare_dataset
+from statecore.executors._worker import (
+    WorkerRuntime,
+    WorkerSetup,
+    prepare_dataset,
+    thread_worker_info,
+)
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 
@@ -386,12 +396,7 @@ class ThreadExecutor:
         `worker_init_fn`, as in torch's worker processes (which also seed the process-wide
         generators: threads cannot)."""
         setup = _rebound(self.launch.setup, dataset)
-        _threads.info = torch_worker.WorkerInfo(
-            id=worker,
-            num_workers=setup.num_workers,
-            seed=setup.base_seed + worker,
-            dataset=dataset,
-        )
+        _threads.info = thread_worker_info(setup.base_seed, worker, setup.num_workers, dataset)
         _threads.on_reseed = functools.partial(self._saw_reseed, worker)
         _threads.pool = self.storages
         where = "while sharding the datapipe"
@@ -432,10 +437,13 @@ class ThreadExecutor:
             "the process's generators (random, torch's default generator, numpy's global "
             "state): a seed set in one thread moves the numbers every thread draws, so samples "
             "depend on how the threads interleave and differ from those of torch's worker "
-            "processes. Draw from a generator of the sample's own instead, such as "
-            "torch.Generator().manual_seed(seed), numpy.random.default_rng(seed) or "
-            'random.Random(seed), or load in worker processes with executor="mp". This '
-            "warning is given once per dataset.",
+            "processes. Draw from the worker's own generators instead: "
+            "torch.thread_safe_generator() (as generator= of torch.rand and the like; None "
+            "outside worker threads, meaning torch's default generator) and "
+            "get_worker_info().rng.random_generator, seeded per worker as worker processes "
+            "seed theirs; or from a generator of the sample's own, such as "
+            "torch.Generator().manual_seed(index); or load in worker processes with "
+            'executor="mp". This warning is given once per dataset.',
             ThreadReseedWarning,
             stacklevel=2,
         )

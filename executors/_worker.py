@@ -49,6 +49,7 @@ __all__ = [
     "get_worker_info",
     "prepare_dataset",
     "seed_worker",
+    "thread_worker_info",
 ]
 
 
@@ -182,6 +183,52 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
 
         numpy.random.seed(torch_worker._generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
     return seed
+
+
+def thread_worker_info(
+    base_seed: int, worker_id: int, num_workers: int, dataset: Any
+) -> torch_worker.WorkerInfo:
+    """The WorkerInfo of a worker thread, as torch's own thread workers will build it.
+
+    A thread cannot seed the process-wide generators for itself alone, so it gets generators of
+    its own in `rng`, seeded from the worker's seed as `seed_worker` seeds the process-wide
+    ones: `random.Random(seed)` and a CPU `torch.Generator` draw what `random` and torch's
+    default generator draw in a worker process. `worker_method="thread"` is what makes
+    `torch.thread_safe_generator()` return `rng.torch_generator`. numpy's generator is a
+    `numpy.random.Generator` over the worker's numpy seed, as torch's thread workers (on
+    pytorch's main branch, after 2.13) make it; its numbers are not those of numpy's global
+    functions in a worker process.
+
+    A torch without these fields (before 2.13) gets the WorkerInfo it gives its processes.
+    """
+    seed = base_seed + worker_id
+    container = getattr(torch_worker, "_RNG", None)
+    if container is None:
+        return torch_worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+        )
+    torch_generator = torch.Generator()
+    torch_generator.manual_seed(seed)
+    numpy_generator = None
+    if HAS_NUMPY:
+        import numpy
+
+        numpy_generator = numpy.random.default_rng(
+            torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
+        )
+    rng = container(
+        random_generator=random.Random(seed),
+        torch_generator=torch_generator,
+        numpy_generator=numpy_generator,
+    )
+    return torch_worker.WorkerInfo(
+        id=worker_id,
+        num_workers=num_workers,
+        seed=seed,
+        dataset=dataset,
+        rng=rng,
+        worker_method="thread",
+    )
 
 
 class WorkerRuntime:

@@ -70,6 +70,26 @@ class RandomDraws(Dataset):  # type: ignore[type-arg]
         return [index, *_info_fields(), *_draws()]
 
 
+class WorkerGeneratorDraws(Dataset):  # type: ignore[type-arg]
+    """Item i: the index, the worker id, two draws from `torch.thread_safe_generator()` and one
+    from `get_worker_info().rng.random_generator`, the way a transform written for torch's
+    thread workers draws: where the worker has no generators of its own (a worker process, the
+    main process) those are None and the process-wide generators serve instead."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> list[Any]:
+        info = get_worker_info()
+        own = None if info is None else info.rng
+        draw = random if own is None else own.random_generator
+        draws = torch.rand(2, generator=torch.thread_safe_generator()).tolist()
+        return [index, -1 if info is None else info.id, draws, draw.random()]
+
+
 class WorkerPids(Dataset):  # type: ignore[type-arg]
     """Item i is the pid of the process that loaded it."""
 
@@ -258,6 +278,26 @@ class WorkerInfoProbe(IterableDataset):  # type: ignore[type-arg]
             info.dataset is self,
             type(info).__module__ + "." + type(info).__qualname__,
         ]
+
+
+class WorkerRngProbe(IterableDataset):  # type: ignore[type-arg]
+    """Yields, once per worker, its WorkerInfo and what `torch.thread_safe_generator()` returns
+    there. Load it with batch_size=None under threads: the objects themselves come back."""
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        yield (get_worker_info(), torch.thread_safe_generator())
+
+
+class WorkerMethodProbe(IterableDataset):  # type: ignore[type-arg]
+    """Yields, once per worker (once in the main process), what torch's thread-worker API says
+    there: `worker_method`, whether `rng` is None, whether `torch.thread_safe_generator()` is."""
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        info = get_worker_info()
+        if info is None:
+            yield [None, None, torch.thread_safe_generator() is None]
+            return
+        yield [info.worker_method, info.rng is None, torch.thread_safe_generator() is None]
 
 
 def _info_fields() -> list[int]:

@@ -1,8 +1,12 @@
-"""A worker thread that reseeds a process-wide random generator is reported, once per loader.
+"""Random numbers in worker threads: torch's thread-worker API, and reseeding reported.
 
-Worker threads share `random`'s, torch's and numpy's process-wide generators. A dataset that
-reseeds one per sample, as torchvision's FakeData does with `torch.manual_seed`, draws numbers
-that depend on how the threads interleave: samples differ from torch's, silently.
+Worker threads share `random`'s, torch's and numpy's process-wide generators. Each worker
+thread has generators of its own instead, as torch's thread workers will: `get_worker_info()`
+says `worker_method="thread"` and carries them in `rng`, seeded from the worker's seed, and
+`torch.thread_safe_generator()` returns the worker's torch generator; a dataset drawing from
+them gets the samples it gets in worker processes. A dataset that reseeds a process-wide
+generator per sample, as torchvision's FakeData does with `torch.manual_seed`, draws numbers
+that depend on how the threads interleave: that is reported, once per loader.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ from typing import Any
 import numpy
 import pytest
 import torch
-from _side_by_side import threaded
+import torch.utils.data
+import torch.utils.data._utils.worker as torch_worker
+from _datasets import WorkerGeneratorDraws, WorkerMethodProbe, WorkerRngProbe
+from _side_by_side import WORKERS, assert_same_as_torch, generator, kw, run, threaded
 from torch.utils.data import Dataset
+
+import statecore
 
 
 class ReseedsPerSample(Dataset):  # type: ignore[type-arg]
@@ -53,6 +62,8 @@ def test_a_dataset_reseeding_torch_per_sample_is_warned_about_naming_cause_and_r
         list(threaded(ReseedsPerSample()))
     (message,) = reseed_warnings(list(caught))
     assert "ReseedsPerSample" in message
+    assert "torch.thread_safe_generator()" in message
+    assert "get_worker_info().rng" in message
     assert "torch.Generator" in message
     assert 'executor="mp"' in message
 
@@ -106,3 +117,96 @@ def test_the_main_thread_reseeding_while_loading_is_not_blamed_on_the_workers() 
             torch.manual_seed(epoch)
             for _ in loader:
                 torch.manual_seed(epoch)
+
+
+# --- torch's thread-worker API -----------------------------------------------------------------
+
+
+def shuffled(executor: str, **options: Any) -> Any:
+    return kw(num_workers=2, executor=executor, shuffle=True, batch_size=3, **options)
+
+
+@WORKERS
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_draws_from_the_worker_generators_are_those_of_worker_processes(persistent: bool) -> None:
+    dataset = WorkerGeneratorDraws(12)
+    options = {"persistent_workers": persistent}
+    under_threads = run(statecore.DataLoader, dataset, shuffled("thread", **options), epochs=2)
+    under_processes = run(statecore.DataLoader, dataset, shuffled("mp", **options), epochs=2)
+    under_torch = run(
+        torch.utils.data.DataLoader,
+        dataset,
+        kw(num_workers=2, shuffle=True, batch_size=3, **options),
+        epochs=2,
+    )
+    assert under_threads == under_processes == under_torch
+    assert under_threads[0] != under_threads[1]
+
+
+@pytest.mark.timeout(60)
+def test_draws_from_the_worker_generators_are_the_same_run_after_run_under_threads() -> None:
+    dataset = WorkerGeneratorDraws(12)
+    first, second = (
+        run(statecore.DataLoader, dataset, shuffled("thread"), epochs=2) for _ in range(2)
+    )
+    assert first == second
+
+
+def thread_worker_infos(**options: Any) -> list[tuple[Any, Any]]:
+    loader = threaded(WorkerRngProbe(), batch_size=None, generator=generator(), **options)
+    found = list(loader)
+    assert [info.id for info, _ in found] == [0, 1]
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_thread_reports_worker_method_thread_and_generators_seeded_with_its_seed() -> None:
+    for info, thread_safe in thread_worker_infos():
+        assert info.worker_method == "thread"
+        assert isinstance(info.rng, torch_worker._RNG)
+        assert thread_safe is info.rng.torch_generator
+        assert info.rng.torch_generator.initial_seed() == info.seed
+        assert info.rng.random_generator.getstate() == random.Random(info.seed).getstate()
+        base_seed = info.seed - info.id
+        expected = numpy.random.default_rng(torch_worker._generate_state(base_seed, info.id))
+        assert isinstance(info.rng.numpy_generator, numpy.random.Generator)
+        assert info.rng.numpy_generator.bit_generator.state == expected.bit_generator.state
+
+
+@pytest.mark.timeout(60)
+def test_each_worker_thread_has_generators_of_its_own() -> None:
+    (first, _), (second, _) = thread_worker_infos()
+    assert first.rng.torch_generator is not second.rng.torch_generator
+    assert first.rng.random_generator is not second.rng.random_generator
+    assert first.rng.numpy_generator is not second.rng.numpy_generator
+
+
+@pytest.mark.timeout(60)
+def test_without_torch_s_generator_container_worker_threads_report_no_generators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch before 2.13 has no `_RNG` and no `rng` field: its threads get what processes get.
+    monkeypatch.delattr(torch_worker, "_RNG")
+    for info, thread_safe in thread_worker_infos():
+        assert info.rng is None
+        assert thread_safe is None
+
+
+@WORKERS
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "processes"])
+def test_outside_worker_threads_the_thread_worker_api_says_what_torch_s_does(
+    num_workers: int,
+) -> None:
+    assert_same_as_torch(WorkerMethodProbe(), kw(num_workers=num_workers, batch_size=None))
+
+
+@pytest.mark.timeout(60)
+def test_loading_in_the_main_process_draws_from_the_process_wide_generators_as_torch() -> None:
+    dataset = WorkerGeneratorDraws(6)
+    options = kw(shuffle=True, batch_size=2)
+    draws = []
+    for loader_class in (torch.utils.data.DataLoader, statecore.DataLoader):
+        random.seed(7)
+        torch.manual_seed(7)
+        draws.append(run(loader_class, dataset, options))
+    assert draws[0] == draws[1]
