@@ -40,9 +40,12 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import math
 import os
 import tempfile
 import threading
+import types
+import typing
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -64,6 +67,7 @@ from statecore import (
     NextRequested,
     Ready,
     ResetRequested,
+    Resolved,
     SamplerFailed,
     SamplerFailure,
     Slot,
@@ -489,7 +493,7 @@ def replay(recording: Recording, run: StepFunction = step) -> Iterator[Replayed]
     not hide the rest. The start's violations come first, as a step numbered 0 with no event.
     """
     state = recording.start
-    found = tuple(violations(state))
+    found = _violations(state)
     if found:
         yield Replayed(0, None, (), None, found, ())
     for number, recorded in enumerate(recording.steps, 1):
@@ -502,10 +506,16 @@ def replay(recording: Recording, run: StepFunction = step) -> Iterator[Replayed]
         raised: str | None = None
         commands: tuple[Command, ...] = ()
         after = state
+        crashed: tuple[str, ...] = ()
         try:
             after, commands = run(state, recorded.event)
         except StatecoreError as error:
             raised = f"{type(error).__name__}: {error}"
+        except Exception as error:
+            # Not a refusal of the core's but its failure: a state no run of the core gives
+            # (a file edited by hand) may do that, and the replay says so instead of dying.
+            raised = describe(error)
+            crashed = (f"step failed on this state and event with {raised}",)
         live = recorded.raised
         if live is not None and live.core:
             if raised is None:
@@ -519,7 +529,7 @@ def replay(recording: Recording, run: StepFunction = step) -> Iterator[Replayed]
                 "the live run's commands were "
                 + (", ".join(map(repr, recorded.commands)) or "none")
             )
-        found = () if raised is not None else tuple(violations(after))
+        found = crashed if raised is not None else _violations(after)
         if live is None and raised is None:
             state = after  # else the driver kept the state it had
         yield Replayed(number, recorded, commands, raised, found, tuple(divergence))
@@ -533,6 +543,14 @@ def replay(recording: Recording, run: StepFunction = step) -> Iterator[Replayed]
             (),
             (f"the state it ends in is not the live run's: {differences}",),
         )
+
+
+def _violations(state: State) -> tuple[str, ...]:
+    """The invariants `state` breaks, or, where checking them fails, that failure."""
+    try:
+        return tuple(violations(state))
+    except Exception as error:  # a hand-edited state the checks cannot read
+        return (f"the invariants cannot be checked on this state: {describe(error)}",)
 
 
 def _differences(replayed: State, live: State) -> str:
@@ -605,30 +623,15 @@ def encode(value: object) -> Any:
 
 
 def decode(data: Any) -> Any:
-    """The value `encode` gave `data` for. Raises FlightFileError for anything else."""
-    if data is None or type(data) in (bool, int, float, str):
-        return data
-    if type(data) is list:
-        return tuple(decode(item) for item in data)
-    if type(data) is not dict:
-        raise FlightFileError(f"unexpected {type(data).__name__} {data!r}")
-    if "frozenset" in data:
-        return frozenset(decode(item) for item in data["frozenset"])
-    if "enum" in data:
-        try:
-            return _ENUMS[data["enum"]][data["name"]]
-        except KeyError:
-            raise FlightFileError(f"unknown enum value {data!r}") from None
-    fields = {key: decode(item) for key, item in data.items() if key != "type"}
-    name = data.get("type")
-    try:
-        if name == "State":
-            return State(**fields)
-        if name == "Resolved":
-            return RESOLVED  # the core tells a resolved slot by identity
-        return _CLASSES[name](**fields)  # type: ignore[index]
-    except (KeyError, TypeError, ValueError) as error:
-        raise FlightFileError(f"cannot rebuild {data!r}: {describe(error)}") from None
+    """The state, event, command or other value of the core that `encode` gave `data` for,
+    every field checked as `from_json` checks a file's. Raises FlightFileError otherwise."""
+    name = data.get("type") if type(data) is dict else None
+    kind = State if name == "State" else _CLASSES.get(name) if type(name) is str else None
+    if kind is None:
+        raise FlightFileError(
+            _wrong("value", data, 'an object whose "type" names a class of the core')
+        )
+    return _read(data, kind, "value")
 
 
 def to_json(recording: Recording) -> str:
@@ -665,50 +668,261 @@ def _step_data(recorded: Recorded) -> dict[str, Any]:
 
 
 def from_json(text: str) -> Recording:
-    """The recording in a file's text. Raises FlightFileError if it is not one."""
+    """The recording in a file's text. Raises FlightFileError, in one line naming the field,
+    what it holds and what was expected, if it is not one.
+
+    Every field is checked for its type and range as it is read, so that the replay meets
+    nothing the core could not have produced: the file is data, never code (nothing in it is
+    executed, imported or unpickled; only the classes of the core's own values are built).
+    """
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise FlightFileError("not a flight recording: its JSON is nested too deeply") from None
     except ValueError as error:
         raise FlightFileError(f"not JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if type(data) is not dict or data.get("format") != FORMAT:
         raise FlightFileError(f'not a flight recording (no "format": "{FORMAT}")')
-    if data.get("version") != VERSION:
+    version = data.get("version")
+    if type(version) is not int or version != VERSION:
         raise FlightFileError(
-            f"a flight recording of version {data.get('version')!r}; this statecore reads "
+            f"a flight recording of version {_shown(version)}; this statecore reads "
             f"version {VERSION}: replay it with the statecore version that wrote it "
-            f"({data.get('statecore', 'unknown')})"
+            f"({_shown(data.get('statecore', 'unknown'))})"
         )
+    for key in _HEADER:
+        if key not in data:
+            raise FlightFileError(f'the field "{key}" is missing')
+    unknown = sorted(set(data) - set(_HEADER) - {"format", "version"})
+    if unknown:
+        raise FlightFileError(f'unknown field "{unknown[0]}" (the fields are {", ".join(_HEADER)})')
+    steps = data["steps"]
+    if type(steps) is not list:
+        raise FlightFileError(_wrong("steps", steps, "a list of recorded steps"))
+    return Recording(
+        reason=_read(data["reason"], str, "reason"),
+        written=_read(data["written"], str, "written"),
+        pid=_read(data["pid"], int, "pid"),
+        version=_read(data["statecore"], str, "statecore"),
+        dropped=_read(data["dropped"], int, "dropped"),
+        start=_state(data["start"], "start"),
+        steps=tuple(_recorded(item, f"steps[{i}]") for i, item in enumerate(steps)),
+        end=_state(data["end"], "end"),
+    )
+
+
+_HEADER = ("reason", "written", "pid", "statecore", "dropped", "start", "steps", "end")
+
+MAX_WORKERS = 1 << 16
+"""Workers a recorded scheduler may have: a replay builds per-worker tuples, so a file saying
+`num_workers: 10**8` must be refused, not obeyed."""
+
+_SIGNED = frozenset({"seed", "exitcode"})
+"""Integer fields that may be negative (a seed; an exit code, negative for a signal); every
+other integer of the core counts something or numbers a task or a worker."""
+
+_OBJECTS: dict[str, Any] = {"error": Opaque | None, "index": str}
+"""What a file holds for the fields the core treats as opaque: an error as its text, an index
+as its repr (`_event_of`); the rest (payloads, marks, timings) are never written."""
+
+_STEP_KEYS = ("event", "commands", "raised", "before")
+
+
+def _recorded(data: object, where: str) -> Recorded:
+    if type(data) is not dict:
+        raise FlightFileError(_wrong(where, data, "an object with an event"))
+    _known_keys(data, _STEP_KEYS, where)
+    if "event" not in data:
+        raise FlightFileError(f'"{where}.event" is missing')
+    return Recorded(
+        event=_read(data["event"], Event, f"{where}.event"),
+        before=_state(data["before"], f"{where}.before") if "before" in data else None,
+        raised=_read(data["raised"], Raised, f"{where}.raised") if "raised" in data else None,
+        commands=(
+            _read(data["commands"], tuple[Command, ...], f"{where}.commands")
+            if "commands" in data
+            else None
+        ),
+    )
+
+
+def _state(data: object, where: str) -> State:
+    """A recorded state, its per-worker parts checked against its own worker count, as the
+    core (and its invariants) index them by worker."""
+    state: State = _read(data, State, where)
+    workers = state.config.num_workers
+    if workers > MAX_WORKERS:
+        raise FlightFileError(
+            _wrong(f"{where}.config.num_workers", workers, f"at most {MAX_WORKERS} workers")
+        )
+    for field, value in (("life.workers", state.life.workers), ("loads", state.loads)):
+        if len(value) != workers:
+            raise FlightFileError(
+                f'"{where}.{field}" holds {len(value)} entries; expected one per worker, '
+                f"{workers} (config.num_workers)"
+            )
+    owners = [
+        (f"window[{i}]", slot.worker)
+        for i, slot in enumerate(state.window)
+        if not isinstance(slot, Resolved)
+    ]
+    owners += [("life.stale", worker) for _, worker in state.life.stale]
+    for field, worker in owners:
+        if worker >= workers:
+            raise FlightFileError(
+                f'"{where}.{field}" names worker {worker}; expected a worker below {workers} '
+                "(config.num_workers)"
+            )
+    return state
+
+
+def _read(data: object, hint: Any, where: str) -> Any:
+    """`data` read as a value of the type `hint` (a field's annotation), or FlightFileError
+    naming `where`, what it holds and what was expected."""
+    if hint is int or hint is float:
+        kinds = (int,) if hint is int else (int, float)
+        signed = where.rsplit(".", 1)[-1] in _SIGNED
+        if type(data) not in kinds or (hint is float and not math.isfinite(data)):  # type: ignore[arg-type]
+            raise FlightFileError(_wrong(where, data, _words(hint, signed)))
+        if not signed and data < 0:  # type: ignore[operator]
+            raise FlightFileError(_wrong(where, data, _words(hint, signed)))
+        return data
+    if hint is str or hint is bool or hint is type(None):
+        if type(data) is not hint:
+            raise FlightFileError(_wrong(where, data, _words(hint)))
+        return data
+    origin = typing.get_origin(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        options = typing.get_args(hint)
+        if data is None and type(None) in options:
+            return None
+        classes = [option for option in options if option is not type(None)]
+        if len(classes) == 1:
+            return _read(data, classes[0], where)
+        return _instance(data, classes, where, hint)
+    if origin is tuple:
+        items = typing.get_args(hint)
+        if type(data) is not list:
+            raise FlightFileError(_wrong(where, data, _words(hint)))
+        if items[-1] is Ellipsis:
+            return tuple(_read(item, items[0], f"{where}[{i}]") for i, item in enumerate(data))
+        if len(data) != len(items):
+            raise FlightFileError(_wrong(where, data, _words(hint)))
+        return tuple(
+            _read(item, kind, f"{where}[{i}]")
+            for i, (item, kind) in enumerate(zip(data, items, strict=True))
+        )
+    if origin is frozenset:
+        (item_hint,) = typing.get_args(hint)
+        if (
+            type(data) is not dict
+            or set(data) != {"frozenset"}
+            or type(data["frozenset"]) is not list
+        ):
+            raise FlightFileError(_wrong(where, data, _words(hint)))
+        members = data["frozenset"]
+        return frozenset(_read(item, item_hint, f"{where}[{i}]") for i, item in enumerate(members))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        name = (
+            data.get("name") if type(data) is dict and data.get("enum") == hint.__name__ else None
+        )
+        if (
+            type(data) is not dict
+            or set(data) != {"enum", "name"}
+            or type(name) is not str
+            or name not in hint.__members__
+        ):
+            raise FlightFileError(_wrong(where, data, _words(hint)))
+        return hint[name]
+    if hint is Event or hint is Command:
+        return _instance(data, [c for c in _CLASSES.values() if issubclass(c, hint)], where, hint)
+    if hint is State or (isinstance(hint, type) and attrs.has(hint)):
+        return _instance(data, [hint], where, hint)
+    raise TypeError(f"the flight file's reader has no rule for {hint!r}")  # a bug of ours
+
+
+def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
+    """An object of one of `classes` (attrs classes, or State), named by its "type"."""
+    names = {cls.__name__: cls for cls in classes}
+    name = data.get("type") if type(data) is dict else None
+    if type(name) is not str or name not in names:
+        raise FlightFileError(_wrong(where, data, _words(hint)))
+    cls = names[name]
+    assert type(data) is dict
+    hints = typing.get_type_hints(cls)
+    _known_keys(data, ("type", *hints), where)
+    if cls is Resolved:
+        return RESOLVED  # the core tells a resolved slot by identity
+    fields = {}
+    for field, field_hint in hints.items():
+        if field in data:
+            if field_hint is object:
+                field_hint = _OBJECTS.get(field, type(None))
+            fields[field] = _read(data[field], field_hint, f"{where}.{field}")
+        elif field not in _defaults(cls):
+            raise FlightFileError(f'"{where}.{field}" is missing ({name} has no default for it)')
     try:
-        steps = tuple(_recorded(item) for item in data["steps"])
-        recording = Recording(
-            reason=str(data["reason"]),
-            written=str(data["written"]),
-            pid=int(data["pid"]),
-            version=str(data["statecore"]),
-            dropped=int(data["dropped"]),
-            start=decode(data["start"]),
-            steps=steps,
-            end=decode(data["end"]),
-        )
-    except KeyError as error:
-        raise FlightFileError(f"the field {error} is missing") from None
-    except (TypeError, ValueError, AttributeError) as error:
-        raise FlightFileError(describe(error)) from None
-    for what, value in (("start", recording.start), ("end", recording.end)):
-        if type(value) is not State:
-            raise FlightFileError(f'"{what}" is not a scheduler state')
-    return recording
+        return cls(**fields)
+    except ValueError as error:  # a class's own check (a Config's counts, a Progress's positions)
+        raise FlightFileError(f'"{where}" ({name}) is refused: {describe(error)}') from None
 
 
-def _recorded(data: dict[str, Any]) -> Recorded:
-    event = decode(data["event"])
-    if not isinstance(event, Event):
-        raise FlightFileError(f"not an event: {data['event']!r}")
-    commands = decode(data["commands"]) if "commands" in data else None
-    raised = decode(data["raised"]) if "raised" in data else None
-    before = decode(data["before"]) if "before" in data else None
-    if raised is not None and type(raised) is not Raised:
-        raise FlightFileError(f"not what a step raised: {data['raised']!r}")
-    if before is not None and type(before) is not State:
-        raise FlightFileError(f"not a scheduler state: {data['before']!r}")
-    return Recorded(event=event, before=before, raised=raised, commands=commands)
+def _defaults(cls: type) -> frozenset[str]:
+    """The fields of `cls` that have a default, which `encode` leaves out when at it."""
+    if cls is State:
+        return frozenset()
+    return frozenset(f.name for f in attrs.fields(cls) if f.default is not attrs.NOTHING)
+
+
+def _known_keys(data: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(data) - set(keys), key=str)
+    if unknown:
+        known = ", ".join(key for key in keys if key != "type")
+        raise FlightFileError(f'"{where}" holds an unknown field "{unknown[0]}" (known: {known})')
+
+
+def _shown(data: object) -> str:
+    """A JSON value as the file holds it, cut short."""
+    text = json.dumps(data)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _wrong(where: str, data: object, expected: str) -> str:
+    return f'"{where}" holds {_shown(data)}; expected {expected}'
+
+
+def _words(hint: Any, signed: bool = False) -> str:
+    """What a file must hold for `hint`, in words."""
+    if hint is int:
+        return "an integer" if signed else "an integer of at least 0"
+    if hint is float:
+        return "a finite number" if signed else "a finite number of at least 0"
+    if hint is str:
+        return "a string"
+    if hint is bool:
+        return "true or false"
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        options = typing.get_args(hint)
+        classes = [f'"{o.__name__}"' for o in options if attrs.has(o)]
+        rest = [_words(o) for o in options if not attrs.has(o)]
+        if len(classes) > 1:
+            rest.insert(0, f'an object whose "type" is {", ".join(classes[:-1])} or {classes[-1]}')
+        else:
+            rest = [_words(option) for option in options]
+        return " or ".join(rest)
+    if origin is tuple:
+        items = typing.get_args(hint)
+        if items[-1] is Ellipsis:
+            return f"a list, each item {_words(items[0])}"
+        return f"a list of {len(items)}: " + ", ".join(_words(item) for item in items)
+    if origin is frozenset:
+        return f'{{"frozenset": [...]}}, each item {_words(typing.get_args(hint)[0])}'
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        members = "|".join(hint.__members__)
+        return f'{{"enum": "{hint.__name__}", "name": "{members}"}}'
+    if hint is Event or hint is Command:
+        return f'an object whose "type" names {"an event" if hint is Event else "a command"}'
+    return f'an object whose "type" is "{hint.__name__}"'

@@ -8,16 +8,30 @@ HF accelerate does not call the class again. `Accelerator.prepare` wraps each Da
 of its own (`DataLoaderShard`, or `DataLoaderDispatcher` when batches are dispatched from the
 main process) around a fresh loader it builds from the original's torch arguments: a plain
 torch DataLoader, or torchdata's `StatefulDataLoader` with `use_stateful_dataloader=True`. A
-statecore loader handed to `accelerator.prepare` therefore stops running statecore.
-`prepare_with_accelerate` prepares through accelerate exactly as before, then puts a statecore
-loader, built from the arguments accelerate chose (its sharded batch sampler included) and the
-original's executor, in place of the torch loader inside accelerate's wrapper. The wrapper
-keeps doing its part: device placement, end-of-epoch bookkeeping, `set_epoch`, gradient
-accumulation. See docs/frameworks.md.
+statecore loader handed to `accelerator.prepare` would therefore stop running statecore.
+
+So once accelerate and statecore are both imported (statecore/_frameworks.py's import hook,
+whichever comes first), `Accelerator.prepare_data_loader`, which `prepare` calls for every
+loader, is wrapped (`keep_statecore_under_accelerate`): it prepares exactly as before, then puts
+a statecore loader, built from the arguments accelerate chose (its sharded batch sampler
+included) and the original's statecore arguments (`executor`, `trace`,
+`snapshot_every_n_steps`), in place of the torch loader inside accelerate's wrapper. The
+wrapper keeps doing its part: device placement, end-of-epoch bookkeeping, `set_epoch`,
+gradient accumulation. Loaders that are not statecore's are left as accelerate makes them.
+
+Why the wrapping is safe: accelerate 1.0 and 1.15 (the oldest the `frameworks` extra allows and
+the one tested) both route `prepare` through that method, return a loader prepared already as
+it is, and keep the loader they build as the wrapper's `base_dataloader`. Where that does not
+hold (an accelerate without the method, XLA's loader, torchdata's `StatefulDataLoader`),
+statecore warns and leaves accelerate's loader in place, never silently.
+
+`prepare_with_accelerate` (the way before the hook) does the same through `prepare` and stays
+for code that calls it. See docs/frameworks.md.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -25,7 +39,7 @@ import torch.utils.data
 
 from statecore.executors._loader import DataLoader
 
-__all__ = ["prepare_with_accelerate"]
+__all__ = ["keep_statecore_under_accelerate", "prepare_with_accelerate"]
 
 # The torch arguments that a built loader keeps as attributes of the same name.
 _KEPT = (
@@ -43,16 +57,57 @@ _KEPT = (
 )
 
 
+_KEEPS = "__statecore_keeps_its_loaders__"
+"""Marks the wrapped `prepare_data_loader`, so that the hook wraps it once."""
+
+
+def keep_statecore_under_accelerate() -> None:
+    """Have `Accelerator.prepare` and `Accelerator.prepare_data_loader` keep statecore loaders
+    loading through statecore; called by statecore's import hook once accelerate is imported.
+
+    Idempotent. Never raises: an accelerate without the method to wrap gets a warning naming
+    `prepare_with_accelerate`.
+    """
+    try:
+        from accelerate import Accelerator
+
+        prepare = Accelerator.prepare_data_loader
+    except Exception as error:  # an accelerate that is not the one this was written against
+        warnings.warn(
+            f"statecore cannot keep its DataLoaders inside accelerate's prepare ({error!r}): "
+            "`accelerator.prepare` will load their batches through torch's DataLoader; prepare "
+            "them with statecore.executors.frameworks.prepare_with_accelerate",
+            stacklevel=2,
+        )
+        return
+    if getattr(prepare, _KEEPS, False):
+        return
+
+    @functools.wraps(prepare)
+    def prepare_data_loader(self: Any, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared = prepare(self, data_loader, *args, **kwargs)
+        # A loader prepared already comes back as it is (and claims its inner loader's class).
+        if isinstance(data_loader, DataLoader) and prepared is not data_loader:
+            _put_statecore_inside(prepared, data_loader)
+        return prepared
+
+    setattr(prepare_data_loader, _KEEPS, True)
+    Accelerator.prepare_data_loader = prepare_data_loader
+
+
 def prepare_with_accelerate(
     accelerator: Any, *objects: Any, device_placement: list[bool] | None = None
 ) -> Any:
     """`accelerator.prepare(*objects)`, with every statecore DataLoader still loading through
-    statecore.
+    statecore: what the plain `accelerator.prepare` does too once statecore's hook is in place
+    (`keep_statecore_under_accelerate`); kept for code written before it.
 
     Takes and returns what `Accelerator.prepare` does (models, optimizers and schedulers pass
     through to it untouched); each prepared loader that came from a statecore loader is
-    accelerate's own wrapper, as usual, around a statecore loader with the original's executor.
+    accelerate's own wrapper, as usual, around a statecore loader with the original's executor
+    (and its other statecore arguments).
     """
+    keep_statecore_under_accelerate()
     prepared = accelerator.prepare(*objects, device_placement=device_placement)
     results = prepared if len(objects) > 1 else (prepared,)
     for original, result in zip(objects, results, strict=True):
@@ -72,6 +127,8 @@ def _put_statecore_inside(wrapper: Any, original: DataLoader[Any]) -> None:
             stacklevel=3,
         )
         return
+    if isinstance(inner, DataLoader):
+        return  # statecore's already: the hook put it there
     if type(inner) is not torch.utils.data.DataLoader:
         # torchdata's StatefulDataLoader (use_stateful_dataloader=True) keeps a state_dict
         # that statecore cannot produce; say so rather than load through it unannounced.
@@ -82,7 +139,12 @@ def _put_statecore_inside(wrapper: Any, original: DataLoader[Any]) -> None:
             stacklevel=3,
         )
         return
-    wrapper.base_dataloader = DataLoader(**_torch_arguments(inner), executor=original.executor)
+    wrapper.base_dataloader = DataLoader(
+        **_torch_arguments(inner),
+        executor=original.executor,
+        snapshot_every_n_steps=original.snapshot_every_n_steps,
+        trace=original.trace,
+    )
 
 
 def _torch_arguments(loader: torch.utils.data.DataLoader[Any]) -> dict[str, Any]:

@@ -52,7 +52,9 @@ from statecore._events import (
     WorkerExhausted,
     WorkerResumed,
 )
+from statecore._frameworks import REPLACERS as _REPLACERS
 from statecore._frameworks import build_before_a_census as _build_before_a_census
+from statecore._frameworks import when_imported as _when_imported
 from statecore._invariants import violations
 from statecore._progress import progress
 from statecore._state import (
@@ -183,3 +185,14 @@ def _build_data_loader() -> object:
 # Lightning patches only the DataLoader classes that exist when it asks for a loader: build ours
 # before it can ask (statecore/_frameworks.py says why, and why not on importing torch).
 _build_before_a_census(_build_data_loader)
+
+
+def _keep_statecore_under_accelerate() -> None:
+    from statecore.executors.frameworks import keep_statecore_under_accelerate
+
+    keep_statecore_under_accelerate()
+
+
+# accelerate's prepare builds a torch loader in place of ours: have it put ours back from the
+# start (statecore/executors/frameworks.py says how).
+_when_imported(_REPLACERS, _keep_statecore_under_accelerate)

@@ -41,13 +41,19 @@ CORE_EXCEPTIONS = {
     # `__getattr__` (and the hook that builds the loader class once a training framework is
     # imported) import the executors on first use, inside functions only.
     ("statecore", "statecore.executors"): "the lazy DataLoader/get_worker_info hook",
+    # Once accelerate is imported (it imports torch), the hook that has accelerate's prepare
+    # keep statecore's loaders is put in place, from a function too.
+    ("statecore", "statecore.executors.frameworks"): "the accelerate hook",
     # `python -m statecore` runs statecore/__main__.py; the command line itself is a program,
     # so __main__ only hands over to it. Nothing imports __main__.
     ("statecore.__main__", "statecore.tools.cli"): "`python -m statecore` hands over",
 }
 """(importing module, imported module) pairs the core may have, each with its reason."""
 
-INSIDE_FUNCTIONS_ONLY = {("statecore", "statecore.executors")}
+INSIDE_FUNCTIONS_ONLY = {
+    ("statecore", "statecore.executors"),
+    ("statecore", "statecore.executors.frameworks"),
+}
 """Exceptions that hold only for an import inside a function, never at module level."""
 
 MINIMUM_MODULES = {CORE: 8, EXECUTORS: 10, MODELS: 8, TOOLS: 7}

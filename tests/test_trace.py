@@ -534,6 +534,50 @@ def test_profile_runs_the_script_with_its_arguments_and_writes_three_outputs_per
     assert verdict in done.stdout + "\n"
 
 
+FORKING_SCRIPT = """
+import os, sys
+from statecore import DataLoader
+
+for batch in DataLoader(range(8), batch_size=2):  # loader-0, traced in both after the fork
+    pass
+child = os.fork()
+if child == 0:
+    for batch in DataLoader(range(12), batch_size=2):  # the child's own loader
+        pass
+    print("child done", flush=True)
+    sys.exit(0)  # through runpy and the profiler, as a script's end is
+_, status = os.waitpid(child, 0)  # the child has ended, and written, before the parent does
+print("child status", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_profile_writes_only_for_the_profiled_process_not_for_a_child_it_forks(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "forks.py"
+    script.write_text(FORKING_SCRIPT)
+    out = tmp_path / "out"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment.pop(TRACE_VARIABLE, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "statecore", "profile", "--out", str(out), str(script)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "child done" in done.stdout and "child status 0" in done.stdout
+    assert sorted(path.name for path in out.iterdir()) == [
+        "loader-0.timeline.png",
+        "loader-0.trace.json",
+        "loader-0.verdict.txt",
+    ]
+    assert done.stdout.count("== loader-") == 1, done.stdout
+    assert "4 batches" in (out / "loader-0.verdict.txt").read_text()
+
+
 @pytest.mark.timeout(60)
 def test_profile_says_so_when_the_script_makes_no_statecore_loader(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"

@@ -6,7 +6,9 @@ DataLoader it makes without `trace=False` (`STATECORE_TRACE=1`, which its worker
 inherit too). Once it ends, however it ends, each traced loader gets three files in the output
 folder: `loader-N.trace.json` (Chrome's trace event format: open it in https://ui.perfetto.dev
 or `chrome://tracing`), `loader-N.timeline.png` (with matplotlib) and `loader-N.verdict.txt`;
-the verdicts are printed too. The exit status is the script's.
+the verdicts are printed too. The exit status is the script's. A child the script forks
+(`os.fork()`) and that runs on to the script's end writes nothing: only the profiled process
+writes.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ def profile(
     sys.argv = [str(path), *arguments]
     sys.path.insert(0, str(path.resolve().parent))  # as `python script.py` puts its folder first
     status = 0
+    # A script that calls os.fork() has a child that goes on running it, and leaves runpy
+    # through this function as the parent does: the child's stderr, files and verdicts would
+    # be written over the parent's. Only the process that was profiled writes.
+    profiled = os.getpid()
     bar = Bar(None, unit="batch", description="profile", show=progress_bar, stream=stderr)
     done = threading.Event()
     if bar.live:
@@ -107,13 +113,16 @@ def profile(
         traceback.print_exc(file=stderr)
     finally:
         done.set()
-        bar.close()
+        if os.getpid() == profiled:
+            bar.close()
         sys.argv, sys.path[:] = saved_argv, saved_path
         if previous is None:
             os.environ.pop(TRACE_VARIABLE, None)
         else:
             os.environ[TRACE_VARIABLE] = previous
         stop_collecting()
+    if os.getpid() != profiled:
+        return status  # a forked child of the script: its exit status, and nothing written
     if not tracers:
         print(
             f"profile: {script} made no statecore DataLoader to trace (use `from statecore "
