@@ -224,6 +224,7 @@ def snapshot(
             "also": sorted(progress.also),
             "ended": progress.ended,
             "turn": progress.turn,
+            "dry": sorted(progress.dry),
         },
         "complete": complete,
         "base_seed": base_seed,
@@ -402,6 +403,19 @@ def parse(
         raise _wrong("progress.also", also, later)
     ended = _bool(_get(progress, "ended", "progress.ended"), "progress.ended")
     turn = _int(_get(progress, "turn", "progress.turn"), "progress.turn", high=count - 1)
+    dry = _get(progress, "dry", "progress.dry")
+    expected = (
+        f"a list of distinct worker numbers below {count}"
+        if workers is not None
+        else "[] (a map-style dataset's workers never run dry)"
+    )
+    if (
+        not isinstance(dry, list | tuple)
+        or len(set(dry)) != len(dry)
+        or any(type(w) is not int or not 0 <= w < count for w in dry)
+        or (workers is None and dry)
+    ):
+        raise _wrong("progress.dry", dry, expected)
     complete = _bool(_get(state, "complete", "complete"), "complete")
     # 0 only before the loader's first epoch, when the state says the next iter() starts one.
     epoch = _int(_get(state, "epoch", "epoch"), "epoch", low=0 if complete else 1)
@@ -424,7 +438,7 @@ def parse(
     return Resume(
         raw=state,
         epoch=epoch,
-        progress=Progress(done, frozenset(also), ended, turn),
+        progress=Progress(done, frozenset(also), ended, turn, frozenset(dry)),
         complete=complete,
         base_seed=base_seed,
         rng_epoch_start=rng_epoch_start,

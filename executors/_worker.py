@@ -307,7 +307,10 @@ class WorkerRuntime:
         if not self.stateful:
             self.since = since
             return (since, None)
-        if every is None or since < every:
+        # A short last batch ran the iterator dry: many iterators then go back to their start,
+        # and a state taken now would resume the whole part again. The last state taken, with
+        # this batch fast-forwarded, runs dry again instead.
+        if every is None or since < every or self.fetcher.ended:
             self.since = since
             return (since, ...)
         snapshot: dict[str, Any] = {}

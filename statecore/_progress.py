@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from statecore._state import RESOLVED, Phase, Progress, State
+from statecore._state import RESOLVED, Failed, Phase, Progress, Ready, State, WorkerStatus
 
 __all__ = ["progress"]
 
@@ -57,7 +57,9 @@ def progress(state: State, unreceived: Collection[tuple[int, int]] = ()) -> Prog
     done = min(first, recorded.done)
     also = (set(range(done + 1, recorded.done)) | recorded.also) - lost.keys()
     turn = lost[first] if state.config.iterable else 0
-    return Progress(done, frozenset(also), ended=False, turn=turn)
+    # A worker whose batch the consumer did not get still owes it.
+    dry = recorded.dry - set(lost.values())
+    return Progress(done, frozenset(also), ended=False, turn=turn, dry=dry)
 
 
 def _recorded(state: State) -> Progress:
@@ -74,7 +76,25 @@ def _recorded(state: State) -> Progress:
     ended = life.phase is Phase.FINISHED or (
         life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
     )
-    return Progress(done, frozenset(also), ended, _turn(state) if state.config.iterable else 0)
+    if not state.config.iterable:
+        return Progress(done, frozenset(also), ended)
+    dry = _dry(state)
+    # Every worker dry with all its batches handed over: nothing of the epoch remains, though
+    # tasks given before a worker was found dry may still wait for their answer of "dry".
+    ended = ended or len(dry) == state.config.num_workers
+    return Progress(done, frozenset(also), ended, _turn(state), dry)
+
+
+def _dry(state: State) -> frozenset[int]:
+    """The workers found dry whose batches were all handed over: none of theirs is waiting in
+    the window (a worker answers its tasks in the order it was given them, so its tasks still
+    pending there came after the one it was found dry in, and will be answered dry too)."""
+    owing = {slot.worker for slot in state.window if type(slot) is Ready or type(slot) is Failed}
+    return frozenset(
+        w
+        for w, status in enumerate(state.life.workers)
+        if status is WorkerStatus.EXHAUSTED and w not in owing
+    )
 
 
 def _turn(state: State) -> int:

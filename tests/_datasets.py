@@ -206,6 +206,31 @@ class PerWorkerCounts(IterableDataset):  # type: ignore[type-arg]
             yield from (100 * k + j for j in range(self.counts[k]))
 
 
+class Rewinding(Positioned):
+    """A `Positioned` that goes back to the start once it has run dry, as many datasets do so
+    that the next epoch starts over: its state after the last item is that of the start."""
+
+    read: list[int] = []  # noqa: RUF012
+    """Items read by every instance in this process, in order: clear it before use."""
+
+    def __next__(self) -> int:
+        try:
+            item = super().__next__()
+        except StopIteration:
+            self.at = 0
+            raise
+        Rewinding.read.append(item)
+        return item
+
+
+class RewindsWhenDry(PerWorkerCounts):
+    """`PerWorkerCounts` through a `Rewinding` iterator: a stateful shard per worker, whose
+    state returns to the start once the worker has run dry."""
+
+    def __iter__(self) -> Rewinding:  # type: ignore[override]
+        return Rewinding(list(super().__iter__()))
+
+
 class Unsharded(IterableDataset):  # type: ignore[type-arg]
     """range(n) in every worker: each worker yields a full copy, as torch documents."""
 

@@ -91,7 +91,7 @@ def test_batches_in_flight_or_buffered_at_the_checkpoint_are_produced_again(
     iterator = iter(original)
     take(iterator, 2)
     state = original.state_dict()  # workers have prefetched ahead of the consumer by now
-    assert state["progress"] == {"done": 2, "also": [], "ended": False, "turn": 0}
+    assert state["progress"] == {"done": 2, "also": [], "ended": False, "turn": 0, "dry": []}
     resumed = loader()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed))[0] == [6, 7, 8]
