@@ -56,7 +56,7 @@ def progress(state: State, unreceived: Collection[tuple[int, int]] = ()) -> Prog
     first = min(lost)
     done = min(first, recorded.done)
     also = (set(range(done + 1, recorded.done)) | recorded.also) - lost.keys()
-    turn = lost[first] if state.config.iterable else 0
+    turn = lost[first]
     # A worker whose batch the consumer did not get still owes it.
     dry = recorded.dry - set(lost.values())
     return Progress(done, frozenset(also), ended=False, turn=turn, dry=dry)
@@ -77,7 +77,7 @@ def _recorded(state: State) -> Progress:
         life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
     )
     if not state.config.iterable:
-        return Progress(done, frozenset(also), ended)
+        return Progress(done, frozenset(also), ended, _turn(state))
     dry = _dry(state)
     # Every worker dry with all its batches handed over: nothing of the epoch remains, though
     # tasks given before a worker was found dry may still wait for their answer of "dry".
@@ -99,8 +99,9 @@ def _dry(state: State) -> frozenset[int]:
 
 def _turn(state: State) -> int:
     """The worker whose batch the consumer gets next, in order: the oldest task's, or else the
-    worker the next task goes to. Which worker loads what matters to an iterable dataset only,
-    each worker yielding its own part; a dry worker in its turn is found dry again, and skipped.
+    worker the next task goes to. An iterable dataset's workers each yield their own part; a
+    dry worker in its turn is found dry again, and skipped. A map-style dataset with a state
+    per worker (an augmentation's generator, say) draws from the worker that loads the batch.
     """
     if state.window:
         return state.window[0].worker  # type: ignore[union-attr]  # never RESOLVED at the head

@@ -547,6 +547,11 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
                     "workers: an iterable dataset resumes on as many workers as it was taken with",
                 )
             cursor = resume.turn
+        elif resume is not None:
+            # A map-style epoch: the same worker loads the same batch when there are as many.
+            if resume.turn >= n:
+                resume = attrs.evolve(resume, turn=0)
+            cursor = resume.turn
         workers = life.workers
         if resume is not None and resume.dry:
             if not config.iterable or max(resume.dry) >= n:

@@ -65,9 +65,9 @@ def test_a_failed_loader_keeps_the_progress_it_had_when_it_dropped_its_window() 
     state, _ = fill(start(config())[0])
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
     state, _ = feed(state, TaskCompleted(task=1, worker=1), WorkerDied(worker=0))
-    assert progress(state) == Progress(done=1)
+    assert progress(state) == Progress(done=1, turn=1)
     state, _ = feed(state, CloseRequested())
-    assert progress(state) == Progress(done=1)
+    assert progress(state) == Progress(done=1, turn=1)
 
 
 def test_a_resumed_epoch_drops_the_draws_handed_over_out_of_order_before_the_checkpoint() -> None:
@@ -135,11 +135,27 @@ def test_a_batch_the_consumer_never_got_gives_the_turn_back_to_its_worker() -> N
     assert progress(state, unreceived=[(0, 0)]) == Progress(done=0, turn=0)
 
 
-def test_a_map_style_checkpoint_has_no_turn() -> None:
+def test_a_map_style_checkpoint_names_the_worker_whose_batch_comes_next_too() -> None:
+    # A map-style dataset may keep a state per worker (an augmentation's generator): the
+    # resumed epoch's batches must go to the workers that loaded them.
     state, _ = start(config(2, prefetch_factor=1))
     state, _ = fill(state)
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
-    assert progress(state) == Progress(done=1, turn=0)
+    assert progress(state) == Progress(done=1, turn=1)
+
+
+def test_a_map_style_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
+    resume = Progress(done=5, turn=1)
+    state, commands = feed(initial_state(config(2)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert [c.worker for c in only(commands + more, SendTask)] == [1, 0, 1, 0]
+
+
+def test_a_map_style_epoch_resumed_on_fewer_workers_than_its_turn_starts_with_worker_zero() -> None:
+    resume = Progress(done=5, turn=3)
+    state, commands = feed(initial_state(config(2)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert [c.worker for c in only(commands + more, SendTask)] == [0, 1, 0, 1]
 
 
 def test_an_iterable_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
