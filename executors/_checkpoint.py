@@ -198,7 +198,8 @@ class Resume:
     sampler: Any
     num_yielded: int
     workers: tuple[Mark | None, ...] | None = None
-    """An iterable dataset's: per worker, the mark of its last batch handed over."""
+    """An iterable dataset's, or a map-style dataset's with a state: per worker, the mark of
+    its last batch handed over."""
 
 
 def snapshot(
@@ -224,6 +225,7 @@ def snapshot(
             "also": sorted(progress.also),
             "ended": progress.ended,
             "turn": progress.turn,
+            "dry": sorted(progress.dry),
         },
         "complete": complete,
         "base_seed": base_seed,
@@ -313,10 +315,12 @@ _SEEDS = 2**63 - 1
 seed plus worker id) must still fit the 64 bits torch's and numpy's generators take."""
 
 
-def _workers(value: Any, count: int) -> tuple[Mark | None, ...]:
-    """An iterable dataset's per-worker marks, as `snapshot` wrote them."""
-    if not isinstance(value, list | tuple) or len(value) != count:
-        raise _wrong("workers", value, f"a list of {count} entries, one per worker")
+def _workers(value: Any, count: int | None) -> tuple[Mark | None, ...]:
+    """Per-worker marks, as `snapshot` wrote them: `count` of them for an iterable dataset,
+    any number (one per worker it was taken with) for a map-style dataset's states."""
+    if not isinstance(value, list | tuple) or (len(value) != count if count else not value):
+        many = "one or more" if count is None else str(count)
+        raise _wrong("workers", value, f"a list of {many} entries, one per worker")
     marks: list[Mark | None] = []
     for w, entry in enumerate(value):
         path = f"workers[{w}]"
@@ -376,6 +380,9 @@ def parse(
             )
         count = max(int(have), 1)
         workers = _workers(_get(state, "workers", "workers"), count)
+    elif state.get("workers") is not None:
+        # A map-style dataset with a state: each worker's, after its last batch handed over.
+        workers = _workers(state["workers"], None)
     for name, mine in facts.items():
         theirs = state.get(name, _MISSING)
         # Compared with their types: True is not the batch size 1, nor 1.0 the length 1.
@@ -401,7 +408,23 @@ def parse(
     if len(set(also)) != len(also):
         raise _wrong("progress.also", also, later)
     ended = _bool(_get(progress, "ended", "progress.ended"), "progress.ended")
-    turn = _int(_get(progress, "turn", "progress.turn"), "progress.turn", high=count - 1)
+    # A map-style epoch resumes under any number of workers: a turn beyond them starts at 0.
+    top = count - 1 if facts.get("dataset_kind") == "iterable" else None
+    turn = _int(_get(progress, "turn", "progress.turn"), "progress.turn", high=top)
+    dry = _get(progress, "dry", "progress.dry")
+    iterable = facts.get("dataset_kind") == "iterable"
+    expected = (
+        f"a list of distinct worker numbers below {count}"
+        if iterable
+        else "[] (a map-style dataset's workers never run dry)"
+    )
+    if (
+        not isinstance(dry, list | tuple)
+        or len(set(dry)) != len(dry)
+        or any(type(w) is not int or not 0 <= w < count for w in dry)
+        or (not iterable and dry)
+    ):
+        raise _wrong("progress.dry", dry, expected)
     complete = _bool(_get(state, "complete", "complete"), "complete")
     # 0 only before the loader's first epoch, when the state says the next iter() starts one.
     epoch = _int(_get(state, "epoch", "epoch"), "epoch", low=0 if complete else 1)
@@ -413,7 +436,12 @@ def parse(
     rng_now = _rng(_get(rng, "now", "rng.now"), "rng.now", rng_size)
     num_yielded = _int(_get(state, "num_yielded", "num_yielded"), "num_yielded")
     sampler = _get(state, "sampler", "sampler")
-    if workers is None and not complete and rng_epoch_start is None and sampler is None:
+    if (
+        facts.get("dataset_kind") != "iterable"
+        and not complete
+        and rng_epoch_start is None
+        and sampler is None
+    ):
         # A map-style epoch is drawn again from its start unless the sampler restores itself.
         raise _wrong(
             "rng.epoch_start",
@@ -424,7 +452,7 @@ def parse(
     return Resume(
         raw=state,
         epoch=epoch,
-        progress=Progress(done, frozenset(also), ended, turn),
+        progress=Progress(done, frozenset(also), ended, turn, frozenset(dry)),
         complete=complete,
         base_seed=base_seed,
         rng_epoch_start=rng_epoch_start,

@@ -107,7 +107,10 @@ class Driver:
         step: StepFunction = step,
         *,
         flight: bool | None = None,
+        marked: bool = False,
     ) -> None:
+        """`marked`: the workers' answers carry marks though the dataset is map-style (its
+        state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
@@ -124,9 +127,10 @@ class Driver:
         """An outcome given in a call that an interrupt then cut short: the next request's."""
         self.void: list[tuple[int, int]] = []
         """(task, worker) handed over in a call that raised the executor's failure instead."""
-        self.marks: dict[int, Any] | None = {} if config.iterable else None
-        """An iterable dataset's workers: the mark of each one's last batch (or task error)
-        the consumer received, which a checkpoint records (see `WorkerRuntime` for marks)."""
+        self.marks: dict[int, Any] | None = {} if config.iterable or marked else None
+        """An iterable (or stateful map-style) dataset's workers: the mark of each one's last
+        batch (or task error) the consumer received, which a checkpoint records (see
+        `WorkerRuntime` for marks)."""
         self.answered: dict[int, tuple[int, Any]] = {}
         """The marks of tasks answered this epoch and not yet received: task -> (worker, mark)."""
 

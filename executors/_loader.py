@@ -54,7 +54,7 @@ from statecore.executors._trace import (
     collecting,
     tracing_from_environment,
 )
-from statecore.executors._worker import WorkerSetup
+from statecore.executors._worker import WorkerSetup, has_state
 
 __all__ = ["DataLoader"]
 
@@ -262,6 +262,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             batches=None if self._dataset_kind == _ITER else _length(self._index_sampler),
             rng_size=source.get_state().numel(),
         )
+        saved = resume.workers
+        workers = max(self.num_workers, 1)
+        if self._dataset_kind != _ITER and saved is not None and len(saved) != workers:
+            warnings.warn(
+                f"this DataLoader state holds the dataset's state_dict() of each of "
+                f"{len(saved)} workers, and this loader has {workers}: worker k gets worker k's "
+                f"state where there was one, so the batches are the original run's, and what "
+                f"the dataset draws from its state (augmentations, say) is not",
+                stacklevel=2,
+            )
         kept = self.__dict__.get("_iterator")
         if isinstance(kept, _Iterator):
             # Persistent workers are in the middle of something else: the resumed epoch gets
@@ -466,7 +476,10 @@ class _Iterator(_BaseDataLoaderIter):
         executor.start()
         tracer = loader._tracer_for(workers, config.persistent_workers)
         traced = step if tracer is None else tracer.wrap(step)
-        self._driver = Driver(config, executor, _drawer(self), self._timeout, step=traced)
+        marked = self._dataset_kind != _ITER and has_state(self._dataset)
+        self._driver = Driver(
+            config, executor, _drawer(self), self._timeout, step=traced, marked=marked
+        )
         _LIVE.add(self)
         self._reset(loader, first_iter=True)
 
@@ -487,7 +500,12 @@ class _Iterator(_BaseDataLoaderIter):
         start: Progress | None = None
         marks = None
         if resume is not None and resume.workers is not None:
-            marks = {w: mark for w, mark in enumerate(resume.workers) if mark is not None}
+            # A map-style dataset's states may come from more workers than this loader has.
+            marks = {
+                w: mark
+                for w, mark in enumerate(resume.workers)
+                if mark is not None and w < self._workers
+            }
         if resume is not None:
             start = resume.progress
             if resume.rng_epoch_start is not None:

@@ -265,6 +265,13 @@ class WorkerRuntime:
         self.skip = 0
         """Batches to fast-forward before the next one: those handed over before a checkpoint."""
         self.stateful = False
+        self.stateful_map = not self.iterable and has_state(
+            dataset if dataset is not None else setup.dataset
+        )
+        """A map-style dataset with a state (an augmentation's generator, say): sent with every
+        batch, as the state after it, since a map-style worker cannot fast-forward."""
+        self.restore: Any = None
+        """A map-style dataset's state from the checkpoint, loaded before its first task."""
         self.ready: float | None = time.perf_counter() if setup.trace else None
         """For a traced loader: when this worker became ready (seeded, `worker_init_fn` run,
         its dataset prepared), told with its first answer, then None."""
@@ -282,6 +289,12 @@ class WorkerRuntime:
             mark = None
             if setup.resume is not None and self.iterable:
                 mark = setup.resume[worker_id]
+            elif setup.resume is not None and worker_id < len(setup.resume) and self.stateful_map:
+                saved = setup.resume[worker_id]
+                if saved is not None and saved[1] not in (None, ...):
+                    # Loaded with the first task, not now: in the main process iter() still
+                    # draws its seeds, and a dataset's state may be torch's global generator's.
+                    self.restore = saved[1].get("dataset")
             self._restart("while creating the dataset fetcher", mark)
 
     @classmethod
@@ -354,7 +367,10 @@ class WorkerRuntime:
         if not self.stateful:
             self.since = since
             return (since, None)
-        if every is None or since < every:
+        # A short last batch ran the iterator dry: many iterators then go back to their start,
+        # and a state taken now would resume the whole part again. The last state taken, with
+        # this batch fast-forwarded, runs dry again instead.
+        if every is None or since < every or self.fetcher.ended:
             self.since = since
             return (since, ...)
         snapshot: dict[str, Any] = {}
@@ -435,6 +451,8 @@ class WorkerRuntime:
         if self.exhausted:
             return WorkerExhausted(task, worker)
         if not self.iterable:
+            if self.stateful_map:
+                return self._answer_stateful_map(command)
             try:
                 data = self.fetch(command.index)
             except Exception as error:
@@ -465,6 +483,42 @@ class WorkerRuntime:
                 task, worker, self._capture(error, command.index, where), self._counted()
             )
         return completed(task, worker, data, mark)
+
+    def _answer_stateful_map(self, command: SendTask) -> Event:
+        """A map-style task whose answer carries the dataset's state after it (its mark)."""
+        task, worker, index = command.task, self.worker_id, command.index
+        if self.restore is not None:
+            saved, self.restore = self.restore, None
+            try:
+                self.dataset.load_state_dict(saved)
+            except Exception as error:
+                where = "while loading the dataset's state_dict from the checkpoint"
+                return TaskFailed(task, worker, self._capture(error, index, where))
+        try:
+            data = self.fetch(index)
+        except Exception as error:
+            failed = self._capture(error, index)
+            try:
+                return TaskFailed(task, worker, failed, self._map_mark())
+            except Exception:
+                return TaskFailed(task, worker, failed)
+        try:
+            mark = self._map_mark()
+        except Exception as error:
+            error.add_note(
+                "Raised by the dataset's state_dict(), which statecore calls after every batch "
+                "of a map-style dataset that has one, so that a checkpoint can restore it"
+            )
+            where = "in the dataset's state_dict, for a checkpoint"
+            return TaskFailed(task, worker, self._capture(error, index, where))
+        return completed(task, worker, data, mark)
+
+    def _map_mark(self) -> Mark:
+        snapshot = {"dataset": self.dataset.state_dict()}
+        if self.pid is None:
+            # In the main process nothing pickles it: see `_mark`.
+            snapshot = copy.deepcopy(snapshot)
+        return (0, snapshot)
 
     def _counted(self) -> Mark:
         """The mark of a batch yielded whose state could not be taken: skipped on resume."""

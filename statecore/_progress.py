@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from statecore._state import RESOLVED, Phase, Progress, State
+from statecore._state import RESOLVED, Failed, Phase, Progress, Ready, State, WorkerStatus
 
 __all__ = ["progress"]
 
@@ -56,8 +56,10 @@ def progress(state: State, unreceived: Collection[tuple[int, int]] = ()) -> Prog
     first = min(lost)
     done = min(first, recorded.done)
     also = (set(range(done + 1, recorded.done)) | recorded.also) - lost.keys()
-    turn = lost[first] if state.config.iterable else 0
-    return Progress(done, frozenset(also), ended=False, turn=turn)
+    turn = lost[first]
+    # A worker whose batch the consumer did not get still owes it.
+    dry = recorded.dry - set(lost.values())
+    return Progress(done, frozenset(also), ended=False, turn=turn, dry=dry)
 
 
 def _recorded(state: State) -> Progress:
@@ -74,13 +76,32 @@ def _recorded(state: State) -> Progress:
     ended = life.phase is Phase.FINISHED or (
         life.phase is Phase.DRAINING and not state.window and state.drawing_for is None
     )
-    return Progress(done, frozenset(also), ended, _turn(state) if state.config.iterable else 0)
+    if not state.config.iterable:
+        return Progress(done, frozenset(also), ended, _turn(state))
+    dry = _dry(state)
+    # Every worker dry with all its batches handed over: nothing of the epoch remains, though
+    # tasks given before a worker was found dry may still wait for their answer of "dry".
+    ended = ended or len(dry) == state.config.num_workers
+    return Progress(done, frozenset(also), ended, _turn(state), dry)
+
+
+def _dry(state: State) -> frozenset[int]:
+    """The workers found dry whose batches were all handed over: none of theirs is waiting in
+    the window (a worker answers its tasks in the order it was given them, so its tasks still
+    pending there came after the one it was found dry in, and will be answered dry too)."""
+    owing = {slot.worker for slot in state.window if type(slot) is Ready or type(slot) is Failed}
+    return frozenset(
+        w
+        for w, status in enumerate(state.life.workers)
+        if status is WorkerStatus.EXHAUSTED and w not in owing
+    )
 
 
 def _turn(state: State) -> int:
     """The worker whose batch the consumer gets next, in order: the oldest task's, or else the
-    worker the next task goes to. Which worker loads what matters to an iterable dataset only,
-    each worker yielding its own part; a dry worker in its turn is found dry again, and skipped.
+    worker the next task goes to. An iterable dataset's workers each yield their own part; a
+    dry worker in its turn is found dry again, and skipped. A map-style dataset with a state
+    per worker (an augmentation's generator, say) draws from the worker that loads the batch.
     """
     if state.window:
         return state.window[0].worker  # type: ignore[union-attr]  # never RESOLVED at the head

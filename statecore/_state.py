@@ -234,8 +234,14 @@ class Progress:
     ended: bool = False
     """The sampler ran out and every draw was handed over: nothing of the epoch remains."""
     turn: int = 0
-    """An iterable dataset's worker whose batch comes next, in order (0 for map-style): its
-    workers take turns, and a resumed run goes on with the same one."""
+    """The worker whose batch comes next, in order: workers take turns, and a resumed run with
+    as many workers goes on with the same one, so that each batch is loaded by the worker that
+    loaded it in the original run (an iterable dataset's part, or a map-style dataset's state
+    per worker). A map-style epoch resumed with fewer workers starts with worker 0."""
+    dry: frozenset[int] = frozenset()
+    """An iterable dataset's workers found dry, every batch of which was handed over: a
+    resumed run never asks them again. Restarting one would yield its part again when the
+    dataset's state after running dry is the state of its start, as many datasets' is."""
 
     def __attrs_post_init__(self) -> None:
         if self.done < 0 or any(p <= self.done for p in self.also):
@@ -245,6 +251,8 @@ class Progress:
             )
         if self.turn < 0:
             raise ValueError(f"the turn is a worker number, at least 0, got {self.turn}")
+        if any(w < 0 for w in self.dry):
+            raise ValueError(f"dry workers are worker numbers, at least 0, got {sorted(self.dry)}")
 
     def complete(self, length: int | None) -> bool:
         """Whether nothing of the epoch remains, given the sampler's length if it has one.

@@ -547,8 +547,39 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
                     "workers: an iterable dataset resumes on as many workers as it was taken with",
                 )
             cursor = resume.turn
+        elif resume is not None:
+            # A map-style epoch: the same worker loads the same batch when there are as many.
+            if resume.turn >= n:
+                resume = attrs.evolve(resume, turn=0)
+            cursor = resume.turn
+        workers = life.workers
+        if resume is not None and resume.dry:
+            if not config.iterable or max(resume.dry) >= n:
+                raise _refuse(
+                    state,
+                    event,
+                    f"the checkpoint's dry workers {sorted(resume.dry)} are not workers of an "
+                    f"iterable dataset's {n}",
+                )
+            if len(resume.dry) == n:
+                raise _refuse(
+                    state,
+                    event,
+                    "every worker of the checkpoint is dry: nothing of its epoch remains "
+                    "(`progress` says so with ended=True), so the next epoch starts afresh",
+                )
+            # Found dry before the checkpoint, with every batch handed over: they stay dry.
+            workers = tuple(
+                EXHAUSTED if w in resume.dry else status for w, status in enumerate(workers)
+            )
         life = attrs.evolve(
-            life, phase=RUNNING, epoch=1, base=state.rcvd_idx, resetting=True, resumed=resume
+            life,
+            phase=RUNNING,
+            epoch=1,
+            base=state.rcvd_idx,
+            resetting=True,
+            resumed=resume,
+            workers=workers,
         )
         return _settle(config, life, state.rcvd_idx, (), state.loads, cursor, None, False, ())
     if resume is not None:

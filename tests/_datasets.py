@@ -130,6 +130,37 @@ class Items(Dataset):  # type: ignore[type-arg]
         return torch.tensor([index, os.getpid()])
 
 
+class Augmented(Dataset):  # type: ignore[type-arg]
+    """Item i: [i, a draw from this copy's own generator], as a random augmentation draws.
+
+    The generator is seeded by worker id when first used, so each worker draws its own
+    stream; its state is the dataset's `state_dict()`, as torchdata restores per worker.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _drawn_from(self) -> torch.Generator:
+        if self.generator is None:
+            info = get_worker_info()
+            seed = 1000 + (0 if info is None else info.id)
+            self.generator = torch.Generator().manual_seed(seed)
+        return self.generator
+
+    def __getitem__(self, index: int) -> list[int]:
+        return [index, int(torch.randint(1000, (1,), generator=self._drawn_from()))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self._drawn_from().get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._drawn_from().set_state(state["generator"])
+
+
 # --- iterable datasets -------------------------------------------------------------------------
 
 
@@ -224,6 +255,31 @@ class PerWorkerCounts(IterableDataset):  # type: ignore[type-arg]
         workers = range(len(self.counts)) if info is None else [info.id]
         for k in workers:
             yield from (100 * k + j for j in range(self.counts[k]))
+
+
+class Rewinding(Positioned):
+    """A `Positioned` that goes back to the start once it has run dry, as many datasets do so
+    that the next epoch starts over: its state after the last item is that of the start."""
+
+    read: list[int] = []  # noqa: RUF012
+    """Items read by every instance in this process, in order: clear it before use."""
+
+    def __next__(self) -> int:
+        try:
+            item = super().__next__()
+        except StopIteration:
+            self.at = 0
+            raise
+        Rewinding.read.append(item)
+        return item
+
+
+class RewindsWhenDry(PerWorkerCounts):
+    """`PerWorkerCounts` through a `Rewinding` iterator: a stateful shard per worker, whose
+    state returns to the start once the worker has run dry."""
+
+    def __iter__(self) -> Rewinding:  # type: ignore[override]
+        return Rewinding(list(super().__iter__()))
 
 
 class Unsharded(IterableDataset):  # type: ignore[type-arg]

@@ -19,6 +19,8 @@ from _checkpoints import roundtrip, run_to_end, take
 from _datasets import (
     PerWorkerCounts,
     Positioned,
+    Rewinding,
+    RewindsWhenDry,
     ShardedRange,
     StatefulDataset,
     StatefulIterator,
@@ -136,6 +138,43 @@ def test_processes_resume_the_turns_of_workers_that_ran_dry(at: int) -> None:
     dataset = PerWorkerCounts([5, 2])
     after, again = resumed_run_to_end(dataset, at, executor="mp", num_workers=2, batch_size=1)
     assert again == after
+
+
+@WORKERS
+@pytest.mark.parametrize("in_order", [True, False], ids=["in-order", "out-of-order"])
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_worker_that_ran_dry_stays_dry_though_its_state_went_back_to_the_start(
+    executor: str, workers: int, in_order: bool
+) -> None:
+    # Worker 0's shard ends with a short batch, after which its iterator's state is the
+    # start's again; worker 1 goes on for three more batches. Loading in the main process,
+    # the whole dataset ends so. Every checkpoint of the epoch resumes the rest of it.
+    options = {"executor": executor, "num_workers": workers, "in_order": in_order}
+    dataset = RewindsWhenDry([3, 6])
+    batches = len(run_to_end(iter(loader(dataset, **options))))
+    for at in range(batches + 1):
+        after, again = resumed_run_to_end(dataset, at, **options)
+        if in_order:
+            assert again == after, f"resumed after {at} batches"
+        else:
+            assert sorted(again) == sorted(after), f"resumed after {at} batches"
+
+
+@WORKERS
+def test_a_worker_found_dry_before_the_checkpoint_is_not_asked_again_after_it() -> None:
+    options = {"executor": "thread", "num_workers": 2}
+    original = loader(RewindsWhenDry([3, 10]), **options)
+    iterator = iter(original)
+    # Batches 0-3, then worker 0's turn finds it dry, then batch 4 (worker 1's): past it.
+    take(iterator, 5)
+    state = roundtrip(original.state_dict())
+    assert state["progress"]["dry"] == [0]
+    after = run_to_end(iterator)
+    Rewinding.read.clear()
+    fresh = loader(RewindsWhenDry([3, 10]), **options)
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+    assert [item for item in Rewinding.read if item < 100] == []  # none of worker 0's part
 
 
 @WORKERS

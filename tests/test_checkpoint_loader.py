@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _checkpoints import roundtrip, run_to_end, take
-from _datasets import Numbers
+from _datasets import Augmented, Numbers
 from _side_by_side import WORKERS
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
@@ -91,7 +91,7 @@ def test_batches_in_flight_or_buffered_at_the_checkpoint_are_produced_again(
     iterator = iter(original)
     take(iterator, 2)
     state = original.state_dict()  # workers have prefetched ahead of the consumer by now
-    assert state["progress"] == {"done": 2, "also": [], "ended": False, "turn": 0}
+    assert state["progress"] == {"done": 2, "also": [], "ended": False, "turn": 0, "dry": []}
     resumed = loader()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed))[0] == [6, 7, 8]
@@ -411,3 +411,54 @@ def test_each_rank_of_a_distributed_sampler_resumes_its_own_share(rank: int) -> 
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == after
     assert len(before + after) == 10
+
+
+# --- map-style datasets with a state --------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+@pytest.mark.parametrize("at", [1, 4, 9])
+def test_a_map_style_dataset_state_per_worker_is_restored_and_draws_as_the_original(
+    executor: str, workers: int, at: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        options = {"shuffle": True, "generator": seeded(), "num_workers": workers}
+        return loader(Augmented(40), executor=executor, **options)
+
+    original = build()
+    iterator = iter(original)
+    take(iterator, at)
+    state = roundtrip(original.state_dict())
+    after = run_to_end(iterator)
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == after
+
+
+def test_a_map_style_dataset_state_is_kept_as_of_the_last_batch_handed_over() -> None:
+    original = loader(Augmented(40), num_workers=2, executor="thread", prefetch_factor=4)
+    iterator = iter(original)
+    take(iterator, 3)  # worker 0 loaded batches 0 and 2 and has loaded ahead since
+    state = original.state_dict()
+    assert state["progress"]["turn"] == 1
+    mark = state["workers"][0]
+    again = Augmented(40)
+    again.load_state_dict(mark["state"]["dataset"])
+    expected = Augmented(40)
+    for _ in range(2 * 3):  # the draws of worker 0's two batches of three
+        expected[0]
+    assert torch.equal(again._drawn_from().get_state(), expected._drawn_from().get_state())
+
+
+def test_a_map_style_dataset_state_resumes_under_another_number_of_workers_with_a_warning() -> None:
+    original = loader(Augmented(40), shuffle=True, generator=seeded())
+    iterator = iter(original)
+    take(iterator, 4)
+    state = original.state_dict()
+    after = run_to_end(iterator)
+    resumed = loader(Augmented(40), shuffle=True, generator=seeded(), num_workers=2)
+    with pytest.warns(UserWarning, match="each of 1 workers, and this loader has 2"):
+        resumed.load_state_dict(state)
+    again = run_to_end(iter(resumed))
+    assert [batch[0] for batch in again] == [batch[0] for batch in after]

@@ -57,6 +57,7 @@ def seeded(seed: int = 7) -> torch.Generator:
         (("progress", "also"), [2], r"progress\.also holds \[2\] \(list\)"),
         (("progress", "ended"), 1, r"progress\.ended holds 1 \(int\); expected True or False"),
         (("complete",), "no", r"complete holds 'no' \(str\); expected True or False"),
+        (("progress", "dry"), [0], r"progress\.dry holds \[0\] \(list\); expected \[\]"),
         (("epoch",), 0, r"epoch holds 0 \(int\); expected an int from 1"),
         (("num_yielded",), None, r"num_yielded holds None"),
         (("base_seed",), 2**70, r"base_seed holds 1180591620717411303424 \(int\)"),
@@ -112,6 +113,16 @@ def test_an_iterable_state_with_the_wrong_number_of_worker_entries_is_refused() 
     state = loader.state_dict()
     state["workers"].append({"since": 0, "state": None})
     with pytest.raises(ValueError, match=r"workers holds .*; expected a list of 1 entries"):
+        DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("dry", [[1], [0, 0], [True], "0"])
+def test_dry_workers_that_are_not_distinct_worker_numbers_are_refused(dry: Any) -> None:
+    loader = DataLoader(StatefulIterator(20), batch_size=2)
+    take(iter(loader), 2)
+    state = loader.state_dict()
+    state["progress"]["dry"] = dry
+    with pytest.raises(ValueError, match=r"progress\.dry holds .*; expected a list of distinct"):
         DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
 
 

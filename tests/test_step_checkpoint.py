@@ -22,6 +22,7 @@ from statecore import (
     SendTask,
     TaskCompleted,
     WorkerDied,
+    WorkerExhausted,
     initial_state,
     progress,
 )
@@ -64,9 +65,9 @@ def test_a_failed_loader_keeps_the_progress_it_had_when_it_dropped_its_window() 
     state, _ = fill(start(config())[0])
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
     state, _ = feed(state, TaskCompleted(task=1, worker=1), WorkerDied(worker=0))
-    assert progress(state) == Progress(done=1)
+    assert progress(state) == Progress(done=1, turn=1)
     state, _ = feed(state, CloseRequested())
-    assert progress(state) == Progress(done=1)
+    assert progress(state) == Progress(done=1, turn=1)
 
 
 def test_a_resumed_epoch_drops_the_draws_handed_over_out_of_order_before_the_checkpoint() -> None:
@@ -134,11 +135,27 @@ def test_a_batch_the_consumer_never_got_gives_the_turn_back_to_its_worker() -> N
     assert progress(state, unreceived=[(0, 0)]) == Progress(done=0, turn=0)
 
 
-def test_a_map_style_checkpoint_has_no_turn() -> None:
+def test_a_map_style_checkpoint_names_the_worker_whose_batch_comes_next_too() -> None:
+    # A map-style dataset may keep a state per worker (an augmentation's generator): the
+    # resumed epoch's batches must go to the workers that loaded them.
     state, _ = start(config(2, prefetch_factor=1))
     state, _ = fill(state)
     state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
-    assert progress(state) == Progress(done=1, turn=0)
+    assert progress(state) == Progress(done=1, turn=1)
+
+
+def test_a_map_style_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
+    resume = Progress(done=5, turn=1)
+    state, commands = feed(initial_state(config(2)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert [c.worker for c in only(commands + more, SendTask)] == [1, 0, 1, 0]
+
+
+def test_a_map_style_epoch_resumed_on_fewer_workers_than_its_turn_starts_with_worker_zero() -> None:
+    resume = Progress(done=5, turn=3)
+    state, commands = feed(initial_state(config(2)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert [c.worker for c in only(commands + more, SendTask)] == [0, 1, 0, 1]
 
 
 def test_an_iterable_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
@@ -151,6 +168,55 @@ def test_an_iterable_epoch_resumes_with_the_turn_of_the_next_worker() -> None:
 def test_an_iterable_epoch_cannot_resume_at_the_turn_of_a_worker_it_does_not_have() -> None:
     with pytest.raises(MisuseError, match="worker 2, and there are 2 workers"):
         feed(initial_state(config(2, iterable=True)), ResetRequested(resume=Progress(turn=2)))
+
+
+def test_a_worker_found_dry_is_recorded_dry_once_its_batches_were_all_handed_over() -> None:
+    state, _ = start(config(2, prefetch_factor=2, iterable=True))
+    state, _ = fill(state)  # tasks 0, 2 to worker 0; 1, 3 to worker 1
+    state, _ = feed(state, TaskCompleted(task=0, worker=0), WorkerExhausted(task=2, worker=0))
+    assert progress(state).dry == frozenset()  # its batch of task 0 is still buffered
+    state, _ = feed(state, NextRequested())
+    assert progress(state).dry == frozenset({0})
+    assert progress(state, unreceived=[(0, 0)]).dry == frozenset()
+
+
+def test_a_map_style_checkpoint_has_no_dry_workers() -> None:
+    state, _ = start(config(2, prefetch_factor=1))
+    state, _ = fill(state)
+    state, _ = feed(state, NextRequested(), TaskCompleted(task=0, worker=0))
+    assert progress(state).dry == frozenset()
+
+
+def test_a_worker_dry_at_the_checkpoint_is_never_given_a_task_after_the_resume() -> None:
+    resume = Progress(done=4, turn=0, dry=frozenset({0}))
+    state, commands = feed(initial_state(config(3, iterable=True)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert {c.worker for c in only(commands + more, SendTask)} == {1, 2}
+    assert progress(state).dry == frozenset({0})
+
+
+def test_an_epoch_whose_workers_are_all_dry_has_ended_though_answers_are_awaited() -> None:
+    state, _ = start(config(2, prefetch_factor=2, iterable=True))
+    state, _ = fill(state)  # tasks 0, 2 to worker 0; 1, 3 to worker 1
+    state, _ = feed(state, WorkerExhausted(task=0, worker=0), WorkerExhausted(task=1, worker=1))
+    assert state.window  # tasks 2 and 3 still wait for their answers
+    assert progress(state) == Progress(done=2, ended=True, turn=0, dry=frozenset({0, 1}))
+
+
+def test_a_resume_with_every_worker_dry_is_refused_as_an_ended_epoch() -> None:
+    resume = Progress(done=4, dry=frozenset({0, 1}))
+    with pytest.raises(MisuseError, match="every worker of the checkpoint is dry"):
+        feed(initial_state(config(2, iterable=True)), ResetRequested(resume=resume))
+
+
+def test_dry_workers_must_be_workers_of_an_iterable_dataset() -> None:
+    with pytest.raises(MisuseError, match=r"dry workers \[2\]"):
+        feed(
+            initial_state(config(2, iterable=True)),
+            ResetRequested(resume=Progress(dry=frozenset({2}))),
+        )
+    with pytest.raises(MisuseError, match=r"dry workers \[0\]"):
+        feed(initial_state(config(2)), ResetRequested(resume=Progress(dry=frozenset({0}))))
 
 
 def test_a_turn_is_a_worker_number() -> None:
