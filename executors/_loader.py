@@ -26,7 +26,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, State, can_restart, progress, step
+from statecore import Config, Phase, Progress, can_restart, step
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -157,6 +157,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Epochs started by this loader, the current one included."""
         self._resume: Resume | None = None
         self._latest: weakref.ref[_Iterator] | None = None
+        """The latest iterator while it lives: its epoch's position is read from it."""
+        self._trail = _Trail()
+        """Where the latest iterator left its epoch once it was shut down or dropped."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
@@ -184,7 +187,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if not self.loads_in_process:
             self.check_worker_number_rationality()
         iterator = _Iterator(self)
-        self._latest = weakref.ref(iterator)
+        self._latest, self._trail = weakref.ref(iterator), iterator._trail
         return iterator
 
     # --- tracing ------------------------------------------------------------------------------
@@ -229,10 +232,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         facts = self._checkpoint_facts()
         if self._resume is not None:
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
-        iterator = self._latest() if self._latest is not None else None
-        if iterator is not None and iterator._epoch is not None:
-            return iterator._checkpoint(self, facts)
-        # Nothing started, or the epoch's iterator is gone: the next iter() starts an epoch.
+        position = self._position()
+        if position is not None:
+            generator = self.generator
+            return snapshot(
+                facts,
+                rng_now=None if generator is None else generator.get_state(),
+                **attrs.asdict(position, recurse=False),
+            )
+        # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
         return snapshot(
             facts,
@@ -246,6 +254,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
+
+    def _position(self) -> _Position | None:
+        """Where the latest iterator's epoch stands, whether or not anyone still holds it.
+
+        A for loop left with `break` drops its iterator before the checkpoint is taken; the
+        state still describes that epoch until the next `iter()` starts another.
+        """
+        iterator = self._latest() if self._latest is not None else None
+        if iterator is not None and iterator._epoch is not None:
+            return iterator._position()
+        return self._trail.left
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Go on from `state_dict` (taken by `state_dict()`) with the next `iter()`.
@@ -390,6 +409,31 @@ def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
         sampler.load_state_dict(resume.sampler)
 
 
+@attrs.frozen
+class _Position:
+    """Where an iterator's epoch stands: a checkpoint, less the loader's own facts."""
+
+    epoch: int
+    progress: Progress
+    complete: bool
+    base_seed: int
+    rng_epoch_start: torch.Tensor
+    sampler: Any
+    num_yielded: int
+    workers: list[Any] | None
+
+
+@attrs.define
+class _Trail:
+    """Shared by an iterator and its loader: where the iterator left its epoch.
+
+    The loader holds this, not the iterator, so that dropping an iterator still shuts its
+    workers down, and a pickled loader carries plain data.
+    """
+
+    left: _Position | None = None
+
+
 class _Iterator(_BaseDataLoaderIter):
     """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
 
@@ -397,8 +441,7 @@ class _Iterator(_BaseDataLoaderIter):
         self._driver: Driver | None = None
         self._epoch: EpochRecord | None = None
         self._log: SamplerLog | None = None
-        self._last_state: State | None = None
-        self._last_marks: dict[int, Any] | None = None
+        self._trail = _Trail()
         resume, loader._resume = loader._resume, None
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
@@ -527,32 +570,28 @@ class _Iterator(_BaseDataLoaderIter):
         draws = iter(self._index_sampler)
         return positioned(draws, resume.progress.done, peek=loader.generator is None)
 
-    def _checkpoint(self, loader: DataLoader[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
-        """This iterator's epoch as a checkpoint (see `DataLoader.state_dict`)."""
+    def _position(self) -> _Position:
+        """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
         record = self._epoch
         assert record is not None
         driver = self._driver
-        if driver is not None:
-            done = driver.progress()
-            marks = driver.marks
-        else:
-            assert self._last_state is not None
-            done = progress(self._last_state)
-            marks = self._last_marks
+        if driver is None:
+            left = self._trail.left
+            assert left is not None  # written as the driver was shut down
+            return left
+        done = driver.progress()
+        marks = driver.marks
         complete = done.complete(_length(self._index_sampler))
         sampler_state = None
         if record.log is not None:
             log = record.log
             sampler_state = log.sampler.state_dict() if complete else log.at(done.done)
-        generator = loader.generator
-        return snapshot(
-            facts,
+        return _Position(
             epoch=record.number,
             progress=done,
             complete=complete,
             base_seed=int(self._base_seed),
             rng_epoch_start=record.rng,
-            rng_now=None if generator is None else generator.get_state(),
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
@@ -583,15 +622,16 @@ class _Iterator(_BaseDataLoaderIter):
         return driver is not None and can_restart(driver.state)
 
     def _shutdown(self) -> None:
-        driver, self._driver = self._driver, None
+        driver = self._driver
         if driver is None:
             return
-        try:
-            if driver.state.phase is not Phase.CLOSED:
-                driver.close()
-        finally:
-            # For a checkpoint taken after the end.
-            self._last_state, self._last_marks = driver.state, driver.marks
+        if self._epoch is not None:
+            # Kept for the loader: its state_dict() describes this epoch until the next iter(),
+            # whether or not anyone still holds this iterator.
+            self._trail.left = self._position()
+        self._driver = None
+        if driver.state.phase is not Phase.CLOSED:
+            driver.close()
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they
