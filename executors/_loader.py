@@ -55,7 +55,7 @@ from statecore.executors._trace import (
 )
 from statecore.executors._worker import WorkerSetup
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "EpochOverWarning"]
 
 _LIVE: weakref.WeakSet[_Iterator] = weakref.WeakSet()
 _ITER = _DatasetKind.Iterable
@@ -392,13 +392,6 @@ def _checked(factory: ExecutorFactory) -> ExecutorFactory:
     return _Checked(factory)
 
 
-def _length(index_sampler: Any) -> int | None:
-    try:
-        return len(index_sampler)
-    except TypeError:
-        return None
-
-
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
     loader._epochs = resume.epoch
@@ -407,6 +400,19 @@ def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     sampler = stateful_sampler(loader._index_sampler)
     if sampler is not None and resume.sampler is not None:
         sampler.load_state_dict(resume.sampler)
+
+
+class EpochOverWarning(UserWarning):
+    """A resumed epoch had nothing left: the checkpoint was taken after its last batch."""
+
+
+_EPOCH_OVER = (
+    "this DataLoader was resumed from a state taken after the last batch of an epoch but before "
+    "that epoch ended (its StopIteration), so this iter() only ends that epoch and yields no "
+    "batch, as torchdata's StatefulDataLoader does; the next iter() starts the next epoch. To "
+    "resume with the next epoch instead, take the state after the for loop is over (see "
+    "'At the end of an epoch' in docs/checkpointing.md)"
+)
 
 
 @attrs.frozen
@@ -442,6 +448,8 @@ class _Iterator(_BaseDataLoaderIter):
         self._epoch: EpochRecord | None = None
         self._log: SamplerLog | None = None
         self._trail = _Trail()
+        self._resumed_from: int | None = None
+        """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
         resume, loader._resume = loader._resume, None
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
@@ -536,7 +544,7 @@ class _Iterator(_BaseDataLoaderIter):
             if resume.rng_epoch_start is not None:
                 record.rng = resume.rng_epoch_start
             self._sampler_iter = self._positioned(loader, resume, sampler, source)
-            self._num_yielded = resume.num_yielded
+            self._num_yielded = self._resumed_from = resume.num_yielded
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)
@@ -581,7 +589,11 @@ class _Iterator(_BaseDataLoaderIter):
             return left
         done = driver.progress()
         marks = driver.marks
-        complete = done.complete(_length(self._index_sampler))
+        # Complete once the consumer was told the epoch ended (its StopIteration), as
+        # torchdata's is: never from the sampler's len(), which may promise fewer than it
+        # yields. A state taken after the last batch and before the StopIteration resumes
+        # that epoch, which then ends with no batch (see `_epoch_was_over`).
+        complete = driver.state.phase is Phase.FINISHED
         sampler_state = None
         if record.log is not None:
             log = record.log
@@ -614,7 +626,15 @@ class _Iterator(_BaseDataLoaderIter):
 
     def _next_data(self) -> Any:
         assert self._driver is not None
-        return self._driver.next()
+        if self._resumed_from is None:
+            return self._driver.next()
+        try:
+            return self._driver.next()
+        except StopIteration:
+            if self._num_yielded == self._resumed_from:
+                warnings.warn(EpochOverWarning(_EPOCH_OVER), stacklevel=3)
+            self._resumed_from = None
+            raise
 
     def _usable(self) -> bool:
         """Whether another epoch can start on this iterator's scheduler and executor."""

@@ -63,3 +63,71 @@ def test_a_new_iter_replaces_the_dropped_iterators_position(executor: str, worke
     iterator = iter(original)
     next(iterator)
     assert original.state_dict()["progress"]["done"] == 1
+
+
+# --- defect 4: a sampler that yields more than its len() ---------------------------------------
+
+
+class LongerThanItSays(torch.utils.data.Sampler[int]):
+    """Yields 0..11 and says it has 5: torch iterates such a sampler to its end."""
+
+    def __iter__(self) -> Any:
+        return iter(range(12))
+
+    def __len__(self) -> int:
+        return 5
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_sampler_longer_than_its_len_resumes_what_it_has_left(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            Numbers(20), sampler=LongerThanItSays(), executor=executor, num_workers=workers
+        )
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(len(original)):  # every batch len() promised, and the sampler has more
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    assert state["complete"] is False
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == [[i] for i in range(5, 12)]
+
+
+# --- torchdata's end of an epoch ----------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_at_the_last_batch_ends_that_epoch_empty_with_a_warning(
+    executor: str, workers: int
+) -> None:
+    original = shuffled(executor, workers)
+    for _ in original:
+        state = roundtrip(original.state_dict())  # the last one: after the last batch
+    second = run_to_end(iter(original))
+
+    resumed = shuffled(executor, workers, generator=seeded(1))
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="yields no batch"):
+        assert run_to_end(iter(resumed)) == []
+    assert run_to_end(iter(resumed)) == second
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_after_the_for_loop_resumes_the_next_epoch_in_full(
+    executor: str, workers: int
+) -> None:
+    original = shuffled(executor, workers)
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    second = run_to_end(iter(original))
+    resumed = shuffled(executor, workers, generator=seeded(1))
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == second

@@ -155,20 +155,6 @@ def test_a_checkpoint_between_epochs_resumes_the_next_epoch_with_its_own_shuffle
 
 
 @WORKERS
-def test_a_checkpoint_after_the_last_batch_resumes_the_next_epoch_not_an_empty_one() -> None:
-    original = loader(shuffle=True, generator=seeded())
-    iterator = iter(original)
-    take(iterator, len(original))  # every batch, but not yet the StopIteration
-    state = original.state_dict()
-    assert state["complete"] is True
-    assert next(iterator, None) is None  # the original's for loop ends, and starts again
-    second_epoch = run_to_end(iter(original))
-    resumed = loader(shuffle=True, generator=seeded(1))
-    resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == second_epoch
-
-
-@WORKERS
 def test_a_resumed_loader_goes_on_to_the_same_later_epochs() -> None:
     original = loader(shuffle=True, generator=seeded(), num_workers=2, persistent_workers=True)
     iterator = iter(original)
