@@ -109,6 +109,9 @@ class EpochRecord:
     """Epochs started by the loader so far, this one included: 1 for the first."""
     rng: torch.Tensor
     """The state of the generator the sampler draws from, as the epoch's draws began."""
+    seeded: bool = True
+    """The epoch's `iter()` drew the workers' base seed (not a persistent iterator's later
+    epoch): a resumed epoch draws it again, so that the generator moves on as it did."""
     log: SamplerLog | None = None
 
 
@@ -126,6 +129,7 @@ class Resume:
     rng_now: torch.Tensor | None
     sampler: Any
     num_yielded: int
+    seeded: bool = True
     workers: tuple[Mark | None, ...] | None = None
     """An iterable dataset's: per worker, the mark of its last batch handed over."""
 
@@ -141,6 +145,7 @@ def snapshot(
     rng_now: torch.Tensor | None,
     sampler: Any,
     num_yielded: int,
+    seeded: bool = True,
     workers: list[Mark | None] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint as plain data (see the module's docstring)."""
@@ -162,6 +167,7 @@ def snapshot(
         },
         "sampler": sampler,
         "num_yielded": num_yielded,
+        "seeded": seeded,
     }
     if workers is not None:
         state["workers"] = [
@@ -214,6 +220,9 @@ def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
     progress = state["progress"]
     done, also, ended = progress["done"], progress["also"], progress["ended"]
     rng = state["rng"]
+    seeded = state.get("seeded", True)
+    if type(seeded) is not bool:
+        raise _fail(f"its 'seeded' is {seeded!r}, and it must be True or False")
     return Resume(
         raw=state,
         epoch=int(state["epoch"]),
@@ -229,6 +238,7 @@ def parse(state: Any, facts: Mapping[str, Any]) -> Resume:
         rng_now=None if rng["now"] is None else decode_rng(rng["now"]),
         sampler=state["sampler"],
         num_yielded=int(state["num_yielded"]),
+        seeded=seeded,
         workers=workers,
     )
 

@@ -13,7 +13,6 @@ after epoch.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import operator
 import warnings
 import weakref
@@ -424,6 +423,7 @@ class _Position:
     complete: bool
     base_seed: int
     rng_epoch_start: torch.Tensor
+    seeded: bool
     sampler: Any
     num_yielded: int
     workers: list[Any] | None
@@ -451,22 +451,35 @@ class _Iterator(_BaseDataLoaderIter):
         self._resumed_from: int | None = None
         """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
         resume, loader._resume = loader._resume, None
+        # The workers are seeded as the checkpoint's were. The base seed is drawn from the
+        # generator as torch draws it, so that the generator moves on as the original's did,
+        # except where the original drew none: a persistent iterator's later epochs.
+        seed = None if resume is None else resume.base_seed
+        persistent = bool(loader.persistent_workers) and not loader.loads_in_process
+        undraw = (
+            resume is not None
+            and seed is not None
+            and (persistent if resume.complete else not resume.seeded)
+        )
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
             resume = None
+            seed = seed if persistent else None
         elif resume is not None:
             loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
-        # A resumed epoch draws again from its own start (see `_positioned`). When that start
-        # is a state of torch's global generator, the program's own state of it is kept.
-        forked = resume is not None and loader.generator is None
-        with torch.random.fork_rng(devices=[]) if forked else contextlib.nullcontext():
-            self._start(loader, resume)
+        self._start(loader, resume, seed, undraw)
 
-    def _start(self, loader: DataLoader[Any], resume: Resume | None) -> None:
+    def _start(
+        self, loader: DataLoader[Any], resume: Resume | None, seed: int | None, undraw: bool
+    ) -> None:
+        source = torch.default_generator if loader.generator is None else loader.generator
+        before = source.get_state() if undraw else None
         super().__init__(loader)
-        if resume is not None and resume.base_seed is not None:
-            self._base_seed = resume.base_seed  # the workers are seeded as the checkpoint's were
+        if before is not None:
+            source.set_state(before)
+        if seed is not None:
+            self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
@@ -533,7 +546,10 @@ class _Iterator(_BaseDataLoaderIter):
         if not (first_iter and self._in_process):
             super()._reset(loader, first_iter)
         loader._epochs += 1
-        record = EpochRecord(loader._epochs, rng)
+        # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
+        # persistent iterator's later ones do not. A resume draws as the original did.
+        seeded = first_iter if resume is None else resume.seeded
+        record = EpochRecord(loader._epochs, rng, seeded)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -562,21 +578,36 @@ class _Iterator(_BaseDataLoaderIter):
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
+        start = resume.rng_epoch_start
         if self._dataset_kind == _ITER:
             # Its sampler yields placeholders, and its workers restore their own positions; the
-            # generator is put where the epoch began, so the epochs after draw as they did.
-            if resume.rng_epoch_start is not None:
-                source.set_state(resume.rng_epoch_start)
+            # loader's generator is put where the epoch began, so the epochs after draw as they
+            # did. torch's global generator is the program's: it has moved on as torch's would.
+            if start is not None and loader.generator is not None:
+                source.set_state(start)
             return iter(self._index_sampler)
-        if resume.rng_epoch_start is None:
+        if start is None:
             raise ValueError(
                 "cannot resume this epoch: the checkpoint has neither the sampler's state nor "
                 "the random state the epoch began with"
             )
         # Any other sampler is drawn again from the epoch's start, as the original drew it.
-        source.set_state(resume.rng_epoch_start)
-        draws = iter(self._index_sampler)
-        return positioned(draws, resume.progress.done, peek=loader.generator is None)
+        if loader.generator is not None or torch.equal(source.get_state(), start):
+            # The loader's own generator, or the global one where the epoch began (a program
+            # that seeds as the original did): it ends where the original's was.
+            source.set_state(start)
+            peek = loader.generator is None
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=peek)
+        # The program's global stream is elsewhere: the epoch is drawn on a copy set to its
+        # start, and the stream moves on by the draws a fresh epoch's sampler makes from it
+        # (torch's RandomSampler takes its seed on the first draw), as torch's would.
+        with torch.random.fork_rng(devices=[]):
+            source.set_state(start)
+            draws = positioned(iter(self._index_sampler), resume.progress.done, peek=True)
+            drew = not torch.equal(source.get_state(), start)
+        if drew:
+            next(iter(self._index_sampler), None)
+        return draws
 
     def _position(self) -> _Position:
         """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
@@ -592,7 +623,7 @@ class _Iterator(_BaseDataLoaderIter):
         # Complete once the consumer was told the epoch ended (its StopIteration), as
         # torchdata's is: never from the sampler's len(), which may promise fewer than it
         # yields. A state taken after the last batch and before the StopIteration resumes
-        # that epoch, which then ends with no batch (see `_epoch_was_over`).
+        # that epoch, which then ends with no batch (see `_next_data`).
         complete = driver.state.phase is Phase.FINISHED
         sampler_state = None
         if record.log is not None:
@@ -604,6 +635,7 @@ class _Iterator(_BaseDataLoaderIter):
             complete=complete,
             base_seed=int(self._base_seed),
             rng_epoch_start=record.rng,
+            seeded=record.seeded,
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],

@@ -131,3 +131,99 @@ def test_a_state_taken_after_the_for_loop_resumes_the_next_epoch_in_full(
     resumed = shuffled(executor, workers, generator=seeded(1))
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == second
+
+
+# --- defects 2 and 7: the random streams after a resume -----------------------------------------
+
+
+class Seeded(torch.utils.data.Dataset[tuple[int, int]]):
+    """Item i: i and the seed of the worker that loaded it (-1 in the main process)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return index, -1 if info is None else info.seed
+
+
+def on_global(executor: str, workers: int, persistent: bool) -> DataLoader[Any]:
+    """Shuffled from torch's global generator, the most common setup."""
+    return DataLoader(
+        Seeded(),
+        batch_size=2,
+        shuffle=True,
+        executor=executor,
+        num_workers=workers,
+        persistent_workers=persistent,
+    )
+
+
+PERSISTENT = [
+    pytest.param("inline", 0, False, id="inline"),
+    pytest.param("mp", 2, False, id="mp-2"),
+    pytest.param("mp", 2, True, id="mp-2-persistent"),
+]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers", "persistent"), PERSISTENT)
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_after_a_mid_epoch_resume_every_random_stream_is_the_uninterrupted_runs(
+    executor: str, workers: int, persistent: bool, epoch: int
+) -> None:
+    torch.manual_seed(11)
+    uninterrupted = on_global(executor, workers, persistent)
+    expected: list[Any] = []
+    for number in range(3):
+        if number == epoch:
+            program_at_iter = torch.get_rng_state()  # where the resumed program stands
+        expected += [run_to_end(iter(uninterrupted)), torch.rand(3).tolist()]
+
+    torch.manual_seed(11)
+    original = on_global(executor, workers, persistent)
+    got: list[Any] = []
+    for _ in range(epoch):
+        got += [run_to_end(iter(original)), torch.rand(3).tolist()]
+    iterator = iter(original)
+    before = [next(iterator) for _ in range(2)]
+    state = roundtrip(original.state_dict())
+    del iterator
+
+    # A fresh program that seeds as the original did, and resumes.
+    torch.set_rng_state(program_at_iter)
+    resumed = on_global(executor, workers, persistent)
+    resumed.load_state_dict(state)
+    got += [run_to_end(before) + run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    for _ in range(epoch + 1, 3):
+        got += [run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    assert got == expected
+
+
+@WORKERS
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_persistent_workers_resumed_between_epochs_run_the_next_epoch_as_the_original(
+    own_generator: bool,
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            Seeded(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=seeded(3) if own_generator else None,
+        )
+
+    torch.manual_seed(4)
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())  # after the StopIteration
+    program = torch.get_rng_state()
+    expected = [run_to_end(iter(original)), run_to_end(iter(original)), torch.rand(3).tolist()]
+
+    torch.set_rng_state(program)  # a program that restores its own random state
+    resumed = build()
+    resumed.load_state_dict(state)
+    got = [run_to_end(iter(resumed)), run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    assert got == expected
