@@ -160,6 +160,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._trail = _Trail()
         """Where the latest iterator left its epoch once it was shut down or dropped."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        # What torch's DataLoader pickles: its attributes, so a used loader pickles too. The
+        # latest iterator is left out (torch keeps none but a persistent one, whose own pickle
+        # refuses, as torch's does), its epoch's position kept as plain data.
+        state = self.__dict__.copy()
+        state["_latest"] = None
+        state["_trail"] = _Trail(self._position())
+        return state
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
             # Resolved before anything changes: a refused value leaves the loader as it was.
