@@ -139,14 +139,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if snapshot_every_n_steps is not None and (
             isinstance(snapshot_every_n_steps, bool)
             or not isinstance(snapshot_every_n_steps, int)
-            or snapshot_every_n_steps < 1
+            or snapshot_every_n_steps < 0
         ):
             raise ValueError(
-                f"snapshot_every_n_steps must be a positive integer or None, got "
+                f"snapshot_every_n_steps must be an integer of at least 0, or None, got "
                 f"{snapshot_every_n_steps!r}"
             )
         # torchdata's meaning: how often an iterable dataset's workers send their dataset's
         # state (see WorkerSetup.snapshot_every); between snapshots a resume fast-forwards.
+        # 0, accepted by torchdata, sends none between epochs' starts, as None does.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         # Kept under its argument's name, as every argument is: frameworks rebuild a loader
         # from the attributes named like its arguments.
@@ -513,7 +514,7 @@ class _Iterator(_BaseDataLoaderIter):
             worker_init_fn=loader.worker_init_fn,
             shared_seed=self._shared_seed,
             resume=None if resume is None else resume.workers,
-            snapshot_every=loader.snapshot_every_n_steps,
+            snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,
         )
         config = Config(

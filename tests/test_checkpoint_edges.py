@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _checkpoints import roundtrip, run_to_end
-from _datasets import Numbers
+from _datasets import Numbers, StatefulIterator
 from _side_by_side import WORKERS
 
 from statecore import DataLoader
@@ -227,3 +227,32 @@ def test_persistent_workers_resumed_between_epochs_run_the_next_epoch_as_the_ori
     resumed.load_state_dict(state)
     got = [run_to_end(iter(resumed)), run_to_end(iter(resumed)), torch.rand(3).tolist()]
     assert got == expected
+
+
+# --- snapshot_every_n_steps=0 -------------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_snapshot_every_0_steps_sends_no_state_and_resumes_by_fast_forwarding(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            StatefulIterator(30),
+            batch_size=2,
+            executor=executor,
+            num_workers=workers,
+            snapshot_every_n_steps=0,
+        )
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(5):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    assert all(worker["state"] is None for worker in state["workers"])
+    after = run_to_end(iterator)
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == after

@@ -375,8 +375,8 @@ def test_stateful_data_loader_is_the_data_loader() -> None:
     assert statecore.StatefulDataLoader is statecore.DataLoader
 
 
-@pytest.mark.parametrize("steps", [0, -1, 1.5, True])
-def test_snapshot_every_n_steps_must_be_a_positive_integer(steps: Any) -> None:
+@pytest.mark.parametrize("steps", [-1, 1.5, True])
+def test_snapshot_every_n_steps_must_be_an_integer_of_at_least_0(steps: Any) -> None:
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
         loader(snapshot_every_n_steps=steps)
 
