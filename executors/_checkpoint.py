@@ -180,6 +180,9 @@ class EpochRecord:
     """Epochs started by the loader so far, this one included: 1 for the first."""
     rng: torch.Tensor
     """The state of the generator the sampler draws from, as the epoch's draws began."""
+    seeded: bool = True
+    """The epoch's `iter()` drew the workers' base seed (not a persistent iterator's later
+    epoch): a resumed epoch draws it again, so that the generator moves on as it did."""
     log: SamplerLog | None = None
 
 
@@ -197,6 +200,7 @@ class Resume:
     rng_now: torch.Tensor | None
     sampler: Any
     num_yielded: int
+    seeded: bool = True
     workers: tuple[Mark | None, ...] | None = None
     """An iterable dataset's, or a map-style dataset's with a state: per worker, the mark of
     its last batch handed over."""
@@ -213,6 +217,7 @@ def snapshot(
     rng_now: torch.Tensor | None,
     sampler: Any,
     num_yielded: int,
+    seeded: bool = True,
     workers: list[Mark | None] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint as plain data (see the module's docstring)."""
@@ -235,6 +240,7 @@ def snapshot(
         },
         "sampler": sampler,
         "num_yielded": num_yielded,
+        "seeded": seeded,
     }
     if workers is not None:
         state["workers"] = [
@@ -435,6 +441,9 @@ def parse(
     rng_epoch_start = _rng(_get(rng, "epoch_start", "rng.epoch_start"), "rng.epoch_start", rng_size)
     rng_now = _rng(_get(rng, "now", "rng.now"), "rng.now", rng_size)
     num_yielded = _int(_get(state, "num_yielded", "num_yielded"), "num_yielded")
+    # Whether the epoch's iter() drew its seeds from the global generator (False for a
+    # persistent iterator's later epochs); states written before it existed drew them.
+    seeded = _bool(state.get("seeded", True), "seeded")
     sampler = _get(state, "sampler", "sampler")
     if (
         facts.get("dataset_kind") != "iterable"
@@ -459,6 +468,7 @@ def parse(
         rng_now=rng_now,
         sampler=sampler,
         num_yielded=num_yielded,
+        seeded=seeded,
         workers=workers,
     )
 

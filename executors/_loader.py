@@ -13,7 +13,6 @@ after epoch.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import operator
 import warnings
 import weakref
@@ -26,7 +25,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, State, can_restart, progress, step
+from statecore import Config, Phase, Progress, can_restart, step
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -56,7 +55,7 @@ from statecore.executors._trace import (
 )
 from statecore.executors._worker import WorkerSetup, has_state
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "EpochOverWarning"]
 
 _LIVE: weakref.WeakSet[_Iterator] = weakref.WeakSet()
 _ITER = _DatasetKind.Iterable
@@ -141,14 +140,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if snapshot_every_n_steps is not None and (
             isinstance(snapshot_every_n_steps, bool)
             or not isinstance(snapshot_every_n_steps, int)
-            or snapshot_every_n_steps < 1
+            or snapshot_every_n_steps < 0
         ):
             raise ValueError(
-                f"snapshot_every_n_steps must be a positive integer or None, got "
+                f"snapshot_every_n_steps must be an integer of at least 0, or None, got "
                 f"{snapshot_every_n_steps!r}"
             )
         # torchdata's meaning: how often an iterable dataset's workers send their dataset's
         # state (see WorkerSetup.snapshot_every); between snapshots a resume fast-forwards.
+        # 0, accepted by torchdata, sends none between epochs' starts, as None does.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         # Kept under its argument's name, as every argument is: frameworks rebuild a loader
         # from the attributes named like its arguments.
@@ -158,6 +158,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Epochs started by this loader, the current one included."""
         self._resume: Resume | None = None
         self._latest: weakref.ref[_Iterator] | None = None
+        """The latest iterator while it lives: its epoch's position is read from it."""
+        self._trail = _Trail()
+        """Where the latest iterator left its epoch once it was shut down or dropped."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What torch's DataLoader pickles: its attributes, so a used loader pickles too. The
+        # latest iterator is left out (torch keeps none but a persistent one, whose own pickle
+        # refuses, as torch's does), its epoch's position kept as plain data.
+        state = self.__dict__.copy()
+        state["_latest"] = None
+        state["_trail"] = _Trail(self._position())
+        return state
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
@@ -185,7 +197,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if not self.loads_in_process:
             self.check_worker_number_rationality()
         iterator = _Iterator(self)
-        self._latest = weakref.ref(iterator)
+        self._latest, self._trail = weakref.ref(iterator), iterator._trail
         return iterator
 
     # --- tracing ------------------------------------------------------------------------------
@@ -230,10 +242,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         facts = self._checkpoint_facts()
         if self._resume is not None:
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
-        iterator = self._latest() if self._latest is not None else None
-        if iterator is not None and iterator._epoch is not None:
-            return iterator._checkpoint(self, facts)
-        # Nothing started, or the epoch's iterator is gone: the next iter() starts an epoch.
+        position = self._position()
+        if position is not None:
+            generator = self.generator
+            return snapshot(
+                facts,
+                rng_now=None if generator is None else generator.get_state(),
+                **attrs.asdict(position, recurse=False),
+            )
+        # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
         return snapshot(
             facts,
@@ -248,6 +265,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
 
+    def _position(self) -> _Position | None:
+        """Where the latest iterator's epoch stands, whether or not anyone still holds it.
+
+        A for loop left with `break` drops its iterator before the checkpoint is taken; the
+        state still describes that epoch until the next `iter()` starts another.
+        """
+        iterator = self._latest() if self._latest is not None else None
+        if iterator is not None and iterator._epoch is not None:
+            return iterator._position()
+        return self._trail.left
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Go on from `state_dict` (taken by `state_dict()`) with the next `iter()`.
 
@@ -259,7 +287,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         resume = parse(
             state_dict,
             self._checkpoint_facts(),
-            batches=None if self._dataset_kind == _ITER else _length(self._index_sampler),
+            batches=None if self._dataset_kind == _ITER else _trusted_length(self._index_sampler),
             rng_size=source.get_state().numel(),
         )
         saved = resume.workers
@@ -383,11 +411,28 @@ def _checked(factory: ExecutorFactory) -> ExecutorFactory:
     return _Checked(factory)
 
 
-def _length(index_sampler: Any) -> int | None:
-    try:
-        return len(index_sampler)
-    except TypeError:
+_EXACT_LENGTH = (
+    torch.utils.data.SequentialSampler,
+    torch.utils.data.RandomSampler,
+    torch.utils.data.SubsetRandomSampler,
+    torch.utils.data.WeightedRandomSampler,
+    torch.utils.data.distributed.DistributedSampler,
+)
+
+
+def _trusted_length(index_sampler: Any) -> int | None:
+    """The epoch's number of batches, where the sampler's len() is sure to be it, else None.
+
+    torch's own samplers yield exactly len() items. Another sampler may yield more than its
+    len() says (torch iterates it to its end, and so does a resumed epoch), so a checkpoint's
+    positions beyond its len() are legitimate and only torch's samplers bound them.
+    """
+    sampler = index_sampler
+    if type(sampler) is torch.utils.data.BatchSampler:
+        sampler = sampler.sampler
+    if type(sampler) not in _EXACT_LENGTH:
         return None
+    return len(index_sampler)
 
 
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
@@ -400,6 +445,45 @@ def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
         sampler.load_state_dict(resume.sampler)
 
 
+class EpochOverWarning(UserWarning):
+    """A resumed epoch had nothing left: the checkpoint was taken after its last batch."""
+
+
+_EPOCH_OVER = (
+    "this DataLoader was resumed from a state taken after the last batch of an epoch but before "
+    "that epoch ended (its StopIteration), so this iter() only ends that epoch and yields no "
+    "batch, as torchdata's StatefulDataLoader does; the next iter() starts the next epoch. To "
+    "resume with the next epoch instead, take the state after the for loop is over (see "
+    "'At the end of an epoch' in docs/checkpointing.md)"
+)
+
+
+@attrs.frozen
+class _Position:
+    """Where an iterator's epoch stands: a checkpoint, less the loader's own facts."""
+
+    epoch: int
+    progress: Progress
+    complete: bool
+    base_seed: int
+    rng_epoch_start: torch.Tensor
+    seeded: bool
+    sampler: Any
+    num_yielded: int
+    workers: list[Any] | None
+
+
+@attrs.define
+class _Trail:
+    """Shared by an iterator and its loader: where the iterator left its epoch.
+
+    The loader holds this, not the iterator, so that dropping an iterator still shuts its
+    workers down, and a pickled loader carries plain data.
+    """
+
+    left: _Position | None = None
+
+
 class _Iterator(_BaseDataLoaderIter):
     """One pass (or, with persistent workers, every pass) over a statecore DataLoader."""
 
@@ -407,25 +491,39 @@ class _Iterator(_BaseDataLoaderIter):
         self._driver: Driver | None = None
         self._epoch: EpochRecord | None = None
         self._log: SamplerLog | None = None
-        self._last_state: State | None = None
-        self._last_marks: dict[int, Any] | None = None
+        self._trail = _Trail()
+        self._resumed_from: int | None = None
+        """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
         resume, loader._resume = loader._resume, None
+        # The workers are seeded as the checkpoint's were. The base seed is drawn from the
+        # generator as torch draws it, so that the generator moves on as the original's did,
+        # except where the original drew none: a persistent iterator's later epochs.
+        seed = None if resume is None else resume.base_seed
+        persistent = bool(loader.persistent_workers) and not loader.loads_in_process
+        undraw = (
+            resume is not None
+            and seed is not None
+            and (persistent if resume.complete else not resume.seeded)
+        )
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
             resume = None
+            seed = seed if persistent else None
         elif resume is not None:
             loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
-        # A resumed epoch draws again from its own start (see `_positioned`). When that start
-        # is a state of torch's global generator, the program's own state of it is kept.
-        forked = resume is not None and loader.generator is None
-        with torch.random.fork_rng(devices=[]) if forked else contextlib.nullcontext():
-            self._start(loader, resume)
+        self._start(loader, resume, seed, undraw)
 
-    def _start(self, loader: DataLoader[Any], resume: Resume | None) -> None:
+    def _start(
+        self, loader: DataLoader[Any], resume: Resume | None, seed: int | None, undraw: bool
+    ) -> None:
+        source = torch.default_generator if loader.generator is None else loader.generator
+        before = source.get_state() if undraw else None
         super().__init__(loader)
-        if resume is not None and resume.base_seed is not None:
-            self._base_seed = resume.base_seed  # the workers are seeded as the checkpoint's were
+        if before is not None:
+            source.set_state(before)
+        if seed is not None:
+            self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
@@ -450,7 +548,7 @@ class _Iterator(_BaseDataLoaderIter):
             worker_init_fn=loader.worker_init_fn,
             shared_seed=self._shared_seed,
             resume=None if resume is None else resume.workers,
-            snapshot_every=loader.snapshot_every_n_steps,
+            snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,
         )
         config = Config(
@@ -495,7 +593,10 @@ class _Iterator(_BaseDataLoaderIter):
         if not (first_iter and self._in_process):
             super()._reset(loader, first_iter)
         loader._epochs += 1
-        record = EpochRecord(loader._epochs, rng)
+        # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
+        # persistent iterator's later ones do not. A resume draws as the original did.
+        seeded = first_iter if resume is None else resume.seeded
+        record = EpochRecord(loader._epochs, rng, seeded)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -511,7 +612,7 @@ class _Iterator(_BaseDataLoaderIter):
             if resume.rng_epoch_start is not None:
                 record.rng = resume.rng_epoch_start
             self._sampler_iter = self._positioned(loader, resume, sampler, source)
-            self._num_yielded = resume.num_yielded
+            self._num_yielded = self._resumed_from = resume.num_yielded
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)
@@ -529,48 +630,64 @@ class _Iterator(_BaseDataLoaderIter):
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
+        start = resume.rng_epoch_start
         if self._dataset_kind == _ITER:
             # Its sampler yields placeholders, and its workers restore their own positions; the
-            # generator is put where the epoch began, so the epochs after draw as they did.
-            if resume.rng_epoch_start is not None:
-                source.set_state(resume.rng_epoch_start)
+            # loader's generator is put where the epoch began, so the epochs after draw as they
+            # did. torch's global generator is the program's: it has moved on as torch's would.
+            if start is not None and loader.generator is not None:
+                source.set_state(start)
             return iter(self._index_sampler)
-        if resume.rng_epoch_start is None:
+        if start is None:
             raise ValueError(
                 "cannot resume this epoch: the checkpoint has neither the sampler's state nor "
                 "the random state the epoch began with"
             )
         # Any other sampler is drawn again from the epoch's start, as the original drew it.
-        source.set_state(resume.rng_epoch_start)
-        draws = iter(self._index_sampler)
-        return positioned(draws, resume.progress.done, peek=loader.generator is None)
+        if loader.generator is not None or torch.equal(source.get_state(), start):
+            # The loader's own generator, or the global one where the epoch began (a program
+            # that seeds as the original did): it ends where the original's was.
+            source.set_state(start)
+            peek = loader.generator is None
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=peek)
+        # The program's global stream is elsewhere: the epoch is drawn on a copy set to its
+        # start, and the stream moves on by the draws a fresh epoch's sampler makes from it
+        # (torch's RandomSampler takes its seed on the first draw), as torch's would.
+        with torch.random.fork_rng(devices=[]):
+            source.set_state(start)
+            draws = positioned(iter(self._index_sampler), resume.progress.done, peek=True)
+            drew = not torch.equal(source.get_state(), start)
+        if drew:
+            next(iter(self._index_sampler), None)
+        return draws
 
-    def _checkpoint(self, loader: DataLoader[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
-        """This iterator's epoch as a checkpoint (see `DataLoader.state_dict`)."""
+    def _position(self) -> _Position:
+        """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
         record = self._epoch
         assert record is not None
         driver = self._driver
-        if driver is not None:
-            done = driver.progress()
-            marks = driver.marks
-        else:
-            assert self._last_state is not None
-            done = progress(self._last_state)
-            marks = self._last_marks
-        complete = done.complete(_length(self._index_sampler))
+        if driver is None:
+            left = self._trail.left
+            assert left is not None  # written as the driver was shut down
+            return left
+        done = driver.progress()
+        marks = driver.marks
+        # Complete once the consumer was told the epoch ended (its StopIteration), as
+        # torchdata's is: never from the sampler's len(), which may promise fewer than it
+        # yields. A state taken after the last batch and before the StopIteration resumes
+        # that epoch, which then ends with no batch (see `_next_data`).
+        complete = driver.state.phase is Phase.FINISHED
         sampler_state = None
         if record.log is not None:
             log = record.log
             sampler_state = log.sampler.state_dict() if complete else log.at(done.done)
-        generator = loader.generator
-        return snapshot(
-            facts,
+        return _Position(
             epoch=record.number,
             progress=done,
             complete=complete,
             base_seed=int(self._base_seed),
             rng_epoch_start=record.rng,
-            rng_now=None if generator is None else generator.get_state(),
+            seeded=record.seeded,
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
@@ -593,7 +710,15 @@ class _Iterator(_BaseDataLoaderIter):
 
     def _next_data(self) -> Any:
         assert self._driver is not None
-        return self._driver.next()
+        if self._resumed_from is None:
+            return self._driver.next()
+        try:
+            return self._driver.next()
+        except StopIteration:
+            if self._num_yielded == self._resumed_from:
+                warnings.warn(EpochOverWarning(_EPOCH_OVER), stacklevel=3)
+            self._resumed_from = None
+            raise
 
     def _usable(self) -> bool:
         """Whether another epoch can start on this iterator's scheduler and executor."""
@@ -601,15 +726,16 @@ class _Iterator(_BaseDataLoaderIter):
         return driver is not None and can_restart(driver.state)
 
     def _shutdown(self) -> None:
-        driver, self._driver = self._driver, None
+        driver = self._driver
         if driver is None:
             return
-        try:
-            if driver.state.phase is not Phase.CLOSED:
-                driver.close()
-        finally:
-            # For a checkpoint taken after the end.
-            self._last_state, self._last_marks = driver.state, driver.marks
+        if self._epoch is not None:
+            # Kept for the loader: its state_dict() describes this epoch until the next iter(),
+            # whether or not anyone still holds this iterator.
+            self._trail.left = self._position()
+        self._driver = None
+        if driver.state.phase is not Phase.CLOSED:
+            driver.close()
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

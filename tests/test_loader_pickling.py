@@ -56,3 +56,68 @@ def test_torch_cannot_pickle_a_local_dataset_or_lambda_collate(context: str) -> 
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError)) as raised:
         next(iter(loader))
     assert "pickle" in str(raised.value).lower()
+
+
+# --- a used loader pickles, as torch's does ------------------------------------------------------
+
+USED = [
+    pytest.param({}, id="inline"),
+    pytest.param({"num_workers": 2}, id="mp-2"),
+    pytest.param({"trace": True}, id="inline-traced"),
+    pytest.param({"num_workers": 2, "trace": True}, id="mp-2-traced"),
+]
+
+
+def _used(options: dict[str, Any]) -> statecore.DataLoader[Any]:
+    """A loader whose epoch was left after two batches, with its iterator still alive."""
+    loader = statecore.DataLoader(
+        list(range(20)),
+        batch_size=3,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(5),
+        **options,
+    )
+    for step, _ in enumerate(loader):
+        if step == 1:
+            break
+    return loader
+
+
+@WORKERS
+@pytest.mark.parametrize("options", USED)
+def test_a_used_loader_pickles_and_its_copy_iterates_the_same_batches(
+    options: dict[str, Any],
+) -> None:
+    loader = _used(options)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert [batch.tolist() for batch in copy] == [batch.tolist() for batch in loader]
+
+
+@WORKERS
+def test_a_pickled_loader_keeps_the_position_its_state_dict_describes() -> None:
+    loader = _used({"num_workers": 2})
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.state_dict() == loader.state_dict()
+
+
+@WORKERS
+def test_a_loader_with_persistent_workers_refuses_to_pickle_once_iterated_as_torchs() -> None:
+    # torch keeps the persistent iterator on its loader, and an iterator does not pickle.
+    for cls in (torch.utils.data.DataLoader, statecore.DataLoader):
+        loader = cls(list(range(6)), batch_size=2, num_workers=2, persistent_workers=True)
+        list(loader)
+        with pytest.raises(NotImplementedError, match="cannot be pickled"):
+            pickle.dumps(loader)
+
+
+def _batches_of(loader: statecore.DataLoader[Any]) -> list[Any]:
+    return [batch.tolist() for batch in loader]
+
+
+@WORKERS
+def test_a_used_loader_travels_to_a_spawned_process() -> None:
+    import multiprocessing
+
+    loader = _used({})
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_batches_of, (loader,)) == _batches_of(loader)

@@ -1,0 +1,258 @@
+"""Checkpoints at the edges of an iterator's life: after `break`, at an epoch's end, after a
+resume, in a pickled loader.
+
+Each test compares a resumed loader with an uninterrupted run of the same configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _checkpoints import roundtrip, run_to_end
+from _datasets import Numbers, StatefulIterator
+from _side_by_side import WORKERS
+
+from statecore import DataLoader
+
+RUNS = [
+    pytest.param("inline", 0, id="inline"),
+    pytest.param("mp", 2, id="mp-2"),
+]
+
+
+def seeded(seed: int = 7) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def shuffled(executor: str, workers: int, **options: Any) -> DataLoader[Any]:
+    options.setdefault("generator", seeded())
+    return DataLoader(
+        Numbers(20), batch_size=2, shuffle=True, executor=executor, num_workers=workers, **options
+    )
+
+
+# --- defect 1: break, then save -----------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_after_break_resumes_the_rest_of_the_epoch(
+    executor: str, workers: int
+) -> None:
+    whole = run_to_end(iter(shuffled(executor, workers)))
+    original = shuffled(executor, workers)
+    for step, _ in enumerate(original):
+        if step == 3:
+            break
+    # The for loop's iterator is unreferenced now; the state still describes its epoch.
+    state = roundtrip(original.state_dict())
+    resumed = shuffled(executor, workers, generator=seeded(99))
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == whole[4:]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_new_iter_replaces_the_dropped_iterators_position(executor: str, workers: int) -> None:
+    original = shuffled(executor, workers)
+    for step, _ in enumerate(original):
+        if step == 3:
+            break
+    iterator = iter(original)
+    next(iterator)
+    assert original.state_dict()["progress"]["done"] == 1
+
+
+# --- defect 4: a sampler that yields more than its len() ---------------------------------------
+
+
+class LongerThanItSays(torch.utils.data.Sampler[int]):
+    """Yields 0..11 and says it has 5: torch iterates such a sampler to its end."""
+
+    def __iter__(self) -> Any:
+        return iter(range(12))
+
+    def __len__(self) -> int:
+        return 5
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_sampler_longer_than_its_len_resumes_what_it_has_left(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            Numbers(20), sampler=LongerThanItSays(), executor=executor, num_workers=workers
+        )
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(len(original)):  # every batch len() promised, and the sampler has more
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    assert state["complete"] is False
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == [[i] for i in range(5, 12)]
+
+
+# --- torchdata's end of an epoch ----------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_at_the_last_batch_ends_that_epoch_empty_with_a_warning(
+    executor: str, workers: int
+) -> None:
+    original = shuffled(executor, workers)
+    for _ in original:
+        state = roundtrip(original.state_dict())  # the last one: after the last batch
+    second = run_to_end(iter(original))
+
+    resumed = shuffled(executor, workers, generator=seeded(1))
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="yields no batch"):
+        assert run_to_end(iter(resumed)) == []
+    assert run_to_end(iter(resumed)) == second
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_after_the_for_loop_resumes_the_next_epoch_in_full(
+    executor: str, workers: int
+) -> None:
+    original = shuffled(executor, workers)
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    second = run_to_end(iter(original))
+    resumed = shuffled(executor, workers, generator=seeded(1))
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == second
+
+
+# --- defects 2 and 7: the random streams after a resume -----------------------------------------
+
+
+class Seeded(torch.utils.data.Dataset[tuple[int, int]]):
+    """Item i: i and the seed of the worker that loaded it (-1 in the main process)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return index, -1 if info is None else info.seed
+
+
+def on_global(executor: str, workers: int, persistent: bool) -> DataLoader[Any]:
+    """Shuffled from torch's global generator, the most common setup."""
+    return DataLoader(
+        Seeded(),
+        batch_size=2,
+        shuffle=True,
+        executor=executor,
+        num_workers=workers,
+        persistent_workers=persistent,
+    )
+
+
+PERSISTENT = [
+    pytest.param("inline", 0, False, id="inline"),
+    pytest.param("mp", 2, False, id="mp-2"),
+    pytest.param("mp", 2, True, id="mp-2-persistent"),
+]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers", "persistent"), PERSISTENT)
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_after_a_mid_epoch_resume_every_random_stream_is_the_uninterrupted_runs(
+    executor: str, workers: int, persistent: bool, epoch: int
+) -> None:
+    torch.manual_seed(11)
+    uninterrupted = on_global(executor, workers, persistent)
+    expected: list[Any] = []
+    for number in range(3):
+        if number == epoch:
+            program_at_iter = torch.get_rng_state()  # where the resumed program stands
+        expected += [run_to_end(iter(uninterrupted)), torch.rand(3).tolist()]
+
+    torch.manual_seed(11)
+    original = on_global(executor, workers, persistent)
+    got: list[Any] = []
+    for _ in range(epoch):
+        got += [run_to_end(iter(original)), torch.rand(3).tolist()]
+    iterator = iter(original)
+    before = [next(iterator) for _ in range(2)]
+    state = roundtrip(original.state_dict())
+    del iterator
+
+    # A fresh program that seeds as the original did, and resumes.
+    torch.set_rng_state(program_at_iter)
+    resumed = on_global(executor, workers, persistent)
+    resumed.load_state_dict(state)
+    got += [run_to_end(before) + run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    for _ in range(epoch + 1, 3):
+        got += [run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    assert got == expected
+
+
+@WORKERS
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_persistent_workers_resumed_between_epochs_run_the_next_epoch_as_the_original(
+    own_generator: bool,
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            Seeded(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=seeded(3) if own_generator else None,
+        )
+
+    torch.manual_seed(4)
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())  # after the StopIteration
+    program = torch.get_rng_state()
+    expected = [run_to_end(iter(original)), run_to_end(iter(original)), torch.rand(3).tolist()]
+
+    torch.set_rng_state(program)  # a program that restores its own random state
+    resumed = build()
+    resumed.load_state_dict(state)
+    got = [run_to_end(iter(resumed)), run_to_end(iter(resumed)), torch.rand(3).tolist()]
+    assert got == expected
+
+
+# --- snapshot_every_n_steps=0 -------------------------------------------------------------------
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_snapshot_every_0_steps_sends_no_state_and_resumes_by_fast_forwarding(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            StatefulIterator(30),
+            batch_size=2,
+            executor=executor,
+            num_workers=workers,
+            snapshot_every_n_steps=0,
+        )
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(5):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    assert all(worker["state"] is None for worker in state["workers"])
+    after = run_to_end(iterator)
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == after
