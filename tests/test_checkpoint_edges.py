@@ -99,6 +99,28 @@ def test_a_sampler_longer_than_its_len_resumes_what_it_has_left(
     assert run_to_end(iter(resumed)) == [[i] for i in range(5, 12)]
 
 
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_state_taken_past_a_samplers_len_is_accepted_and_resumes(
+    executor: str, workers: int
+) -> None:
+    # Positions beyond len() are legitimate for a sampler that yields more than it says: only
+    # torch's own samplers, which yield exactly len(), bound them when a state is loaded.
+    def build() -> DataLoader[Any]:
+        return DataLoader(
+            Numbers(20), sampler=LongerThanItSays(), executor=executor, num_workers=workers
+        )
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(len(original) + 2):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == [[i] for i in range(7, 12)]
+
+
 # --- torchdata's end of an epoch ----------------------------------------------------------------
 
 
