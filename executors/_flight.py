@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import json
 import math
 import os
@@ -858,7 +859,7 @@ def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
         raise FlightFileError(_wrong(where, data, _words(hint)))
     cls = names[name]
     assert type(data) is dict
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     _known_keys(data, ("type", *hints), where)
     if cls is Resolved:
         return RESOLVED  # the core tells a resolved slot by identity
@@ -876,6 +877,13 @@ def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
         raise FlightFileError(f'"{where}" ({name}) is refused: {describe(error)}') from None
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The fields of one of the core's classes, with their declared types: read once."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def _defaults(cls: type) -> frozenset[str]:
     """The fields of `cls` that have a default, which `encode` leaves out when at it."""
     if cls is State:
