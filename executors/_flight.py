@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import json
 import math
 import os
@@ -695,7 +696,9 @@ def from_json(text: str) -> Recording:
             raise FlightFileError(f'the field "{key}" is missing')
     unknown = sorted(set(data) - set(_HEADER) - {"format", "version"})
     if unknown:
-        raise FlightFileError(f'unknown field "{unknown[0]}" (the fields are {", ".join(_HEADER)})')
+        raise FlightFileError(
+            f"unknown field {_shown(unknown[0])} (the fields are {', '.join(_HEADER)})"
+        )
     steps = data["steps"]
     if type(steps) is not list:
         raise FlightFileError(_wrong("steps", steps, "a list of recorded steps"))
@@ -790,6 +793,13 @@ def _read(data: object, hint: Any, where: str) -> Any:
     if hint is str or hint is bool or hint is type(None):
         if type(data) is not hint:
             raise FlightFileError(_wrong(where, data, _words(hint)))
+        if hint is str:
+            try:
+                data.encode("utf-8")  # type: ignore[union-attr]
+            except UnicodeEncodeError:
+                # A lone surrogate (JSON's "\ud800"), which no output can print: kept escaped,
+                # the same way wherever it occurs, so that equal texts stay equal.
+                return data.encode("utf-8", "backslashreplace").decode("utf-8")  # type: ignore[union-attr]
         return data
     origin = typing.get_origin(hint)
     if origin is types.UnionType or origin is typing.Union:
@@ -849,7 +859,7 @@ def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
         raise FlightFileError(_wrong(where, data, _words(hint)))
     cls = names[name]
     assert type(data) is dict
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     _known_keys(data, ("type", *hints), where)
     if cls is Resolved:
         return RESOLVED  # the core tells a resolved slot by identity
@@ -867,6 +877,13 @@ def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
         raise FlightFileError(f'"{where}" ({name}) is refused: {describe(error)}') from None
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The fields of one of the core's classes, with their declared types: read once."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def _defaults(cls: type) -> frozenset[str]:
     """The fields of `cls` that have a default, which `encode` leaves out when at it."""
     if cls is State:
@@ -878,12 +895,17 @@ def _known_keys(data: dict[str, Any], keys: tuple[str, ...], where: str) -> None
     unknown = sorted(set(data) - set(keys), key=str)
     if unknown:
         known = ", ".join(key for key in keys if key != "type")
-        raise FlightFileError(f'"{where}" holds an unknown field "{unknown[0]}" (known: {known})')
+        raise FlightFileError(
+            f'"{where}" holds an unknown field {_shown(unknown[0])} (known: {known})'
+        )
 
 
 def _shown(data: object) -> str:
     """A JSON value as the file holds it, cut short."""
-    text = json.dumps(data)
+    try:
+        text = json.dumps(data)
+    except RecursionError:  # read at the parser's limit, written from a deeper stack
+        return "a value nested too deeply to show"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -219,6 +219,26 @@ def test_a_malformed_file_exits_2_from_the_command_line_without_a_traceback(
     ]
 
 
+def test_a_text_no_output_can_print_is_replayed_escaped(tmp_path: Path) -> None:
+    # JSON may hold a lone surrogate ("\\ud800"), which Python reads but cannot write out.
+    def edit(data: dict[str, Any]) -> None:
+        data["reason"] = "InternalError: \ud800"
+        data["steps"][1]["event"]["index"] = data["steps"][1]["commands"][0]["index"] = "\udcff"
+
+    path = tmp_path / "recording.json"
+    path.write_text(_edited(edit))
+    done = subprocess.run(
+        [sys.executable, "-m", "statecore", "replay", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "  because of InternalError: \\ud800" in done.stdout.splitlines()
+    assert "IndexDrawn(index='\\\\udcff')" in done.stdout
+
+
 # --- any mutation of a valid file: 0, 1 or 2, never a crash ------------------------------------
 
 _JSON = st.recursive(
@@ -228,7 +248,9 @@ _JSON = st.recursive(
     | st.sampled_from([0, 1, 2, 3, -1, 2**17, 10**8])
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8)
-    | st.sampled_from(["State", "Pending", "Ready", "Resolved", "TaskCompleted", "IDLE"]),
+    | st.sampled_from(["State", "Pending", "Ready", "Resolved", "TaskCompleted", "IDLE"])
+    # A lone surrogate, a record separator and a line separator: text that splits or breaks lines.
+    | st.sampled_from(["\ud800", "a\x1eb", "\u2028"]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
     max_leaves=6,
 )
@@ -258,9 +280,11 @@ def _mutated(draw: st.DrawFn) -> str:
         try:
             for key in place[:-1]:
                 parent = parent[key]
+            if type(parent) not in (dict, list):
+                continue  # an earlier mutation took this place away
             current = parent[place[-1]]
         except (KeyError, IndexError, TypeError):
-            continue  # an earlier mutation took this place away
+            continue  # likewise
         how = draw(st.sampled_from(["replace", "delete", "wrap", "retype", "shift"]))
         if how == "delete":
             del parent[place[-1]]
