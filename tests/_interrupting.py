@@ -15,9 +15,10 @@ from typing import Any
 import multiprocess
 from _processes import wait_until
 
-from statecore import Event, ResumeWorker, SendTask
-from statecore.executors import Capabilities, Executor, Launch, capabilities_of
+from statecore import Event
+from statecore.executors import Executor, Launch
 from statecore.executors._registry import lookup
+from statecore.models.loader import Forwarding
 
 __all__ = ["WAIT", "TimeLimit", "interrupt_main_once", "shared_flag", "time_limit", "watched"]
 
@@ -25,41 +26,12 @@ __all__ = ["WAIT", "TimeLimit", "interrupt_main_once", "shared_flag", "time_limi
 WAIT = 30.0
 
 
-class _Watched:
+class _Watched(Forwarding):
     """An executor whose waits the workers can see, so that they interrupt a wait only."""
 
     def __init__(self, inner: Executor, polling: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.polling = polling
-
-    # What the executor it wraps declares, it declares: above all that an answer a poll
-    # returned stays `unconfirmed` until recorded, which an interrupt must not lose.
-    @property
-    def capabilities(self) -> Capabilities:
-        return capabilities_of(self.inner)
-
-    @property
-    def unconfirmed(self) -> Event | None:
-        return self.inner.unconfirmed  # type: ignore[attr-defined, no-any-return]
-
-    @unconfirmed.setter
-    def unconfirmed(self, event: Event | None) -> None:
-        self.inner.unconfirmed = event  # type: ignore[attr-defined]
-
-    def start(self) -> None:
-        self.inner.start()
-
-    def dispatch(self, command: SendTask) -> None:
-        self.inner.dispatch(command)
-
-    def resume(self, command: ResumeWorker) -> None:
-        self.inner.resume(command)
-
-    def stop_worker(self, worker: int) -> None:
-        self.inner.stop_worker(worker)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
     def poll(self, timeout: float | None) -> Event | None:
         self.polling[0] = 1
