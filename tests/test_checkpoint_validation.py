@@ -255,12 +255,17 @@ _VALUES = st.one_of(
 _DELETE = object()
 
 
+def _users(path: tuple[Any, ...]) -> bool:
+    """Whether `path` is in what the sampler's, dataset's or iterator's own `state_dict()` gave:
+    their own `load_state_dict()` judges that, not the loader."""
+    if path[:1] == ("sampler",) and len(path) > 1:
+        return True
+    return path[:1] == ("workers",) and path[3:4] in (("dataset",), ("iterator",))
+
+
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every key path in a state (into dicts and lists), the state itself left out, and not
-    into what the dataset's or the sampler's own `state_dict()` gave: their own
-    `load_state_dict()` judges that."""
-    if prefix[:1] == ("sampler",) or (prefix[:1] == ("workers",) and prefix[3:4] == ("dataset",)):
-        return []
+    """Every key path in a state (into dicts and lists), the state itself and what belongs to
+    the user's objects (`_users`) left out."""
     found = []
     children: Any = ()
     if isinstance(value, dict):
@@ -268,8 +273,10 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     elif isinstance(value, list):
         children = enumerate(value)
     for key, child in children:
-        found.append((*prefix, key))
-        found.extend(_paths(child, (*prefix, key)))
+        path = (*prefix, key)
+        if not _users(path):
+            found.append(path)
+            found.extend(_paths(child, path))
     return found
 
 
