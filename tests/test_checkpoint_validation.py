@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import DataLoader
+from statecore.executors._checkpoint import _ADDED_IN_2, FORMAT
 
 REFUSED = "cannot load this DataLoader state"
 
@@ -92,12 +93,46 @@ def test_a_missing_field_is_refused_by_name(path: tuple[str, ...]) -> None:
         fresh_map().load_state_dict(state)
 
 
-@pytest.mark.parametrize("version", [True, 1.0, "1"])
+@pytest.mark.parametrize("version", [True, 1.0, "1", 2.0, 3])
 def test_a_version_that_only_equals_one_loosely_is_refused(version: Any) -> None:
     state = map_state()
     state["statecore"] = version
     with pytest.raises(ValueError, match="format version"):
         fresh_map().load_state_dict(state)
+
+
+def as_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` as the statecore before format 2 wrote it."""
+    old = {key: value for key, value in state.items() if key not in _ADDED_IN_2}
+    old["statecore"] = 1
+    old.pop("seeded")
+    old["progress"] = {k: v for k, v in state["progress"].items() if k != "dry"}
+    return old
+
+
+def test_a_state_written_by_format_1_resumes_the_same_batches_and_warns_what_it_cannot_check() -> (
+    None
+):
+    original = fresh_map(generator=seeded())
+    iterator = iter(original)
+    take(iterator, 3)
+    state = json.loads(json.dumps(as_version_1(original.state_dict())))
+    rest = run_to_end(iterator)
+    resumed = fresh_map(generator=seeded())
+    with pytest.warns(UserWarning, match="format 1.*sampler_class, batch_sampler_class, shuffle"):
+        resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest
+
+
+def test_a_format_1_state_is_still_checked_for_what_it_recorded() -> None:
+    state = as_version_1(map_state())
+    del state["batch_size"]
+    with pytest.raises(ValueError, match="batch_size"), pytest.warns(UserWarning):
+        fresh_map().load_state_dict(state)
+
+
+def test_a_state_taken_now_is_format_2() -> None:
+    assert map_state()["statecore"] == FORMAT == 2
 
 
 def test_a_batch_size_of_true_is_not_the_batch_size_one() -> None:
