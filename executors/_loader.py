@@ -243,10 +243,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         position = self._position()
         if position is not None:
-            generator = self.generator
             return snapshot(
                 facts,
-                rng_now=None if generator is None else generator.get_state(),
+                rng_now=_generator_of(self).get_state(),
                 **attrs.asdict(position, recurse=False),
             )
         # Nothing started: the next iter() starts an epoch.
@@ -258,7 +257,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
-            rng_now=None if self.generator is None else self.generator.get_state(),
+            rng_now=_generator_of(self).get_state(),
             sampler=None if sampler is None else sampler.state_dict(),
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
@@ -401,6 +400,11 @@ def _checked(factory: ExecutorFactory) -> ExecutorFactory:
     return _Checked(factory)
 
 
+def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
+    """The generator the loader's epochs draw their seeds from."""
+    return torch.default_generator if loader.generator is None else loader.generator
+
+
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
     loader._epochs = resume.epoch
@@ -471,14 +475,46 @@ class _Iterator(_BaseDataLoaderIter):
             and seed is not None
             and (persistent if resume.complete else not resume.seeded)
         )
+        replay = None
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
+            if loader.generator is None and resume.rng_now is not None:
+                replay = resume.rng_now
             resume = None
             seed = seed if persistent else None
         elif resume is not None:
             loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
-        self._start(loader, resume, seed, undraw)
+        if replay is None or torch.equal(torch.get_rng_state(), replay):
+            self._start(loader, resume, seed, undraw)
+        else:
+            self._start_replayed(loader, replay, seed, undraw)
+
+    def _start_replayed(
+        self, loader: DataLoader[Any], replay: torch.Tensor, seed: int | None, undraw: bool
+    ) -> None:
+        """Start the epoch after a checkpoint's, drawn as the original drew it.
+
+        The original drew the epoch's seeds (the workers' base seed, the sampler's) from
+        torch's global generator as the checkpoint left it. The program's global generator is
+        elsewhere (not restored, or seeded again), so the draws are made on a copy set to the
+        checkpoint's state, and the program's stream moves on by the same draws, as torch's
+        DataLoader would move it.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(replay)
+            if not undraw:
+                torch.empty((), dtype=torch.int64).random_()  # where torch's base seed leaves it
+            seeded = torch.get_rng_state()
+            torch.set_rng_state(replay)
+            self._start(loader, None, seed, undraw)
+            # Lazily drawing samplers (torch's RandomSampler) take their seed on the first draw.
+            self._sampler_iter = positioned(self._sampler_iter, 0, peek=True)
+            sampler_drew = not torch.equal(torch.get_rng_state(), seeded)
+        if not undraw:
+            torch.empty((), dtype=torch.int64).random_()
+        if sampler_drew:
+            next(iter(self._index_sampler), None)
 
     def _start(
         self, loader: DataLoader[Any], resume: Resume | None, seed: int | None, undraw: bool

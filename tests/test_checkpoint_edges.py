@@ -256,3 +256,31 @@ def test_snapshot_every_0_steps_sends_no_state_and_resumes_by_fast_forwarding(
     resumed = build()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == after
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers", "persistent"), PERSISTENT)
+@pytest.mark.parametrize("epochs_before", [0, 1])
+def test_a_state_between_epochs_resumes_the_next_epoch_drawn_from_the_global_as_the_original(
+    executor: str, workers: int, persistent: bool, epochs_before: int
+) -> None:
+    torch.manual_seed(21)
+    original = on_global(executor, workers, persistent)
+    for _ in range(epochs_before):
+        run_to_end(iter(original))
+    state = roundtrip(original.state_dict())  # before the first iter(), or after a for loop
+    expected = [run_to_end(iter(original))]
+
+    torch.manual_seed(5)  # a program that neither restores nor seeds its stream as before
+    program = torch.get_rng_state()
+    resumed = on_global(executor, workers, persistent)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == expected[0]
+    # The program's own stream moved on by the draws torch's DataLoader makes at an iter().
+    moved_on = torch.get_rng_state()
+    torch.set_rng_state(program)
+    iter(torch.utils.data.DataLoader(Seeded(), shuffle=True)).__next__()
+    if persistent and epochs_before:
+        torch.set_rng_state(program)
+        next(iter(torch.utils.data.RandomSampler(Seeded())))  # a persistent epoch: no base seed
+    assert torch.equal(moved_on, torch.get_rng_state())
