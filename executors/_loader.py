@@ -243,9 +243,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         position = self._position()
         if position is not None:
+            # torch's global generator is the program's: its state matters to a resume only
+            # between epochs (see `_start_replayed`), and is kept only then.
+            keep = self.generator is not None or position.complete
             return snapshot(
                 facts,
-                rng_now=_generator_of(self).get_state(),
+                rng_now=_generator_of(self).get_state() if keep else None,
                 **attrs.asdict(position, recurse=False),
             )
         # Nothing started: the next iter() starts an epoch.

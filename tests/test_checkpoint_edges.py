@@ -284,3 +284,47 @@ def test_a_state_between_epochs_resumes_the_next_epoch_drawn_from_the_global_as_
         torch.set_rng_state(program)
         next(iter(torch.utils.data.RandomSampler(Seeded())))  # a persistent epoch: no base seed
     assert torch.equal(moved_on, torch.get_rng_state())
+
+
+# --- a dataset state that the dataset goes on changing -------------------------------------------
+
+
+class LiveState(torch.utils.data.IterableDataset[int]):
+    """Its state_dict() hands out the very dict it goes on updating, as many datasets do."""
+
+    def __init__(self) -> None:
+        self.position = {"next": 0}
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = range(worker, 40, workers)
+        while self.position["next"] < len(mine):
+            item = mine[self.position["next"]]
+            self.position["next"] += 1
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = dict(state["position"])
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)  # threads share one dataset object
+def test_a_dataset_state_changed_after_its_batch_is_kept_as_it_was_at_that_batch(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(LiveState(), batch_size=1, executor=executor, num_workers=workers)
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(7):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    after = run_to_end(iterator)
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == after
