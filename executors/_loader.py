@@ -726,13 +726,16 @@ class _Iterator(_BaseDataLoaderIter):
         driver = self._driver
         if driver is None:
             return
-        if self._epoch is not None:
-            # Kept for the loader: its state_dict() describes this epoch until the next iter(),
-            # whether or not anyone still holds this iterator.
-            self._trail.left = self._position()
-        self._driver = None
-        if driver.state.phase is not Phase.CLOSED:
-            driver.close()
+        try:
+            if self._epoch is not None:
+                # Kept for the loader: its state_dict() describes this epoch until the next
+                # iter(), whether or not anyone still holds this iterator.
+                self._trail.left = self._position()
+        finally:
+            # The workers stop even when a stateful sampler's state_dict() raised.
+            self._driver = None
+            if driver.state.phase is not Phase.CLOSED:
+                driver.close()
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

@@ -14,7 +14,7 @@ from _checkpoints import roundtrip, run_to_end
 from _datasets import Numbers, StatefulIterator
 from _side_by_side import WORKERS
 
-from statecore import DataLoader
+from statecore import DataLoader, Phase
 
 RUNS = [
     pytest.param("inline", 0, id="inline"),
@@ -328,3 +328,36 @@ def test_a_dataset_state_changed_after_its_batch_is_kept_as_it_was_at_that_batch
     resumed = build()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == after
+
+
+class BreaksWhenAsked(torch.utils.data.Sampler[int]):
+    """A stateful sampler whose state_dict() raises once `broken` is set."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def __iter__(self) -> Any:
+        return iter(range(10))
+
+    def __len__(self) -> int:
+        return 10
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.broken:
+            raise RuntimeError("state_dict is broken")
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@WORKERS
+def test_an_iterator_stops_its_workers_even_when_its_position_cannot_be_kept() -> None:
+    sampler = BreaksWhenAsked()
+    iterator = iter(DataLoader(Numbers(10), sampler=sampler, num_workers=2))
+    list(iterator)  # at the end, its position asks the sampler's state_dict()
+    driver = iterator._driver  # type: ignore[attr-defined]
+    sampler.broken = True
+    with pytest.raises(RuntimeError, match="broken"):
+        iterator._shutdown()  # type: ignore[attr-defined]
+    assert driver.state.phase is Phase.CLOSED
