@@ -658,15 +658,14 @@ class _Iterator(_BaseDataLoaderIter):
             next(iter(self._index_sampler), None)
         return draws
 
-    def _position(self) -> _Position:
-        """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
+    def _position(self) -> _Position | None:
+        """Where this iterator's epoch stands now (see `DataLoader.state_dict`); None if its
+        position could not be kept as it shut down."""
         record = self._epoch
         assert record is not None
         driver = self._driver
         if driver is None:
-            left = self._trail.left
-            assert left is not None  # written as the driver was shut down
-            return left
+            return self._trail.left  # written as the driver was shut down
         done = driver.progress()
         marks = driver.marks
         # Complete once the consumer was told the epoch ended (its StopIteration), as
