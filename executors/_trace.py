@@ -76,7 +76,8 @@ TRACE_VARIABLE = "STATECORE_TRACE"
 have each traced loader write its trace, timeline and verdict there when the program ends."""
 
 DEFAULT_LIMIT = 200_000
-"""Batches a tracer keeps; past that it forgets the oldest (a long run's first epochs)."""
+"""Batches a tracer keeps, and waits, and marks; past that it forgets the oldest (a long run's
+first epochs), all that came before the stretch it keeps (`Tracer._forget_beyond`)."""
 
 STRAGGLER_FACTOR = 3.0
 """A batch is a straggler when it took more than this many times the median batch."""
