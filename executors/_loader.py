@@ -244,10 +244,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         position = self._position()
         if position is not None:
-            generator = self.generator
+            # torch's global generator is the program's: its state matters to a resume only
+            # between epochs (see `_start_replayed`), and is kept only then.
+            keep = self.generator is not None or position.complete
             return snapshot(
                 facts,
-                rng_now=None if generator is None else generator.get_state(),
+                rng_now=_generator_of(self).get_state() if keep else None,
                 **attrs.asdict(position, recurse=False),
             )
         # Nothing started: the next iter() starts an epoch.
@@ -259,7 +261,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
-            rng_now=None if self.generator is None else self.generator.get_state(),
+            rng_now=_generator_of(self).get_state(),
             sampler=None if sampler is None else sampler.state_dict(),
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
@@ -435,6 +437,11 @@ def _trusted_length(index_sampler: Any) -> int | None:
     return len(index_sampler)
 
 
+def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
+    """The generator the loader's epochs draw their seeds from."""
+    return torch.default_generator if loader.generator is None else loader.generator
+
+
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
     loader._epochs = resume.epoch
@@ -505,14 +512,46 @@ class _Iterator(_BaseDataLoaderIter):
             and seed is not None
             and (persistent if resume.complete else not resume.seeded)
         )
+        replay = None
         if resume is not None and resume.complete:
             _between_epochs(loader, resume)
+            if loader.generator is None and resume.rng_now is not None:
+                replay = resume.rng_now
             resume = None
             seed = seed if persistent else None
         elif resume is not None:
             loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
-        self._start(loader, resume, seed, undraw)
+        if replay is None or torch.equal(torch.get_rng_state(), replay):
+            self._start(loader, resume, seed, undraw)
+        else:
+            self._start_replayed(loader, replay, seed, undraw)
+
+    def _start_replayed(
+        self, loader: DataLoader[Any], replay: torch.Tensor, seed: int | None, undraw: bool
+    ) -> None:
+        """Start the epoch after a checkpoint's, drawn as the original drew it.
+
+        The original drew the epoch's seeds (the workers' base seed, the sampler's) from
+        torch's global generator as the checkpoint left it. The program's global generator is
+        elsewhere (not restored, or seeded again), so the draws are made on a copy set to the
+        checkpoint's state, and the program's stream moves on by the same draws, as torch's
+        DataLoader would move it.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(replay)
+            if not undraw:
+                torch.empty((), dtype=torch.int64).random_()  # where torch's base seed leaves it
+            seeded = torch.get_rng_state()
+            torch.set_rng_state(replay)
+            self._start(loader, None, seed, undraw)
+            # Lazily drawing samplers (torch's RandomSampler) take their seed on the first draw.
+            self._sampler_iter = positioned(self._sampler_iter, 0, peek=True)
+            sampler_drew = not torch.equal(torch.get_rng_state(), seeded)
+        if not undraw:
+            torch.empty((), dtype=torch.int64).random_()
+        if sampler_drew:
+            next(iter(self._index_sampler), None)
 
     def _start(
         self, loader: DataLoader[Any], resume: Resume | None, seed: int | None, undraw: bool
@@ -661,15 +700,14 @@ class _Iterator(_BaseDataLoaderIter):
             next(iter(self._index_sampler), None)
         return draws
 
-    def _position(self) -> _Position:
-        """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
+    def _position(self) -> _Position | None:
+        """Where this iterator's epoch stands now (see `DataLoader.state_dict`); None if its
+        position could not be kept as it shut down."""
         record = self._epoch
         assert record is not None
         driver = self._driver
         if driver is None:
-            left = self._trail.left
-            assert left is not None  # written as the driver was shut down
-            return left
+            return self._trail.left  # written as the driver was shut down
         done = driver.progress()
         marks = driver.marks
         # Complete once the consumer was told the epoch ended (its StopIteration), as
@@ -729,13 +767,16 @@ class _Iterator(_BaseDataLoaderIter):
         driver = self._driver
         if driver is None:
             return
-        if self._epoch is not None:
-            # Kept for the loader: its state_dict() describes this epoch until the next iter(),
-            # whether or not anyone still holds this iterator.
-            self._trail.left = self._position()
-        self._driver = None
-        if driver.state.phase is not Phase.CLOSED:
-            driver.close()
+        try:
+            if self._epoch is not None:
+                # Kept for the loader: its state_dict() describes this epoch until the next
+                # iter(), whether or not anyone still holds this iterator.
+                self._trail.left = self._position()
+        finally:
+            # The workers stop even when a stateful sampler's state_dict() raised.
+            self._driver = None
+            if driver.state.phase is not Phase.CLOSED:
+                driver.close()
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they
