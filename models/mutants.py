@@ -39,7 +39,7 @@ from statecore import _step as core
 from statecore import progress as core_progress
 from statecore.executors._driver import Driver
 
-__all__ = ["MUTANTS", "Mutant"]
+__all__ = ["LOADER_MUTANTS", "MUTANTS", "LoaderMutant", "Mutant"]
 
 
 @attrs.frozen
@@ -448,5 +448,106 @@ MUTANTS: tuple[Mutant, ...] = (
         "worker-marks-count-prefetched-batches",
         "a checkpoint keeps each iterable worker's latest state, past batches not yet handed over",
         _worker_marks_count_prefetched_batches,
+    ),
+)
+
+
+# --- the loader's checkpoint code ---------------------------------------------------------------
+
+
+@attrs.frozen
+class LoaderMutant:
+    """One deliberate bug in the loader's checkpoint code (`statecore.executors._loader`),
+    which the loader-level machine (`statecore.models.loader`) must catch. `replacements`
+    maps attribute names of `_loader`'s classes and functions ("DataLoader._position",
+    "parse") to wrong versions."""
+
+    name: str
+    description: str
+    replacements: Callable[[], dict[str, object]] = attrs.field(repr=False)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Install the bug while the block runs; restore the real code after."""
+        from statecore.executors import _loader
+
+        saved: list[tuple[object, str, object]] = []
+        try:
+            for path, value in self.replacements().items():
+                *owners, name = path.split(".")
+                owner: object = _loader
+                for part in owners:
+                    owner = getattr(owner, part)
+                saved.append((owner, name, vars(owner)[name]))
+                setattr(owner, name, value)
+            yield
+        finally:
+            for owner, name, value in reversed(saved):
+                setattr(owner, name, value)
+
+
+def _break_then_save_restarts_the_epoch() -> dict[str, object]:
+    from statecore.executors._loader import DataLoader
+
+    def position(self: DataLoader[Any]) -> Any:
+        # Only an iterator someone still holds is asked: the one a `break` dropped is not.
+        iterator = self._latest() if self._latest is not None else None
+        if iterator is not None and iterator._epoch is not None:
+            return iterator._position()
+        return None
+
+    return {"DataLoader._position": position}
+
+
+def _persistent_resume_draws_a_fresh_seed() -> dict[str, object]:
+    from statecore.executors._loader import _Iterator
+
+    real = _Iterator.__init__
+
+    def init(self: _Iterator, loader: Any) -> None:
+        # A state taken between epochs forgets its base seed: the resumed loader draws one,
+        # which the original's persistent iterator never drew.
+        resume = loader._resume
+        if resume is not None and resume.complete:
+            loader._resume = attrs.evolve(resume, base_seed=None)
+        real(self, loader)
+
+    return {"_Iterator.__init__": init}
+
+
+def _short_len_cuts_the_epoch() -> dict[str, object]:
+    from statecore.executors._loader import _Iterator
+
+    real = _Iterator._position
+
+    def position(self: _Iterator) -> Any:
+        # Complete once len(sampler) batches were handed over, as if __len__ could not lie.
+        where = real(self)
+        try:
+            promised = len(self._index_sampler)
+        except TypeError:
+            return where
+        if not where.complete and where.progress.done >= promised:
+            return attrs.evolve(where, complete=True)
+        return where
+
+    return {"_Iterator._position": position}
+
+
+LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
+    LoaderMutant(
+        "break-then-save-restarts-the-epoch",
+        "a state taken after a break describes no epoch: the resumed run skips the rest",
+        _break_then_save_restarts_the_epoch,
+    ),
+    LoaderMutant(
+        "persistent-resume-draws-a-fresh-seed",
+        "a state taken after StopIteration resumes the next epoch with a freshly drawn seed",
+        _persistent_resume_draws_a_fresh_seed,
+    ),
+    LoaderMutant(
+        "short-len-cuts-the-epoch",
+        "a sampler's __len__ marks the epoch complete, though the sampler yields more",
+        _short_len_cuts_the_epoch,
     ),
 )

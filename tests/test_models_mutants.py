@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import attrs
 import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from statecore import Config, step
+from statecore.executors._checkpoint import parse
 from statecore.models.explorer import default_scenarios, explore
+from statecore.models.loader import Setup, loader_machine, setups
+from statecore.models.loader import Violation as LoaderViolation
 from statecore.models.machines import scheduler_machine
-from statecore.models.mutants import MUTANTS, Mutant
+from statecore.models.mutants import LOADER_MUTANTS, MUTANTS, LoaderMutant, Mutant
 from statecore.models.reference import MapSpec
 from statecore.models.world import (
     Break,
@@ -107,3 +113,48 @@ def test_a_mutant_is_removed_when_its_block_ends() -> None:
             pass
     assert explore(scenario).ok
     assert step.__code__ is before
+
+
+# The configurations where a loader mutant's bug lives, which the uniform draw meets too
+# rarely for the budget: each drawn setup is moved there, keeping its other choices.
+LOADER_MUTANT_FOCUS: dict[str, Callable[[Setup], Setup]] = {
+    # Shuffled map-style loaders with persistent workers, resumed between epochs.
+    "persistent-resume-draws-a-fresh-seed": lambda s: attrs.evolve(
+        s,
+        executor="thread",
+        workers=max(s.workers, 1),
+        dataset="map",
+        counts=(4,),
+        shuffle=True,
+        persistent=True,
+        understated=0,
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mutant", LOADER_MUTANTS, ids=lambda m: m.name)
+def test_the_loader_machine_catches(mutant: LoaderMutant) -> None:
+    # Derandomized, without shrinking: whether a bug is caught does not depend on luck.
+    no_shrinking = settings(
+        settings(), phases=[Phase.explicit, Phase.generate], derandomize=True, database=None
+    )
+    focus = LOADER_MUTANT_FOCUS.get(mutant.name)
+    drawn = setups() if focus is None else setups().map(focus)
+    with mutant.applied(), pytest.raises((AssertionError, ExceptionGroup)) as caught:
+        run_state_machine_as_test(loader_machine(drawn), settings=no_shrinking)
+    if isinstance(caught.value, ExceptionGroup):
+        assert all(isinstance(e, LoaderViolation) for e in caught.value.exceptions)
+    else:
+        assert isinstance(caught.value, LoaderViolation)
+
+
+def test_a_loader_mutant_is_removed_when_its_block_ends() -> None:
+    from statecore.executors import _loader
+
+    before = {name: vars(_loader.DataLoader).get(name) for name in vars(_loader.DataLoader)}
+    for mutant in LOADER_MUTANTS:
+        with mutant.applied():
+            pass
+    assert _loader.parse is parse
+    assert {name: vars(_loader.DataLoader).get(name) for name in vars(_loader.DataLoader)} == before
