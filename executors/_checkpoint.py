@@ -34,6 +34,7 @@ __all__ = [
     "Resume",
     "SamplerLog",
     "decode_rng",
+    "draws_nothing",
     "encode_rng",
     "fingerprint",
     "parse",
@@ -66,6 +67,13 @@ def stateful_sampler(index_sampler: Any) -> Any:
     if type(index_sampler) is BatchSampler:
         candidates.append(index_sampler.sampler)
     return next((candidate for candidate in candidates if has_state(candidate)), None)
+
+
+def draws_nothing(index_sampler: Any) -> bool:
+    """Whether the epoch's sampler draws no random number: torch's SequentialSampler, batched
+    by torch's BatchSampler or not. Its epoch is drawn again with no generator's state."""
+    sampler = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    return type(sampler) is SequentialSampler
 
 
 def _qualified(thing: Any) -> str | None:
@@ -350,6 +358,7 @@ def parse(
     *,
     batches: int | None = None,
     rng_size: int | None = None,
+    drawless: bool = False,
 ) -> Resume:
     """Read a checkpoint made by `snapshot`, refusing one taken from a different loader setup.
 
@@ -357,9 +366,11 @@ def parse(
     checkpoint of another dataset or batching would resume the wrong epoch, silently.
     `batches` is the epoch's number of draws when the sampler tells it, and `rng_size` the
     size of the state of the generator the epoch draws from: positions and generator states
-    beyond them cannot come from this loader. Every field is checked for its type and range
-    before anything is used, and a refusal names the field, what it holds and what was
-    expected: a corrupted state must not resume a wrong epoch or kill the workers.
+    beyond them cannot come from this loader. `drawless` says the sampler draws no random
+    number (`draws_nothing`): its epoch needs no generator's state. Every field is checked
+    for its type and range before anything is used, and a refusal names the field, what it
+    holds and what was expected: a corrupted state must not resume a wrong epoch or kill the
+    workers.
     """
     if not isinstance(state, Mapping) or _KEY not in state:
         raise _fail(
@@ -450,6 +461,7 @@ def parse(
         and not complete
         and rng_epoch_start is None
         and sampler is None
+        and not drawless
     ):
         # A map-style epoch is drawn again from its start unless the sampler restores itself.
         raise _wrong(

@@ -30,6 +30,7 @@ from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
     SamplerLog,
+    draws_nothing,
     fingerprint,
     parse,
     positioned,
@@ -243,13 +244,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._resume is not None:
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         position = self._position()
+        # The generator the loader draws from, as it stands now: a resume puts it back here.
+        # torch's global one too where the epoch's batches depend on it (its shuffle, its
+        # workers' seeds): a program that does not restore its own state of it (Lightning's
+        # does not) then goes on with the uninterrupted run's global stream. Where they do not
+        # depend on it, the state holds nothing of it: two loaders at the same point of the
+        # same batches give equal states, whatever their programs drew.
+        random = position is not None and (
+            position.base_seed is not None or position.rng_epoch_start is not None
+        )
+        rng_now = (
+            self.generator.get_state()
+            if self.generator is not None
+            else torch.default_generator.get_state()
+            if random
+            else None
+        )
         if position is not None:
-            generator = self.generator
-            return snapshot(
-                facts,
-                rng_now=None if generator is None else generator.get_state(),
-                **attrs.asdict(position, recurse=False),
-            )
+            return snapshot(facts, rng_now=rng_now, **attrs.asdict(position, recurse=False))
         # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
         return snapshot(
@@ -259,7 +271,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
-            rng_now=None if self.generator is None else self.generator.get_state(),
+            rng_now=rng_now,
             sampler=None if sampler is None else sampler.state_dict(),
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
@@ -289,6 +301,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._checkpoint_facts(),
             batches=None if self._dataset_kind == _ITER else _trusted_length(self._index_sampler),
             rng_size=source.get_state().numel(),
+            drawless=self._dataset_kind != _ITER and draws_nothing(self._index_sampler),
         )
         saved = resume.workers
         workers = max(self.num_workers, 1)
@@ -438,8 +451,9 @@ def _trusted_length(index_sampler: Any) -> int | None:
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
     loader._epochs = resume.epoch
-    if resume.rng_now is not None and loader.generator is not None:
-        loader.generator.set_state(resume.rng_now)
+    if resume.rng_now is not None:
+        source = torch.default_generator if loader.generator is None else loader.generator
+        source.set_state(resume.rng_now)
     sampler = stateful_sampler(loader._index_sampler)
     if sampler is not None and resume.sampler is not None:
         sampler.load_state_dict(resume.sampler)
@@ -465,8 +479,10 @@ class _Position:
     epoch: int
     progress: Progress
     complete: bool
-    base_seed: int
-    rng_epoch_start: torch.Tensor
+    base_seed: int | None
+    """None where no worker is seeded from it: loading in the calling thread."""
+    rng_epoch_start: torch.Tensor | None
+    """None where the sampler draws no random number."""
     seeded: bool
     sampler: Any
     num_yielded: int
@@ -525,6 +541,7 @@ class _Iterator(_BaseDataLoaderIter):
         if seed is not None:
             self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
+        self._drawless = self._dataset_kind != _ITER and draws_nothing(self._index_sampler)
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
@@ -626,7 +643,18 @@ class _Iterator(_BaseDataLoaderIter):
     def _positioned(
         self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator
     ) -> Any:
-        """The sampler's iterator, at the first draw not handed over before the checkpoint."""
+        """The sampler's iterator, at the first draw not handed over before the checkpoint.
+
+        torch's global generator is then put where the original's stood at the checkpoint:
+        the epoch's own draws (the base seed, the sampler's seed) were made from it before,
+        and the program's draws (its dropout, its own sampling) come next, as they did.
+        """
+        draws = self._replayed(loader, resume, sampler, source)
+        if loader.generator is None and resume.rng_now is not None:
+            source.set_state(resume.rng_now)
+        return draws
+
+    def _replayed(self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator) -> Any:
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
@@ -638,26 +666,30 @@ class _Iterator(_BaseDataLoaderIter):
             if start is not None and loader.generator is not None:
                 source.set_state(start)
             return iter(self._index_sampler)
+        if start is None and self._drawless:
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=False)
         if start is None:
             raise ValueError(
                 "cannot resume this epoch: the checkpoint has neither the sampler's state nor "
                 "the random state the epoch began with"
             )
         # Any other sampler is drawn again from the epoch's start, as the original drew it.
-        if loader.generator is not None or torch.equal(source.get_state(), start):
-            # The loader's own generator, or the global one where the epoch began (a program
-            # that seeds as the original did): it ends where the original's was.
+        if loader.generator is not None:
+            # Only the sampler draws from the loader's own generator, some of it lazily (torch's
+            # RandomSampler, a chunk at a time): drawn again on it, it ends where the
+            # original's did.
             source.set_state(start)
-            peek = loader.generator is None
-            return positioned(iter(self._index_sampler), resume.progress.done, peek=peek)
-        # The program's global stream is elsewhere: the epoch is drawn on a copy set to its
-        # start, and the stream moves on by the draws a fresh epoch's sampler makes from it
-        # (torch's RandomSampler takes its seed on the first draw), as torch's would.
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=False)
+        # torch's global generator: the epoch is drawn on a copy set to its start (torch's
+        # samplers take all they draw from it on their first draw, hence the peek), and the
+        # generator is then put where the checkpoint found it (see `_positioned`).
         with torch.random.fork_rng(devices=[]):
             source.set_state(start)
             draws = positioned(iter(self._index_sampler), resume.progress.done, peek=True)
             drew = not torch.equal(source.get_state(), start)
-        if drew:
+        if drew and resume.rng_now is None:
+            # A state that did not record the global generator (written before it did): the
+            # program's stream moves on by what a fresh epoch's sampler draws, as torch's would.
             next(iter(self._index_sampler), None)
         return draws
 
@@ -685,8 +717,8 @@ class _Iterator(_BaseDataLoaderIter):
             epoch=record.number,
             progress=done,
             complete=complete,
-            base_seed=int(self._base_seed),
-            rng_epoch_start=record.rng,
+            base_seed=None if self._in_process else int(self._base_seed),
+            rng_epoch_start=None if self._drawless else record.rng,
             seeded=record.seeded,
             sampler=sampler_state,
             num_yielded=self._num_yielded,
