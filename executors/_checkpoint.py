@@ -184,8 +184,6 @@ class SamplerLog:
 class EpochRecord:
     """What the loader noted as an epoch began, to let a fresh loader draw it again."""
 
-    number: int
-    """Epochs started by the loader so far, this one included: 1 for the first."""
     rng: torch.Tensor
     """The state of the generator the sampler draws from, as the epoch's draws began."""
     seeded: bool = True
@@ -200,7 +198,6 @@ class Resume:
 
     raw: Mapping[str, Any]
     """The checkpoint as given: what `state_dict()` returns until an epoch starts from it."""
-    epoch: int
     progress: Progress
     complete: bool
     base_seed: int | None
@@ -217,7 +214,6 @@ class Resume:
 def snapshot(
     facts: Mapping[str, Any],
     *,
-    epoch: int,
     progress: Progress,
     complete: bool,
     base_seed: int | None,
@@ -232,7 +228,6 @@ def snapshot(
     state = {
         _KEY: FORMAT,
         **facts,
-        "epoch": epoch,
         "progress": {
             "done": progress.done,
             "also": sorted(progress.also),
@@ -443,8 +438,6 @@ def parse(
     ):
         raise _wrong("progress.dry", dry, expected)
     complete = _bool(_get(state, "complete", "complete"), "complete")
-    # 0 only before the loader's first epoch, when the state says the next iter() starts one.
-    epoch = _int(_get(state, "epoch", "epoch"), "epoch", low=0 if complete else 1)
     base_seed = _get(state, "base_seed", "base_seed")
     if base_seed is not None:
         base_seed = _int(base_seed, "base_seed", high=_SEEDS - count)
@@ -472,7 +465,6 @@ def parse(
         )
     return Resume(
         raw=state,
-        epoch=epoch,
         progress=Progress(done, frozenset(also), ended, turn, frozenset(dry)),
         complete=complete,
         base_seed=base_seed,

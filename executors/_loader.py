@@ -155,8 +155,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # from the attributes named like its arguments.
         self.trace = tracing_from_environment() if trace is None else bool(trace)
         self._tracer: Tracer | None = None
-        self._epochs = 0
-        """Epochs started by this loader, the current one included."""
         self._resume: Resume | None = None
         self._latest: weakref.ref[_Iterator] | None = None
         """The latest iterator while it lives: its epoch's position is read from it."""
@@ -266,8 +264,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         sampler = stateful_sampler(self._index_sampler)
         return snapshot(
             facts,
-            epoch=self._epochs,
-            progress=Progress(ended=self._epochs > 0),
+            progress=Progress(),
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
@@ -450,7 +447,6 @@ def _trusted_length(index_sampler: Any) -> int | None:
 
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
-    loader._epochs = resume.epoch
     if resume.rng_now is not None:
         source = torch.default_generator if loader.generator is None else loader.generator
         source.set_state(resume.rng_now)
@@ -476,7 +472,6 @@ _EPOCH_OVER = (
 class _Position:
     """Where an iterator's epoch stands: a checkpoint, less the loader's own facts."""
 
-    epoch: int
     progress: Progress
     complete: bool
     base_seed: int | None
@@ -525,8 +520,6 @@ class _Iterator(_BaseDataLoaderIter):
             _between_epochs(loader, resume)
             resume = None
             seed = seed if persistent else None
-        elif resume is not None:
-            loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
         self._start(loader, resume, seed, undraw)
 
@@ -609,11 +602,10 @@ class _Iterator(_BaseDataLoaderIter):
         # from the loader's generator, moving it on.
         if not (first_iter and self._in_process):
             super()._reset(loader, first_iter)
-        loader._epochs += 1
         # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
         # persistent iterator's later ones do not. A resume draws as the original did.
         seeded = first_iter if resume is None else resume.seeded
-        record = EpochRecord(loader._epochs, rng, seeded)
+        record = EpochRecord(rng, seeded)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -714,7 +706,6 @@ class _Iterator(_BaseDataLoaderIter):
             log = record.log
             sampler_state = log.sampler.state_dict() if complete else log.at(done.done)
         return _Position(
-            epoch=record.number,
             progress=done,
             complete=complete,
             base_seed=None if self._in_process else int(self._base_seed),

@@ -334,6 +334,17 @@ def test_a_state_of_batches_that_draw_nothing_holds_nothing_of_the_global_genera
     assert first == second
 
 
+def test_a_state_counts_no_epochs_so_a_fresh_loader_gives_the_same_at_the_same_point() -> None:
+    # Lightning restarted from an epoch's end builds a fresh loader and loads no state into it,
+    # then compares its states with those of the loader that ran every epoch.
+    _, _, fresh = in_order_in_process()
+    loader, _, _ = in_order_in_process()
+    run_to_end(iter(loader))
+    iterator = iter(loader)
+    take(iterator, 2)
+    assert roundtrip(loader.state_dict()) == fresh
+
+
 def test_a_state_of_batches_that_draw_nothing_resumes_and_leaves_the_global_generator_alone() -> (
     None
 ):
