@@ -637,14 +637,13 @@ class _Iterator(_BaseDataLoaderIter):
     ) -> Any:
         """The sampler's iterator, at the first draw not handed over before the checkpoint.
 
-        torch's global generator is then put where the original's stood at the checkpoint:
-        the epoch's own draws (the base seed, the sampler's seed) were made from it before,
-        and the program's draws (its dropout, its own sampling) come next, as they did.
+        torch's global generator is put where the original's stood at the checkpoint: the
+        epoch's own draws (the base seed, the sampler's seed) had been made from it, and the
+        program's draws (its dropout, its own sampling) come next, as they did.
         """
-        draws = self._replayed(loader, resume, sampler, source)
         if loader.generator is None and resume.rng_now is not None:
-            source.set_state(resume.rng_now)
-        return draws
+            source.set_state(resume.rng_now)  # the replay draws on a copy (see `_replayed`)
+        return self._replayed(loader, resume, sampler, source)
 
     def _replayed(self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator) -> Any:
         if sampler is not None and resume.sampler is not None:
@@ -679,9 +678,11 @@ class _Iterator(_BaseDataLoaderIter):
             source.set_state(start)
             draws = positioned(iter(self._index_sampler), resume.progress.done, peek=True)
             drew = not torch.equal(source.get_state(), start)
-        if drew and resume.rng_now is None:
-            # A state that did not record the global generator (written before it did): the
-            # program's stream moves on by what a fresh epoch's sampler draws, as torch's would.
+        now = resume.rng_now
+        if drew and (now is None or torch.equal(now, start)):
+            # The original's sampler had drawn nothing yet at the checkpoint (the generator
+            # stood where the epoch began), or the state did not record the generator: the
+            # stream moves on by the sampler's first draw, as the original's did (torch's).
             next(iter(self._index_sampler), None)
         return draws
 

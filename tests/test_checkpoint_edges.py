@@ -312,6 +312,27 @@ def test_resumed_as_lightning_resumes_every_random_stream_is_the_uninterrupted_r
     assert states + more_states == expected_states
 
 
+@pytest.mark.parametrize("taken", [0, 1])
+def test_the_global_generator_goes_on_as_the_originals_from_a_state_taken_before_any_batch(
+    taken: int,
+) -> None:
+    # Loading in the calling thread, the sampler draws its seed from the global generator on
+    # the epoch's first batch: a state taken before it, the original's draw is still to come.
+    torch.manual_seed(1)
+    original = on_global("inline", 0, persistent=False)
+    iterator = iter(original)
+    take(iterator, taken)
+    state = roundtrip(original.state_dict())
+    rest = run_to_end(iterator)
+    original_global = torch.get_rng_state()
+
+    torch.manual_seed(99)
+    resumed = on_global("inline", 0, persistent=False)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest
+    assert torch.equal(torch.get_rng_state(), original_global)
+
+
 def in_order_in_process() -> tuple[DataLoader[Any], list[Any], dict[str, Any]]:
     """A loader whose batches draw nothing random: its sampler is sequential, and no worker
     is seeded. Returns it two batches into its epoch, the rest of that epoch, and its state."""
