@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -43,8 +44,15 @@ __all__ = [
     "stateful_sampler",
 ]
 
-FORMAT = 1
-"""The version of the checkpoint's layout; a loader refuses a version it does not know."""
+FORMAT = 2
+"""The version of the checkpoint's layout; a loader refuses a version it does not know.
+
+Version 2 added the fingerprint's sampler, shuffle, generator and distributed fields, the
+workers found dry (`progress.dry`) and `seeded`. A version-1 state still loads (`_from_version_1`).
+"""
+
+_ADDED_IN_2 = ("sampler_class", "batch_sampler_class", "shuffle", "generator", "rank", "world_size")
+"""The fingerprint's fields a version-1 state lacks: it cannot be checked against them."""
 
 _KEY = "statecore"
 
@@ -347,6 +355,36 @@ def _workers(value: Any, count: int | None) -> tuple[Mark | None, ...]:
     return tuple(marks)
 
 
+def _from_version_1(state: Mapping[str, Any], facts: Mapping[str, Any]) -> dict[str, Any]:
+    """A state an earlier statecore wrote (format 1), in today's layout, so that a training
+    run checkpointed before an upgrade still resumes.
+
+    What version 1 did not record cannot be checked: the fingerprint's newer fields take this
+    loader's values, with a warning naming them; no worker is known to have run dry (as
+    version 1 resumed: a dry worker whose state went back to its start is read again); the
+    epoch's iter() is taken to have drawn its seeds, as it did unless the iterator was
+    persistent. Everything else is checked as a version-2 state's is.
+    """
+    upgraded = dict(state)
+    upgraded[_KEY] = FORMAT
+    unchecked = [name for name in _ADDED_IN_2 if name in facts and name not in state]
+    for name in unchecked:
+        upgraded[name] = facts[name]
+    progress = state.get("progress")
+    if isinstance(progress, Mapping) and "dry" not in progress:
+        upgraded["progress"] = {**progress, "dry": []}
+    upgraded.setdefault("seeded", True)
+    if unchecked:
+        warnings.warn(
+            "this DataLoader state was written by an earlier statecore (format 1), which did not "
+            f"record {', '.join(unchecked)}: it resumes, but cannot be checked to come from a "
+            "loader sampled the same way; a state_dict() taken now records them",
+            UserWarning,
+            stacklevel=4,
+        )
+    return upgraded
+
+
 def parse(
     state: Any,
     facts: Mapping[str, Any],
@@ -375,6 +413,9 @@ def parse(
             else f"expected the dict that state_dict() returned, got {type(state).__name__}"
         )
     version = state[_KEY]
+    if type(version) is int and version == 1:
+        state = _from_version_1(state, facts)
+        version = state[_KEY]
     if type(version) is not int or version != FORMAT:
         raise _fail(
             f"it has format version {version!r}, and this statecore reads version {FORMAT}; "

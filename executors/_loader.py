@@ -251,13 +251,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         random = position is not None and (
             position.base_seed is not None or position.rng_epoch_start is not None
         )
-        rng_now = (
-            self.generator.get_state()
-            if self.generator is not None
-            else torch.default_generator.get_state()
-            if random
-            else None
-        )
+        rng_now = _generator_of(self).get_state() if self.generator is not None or random else None
         if position is not None:
             return snapshot(facts, rng_now=rng_now, **attrs.asdict(position, recurse=False))
         # Nothing started: the next iter() starts an epoch.
@@ -268,7 +262,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
-            rng_now=rng_now,
+            rng_now=_generator_of(self).get_state(),
             sampler=None if sampler is None else sampler.state_dict(),
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
@@ -445,11 +439,15 @@ def _trusted_length(index_sampler: Any) -> int | None:
     return len(index_sampler)
 
 
+def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
+    """The generator the loader's epochs draw their seeds from."""
+    return torch.default_generator if loader.generator is None else loader.generator
+
+
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
     if resume.rng_now is not None:
-        source = torch.default_generator if loader.generator is None else loader.generator
-        source.set_state(resume.rng_now)
+        _generator_of(loader).set_state(resume.rng_now)
     sampler = stateful_sampler(loader._index_sampler)
     if sampler is not None and resume.sampler is not None:
         sampler.load_state_dict(resume.sampler)
@@ -517,6 +515,8 @@ class _Iterator(_BaseDataLoaderIter):
             and (persistent if resume.complete else not resume.seeded)
         )
         if resume is not None and resume.complete:
+            # The generator is put where the checkpoint found it (torch's global one too, so
+            # the program goes on with the original's stream), and the epoch draws from it.
             _between_epochs(loader, resume)
             resume = None
             seed = seed if persistent else None
@@ -686,15 +686,14 @@ class _Iterator(_BaseDataLoaderIter):
             next(iter(self._index_sampler), None)
         return draws
 
-    def _position(self) -> _Position:
-        """Where this iterator's epoch stands now (see `DataLoader.state_dict`)."""
+    def _position(self) -> _Position | None:
+        """Where this iterator's epoch stands now (see `DataLoader.state_dict`); None if its
+        position could not be kept as it shut down."""
         record = self._epoch
         assert record is not None
         driver = self._driver
         if driver is None:
-            left = self._trail.left
-            assert left is not None  # written as the driver was shut down
-            return left
+            return self._trail.left  # written as the driver was shut down
         done = driver.progress()
         marks = driver.marks
         # Complete once the consumer was told the epoch ended (its StopIteration), as
@@ -753,13 +752,16 @@ class _Iterator(_BaseDataLoaderIter):
         driver = self._driver
         if driver is None:
             return
-        if self._epoch is not None:
-            # Kept for the loader: its state_dict() describes this epoch until the next iter(),
-            # whether or not anyone still holds this iterator.
-            self._trail.left = self._position()
-        self._driver = None
-        if driver.state.phase is not Phase.CLOSED:
-            driver.close()
+        try:
+            if self._epoch is not None:
+                # Kept for the loader: its state_dict() describes this epoch until the next
+                # iter(), whether or not anyone still holds this iterator.
+                self._trail.left = self._position()
+        finally:
+            # The workers stop even when a stateful sampler's state_dict() raised.
+            self._driver = None
+            if driver.state.phase is not Phase.CLOSED:
+                driver.close()
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

@@ -16,15 +16,20 @@ verdict in words (`Trace.verdict`), and a Chrome/Perfetto trace file (`Trace.chr
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import heapq
 import itertools
 import json
+import math
+import operator
 import os
 import statistics
 import struct
 import time
 from array import array
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +76,8 @@ TRACE_VARIABLE = "STATECORE_TRACE"
 have each traced loader write its trace, timeline and verdict there when the program ends."""
 
 DEFAULT_LIMIT = 200_000
-"""Batches a tracer keeps; past that it forgets the oldest (a long run's first epochs)."""
+"""Batches a tracer keeps, and waits, and marks; past that it forgets the oldest (a long run's
+first epochs), all that came before the stretch it keeps (`Tracer._forget_beyond`)."""
 
 STRAGGLER_FACTOR = 3.0
 """A batch is a straggler when it took more than this many times the median batch."""
@@ -123,8 +129,23 @@ def _keep(index: list[Any]) -> None:
     return None
 
 
+TASK_BITS = 36
+"""A task's key in the tracer's tables: the number of the driver (loader iterator) that sent
+it above these bits, the task's own number (counted by that driver) below. One table serves
+all of a loader's iterators, so an iterator leaves nothing behind once its batches and waits
+are forgotten: a table per iterator cost 3.7 kB an iterator, kept for the loader's life."""
+
+_TASK = (1 << TASK_BITS) - 1
+"""The task's number in a key; all ones in a wait's key: the wait ended its epoch."""
+
+DRIVERS = 1 << (63 - TASK_BITS)
+"""Drivers are numbered modulo this, so that keys fit the waits' column of signed 64-bit
+numbers: a number comes back after 134 million iterators, long after the batches of the
+iterator that had it were forgotten."""
+
+
 class _Tasks:
-    """One driver's (one loader iterator's) tasks as columns: per field, task -> value. A
+    """A loader's tasks as columns: per field, key -> value (a task's key: `TASK_BITS`). A
     task's epoch is not kept: it is the number of epochs begun when it was sent."""
 
     def __init__(self) -> None:
@@ -133,7 +154,11 @@ class _Tasks:
         """The sampler's index of each task, as it gave it, when not packed."""
         self.packed: dict[int, bytes] = {}
         """A batch sampler's list of ints, packed (see `_Packer`)."""
-        self.sent: dict[int, float] = {}
+        self.sent: OrderedDict[int, float] = OrderedDict()
+        """In the order of sending, with the oldest found at once however many were forgotten
+        before it. A dict finds its first key by walking the slots its deleted keys left, so
+        forgetting the oldest batch of a dict cost a walk over every batch forgotten before:
+        past the limit, a batch of the inline benchmark cost ten times more."""
         self.started: dict[int, float] = {}
         self.finished: dict[int, float] = {}
         self.arrived: dict[int, float] = {}
@@ -146,85 +171,111 @@ class _Tasks:
         self.asked = array("d")
         self.got = array("d")
         self.waited_for = array("q")
-        """The consumer's waits on this driver, in columns: when it asked, when it got its
-        answer, and for which task (-1: the end of an epoch). What of each wait was spent
-        holding a ready batch back is worked out when the trace is read (`waits`)."""
+        """The consumer's waits, in columns, in the order they ended: when it asked, when it
+        got its answer, and the key of the task it got (the task number all ones: the end of
+        an epoch). What of each wait was spent holding a ready batch back is worked out when
+        the trace is read (`waits`)."""
+        self.others: tuple[dict[int, Any], ...] = tuple(
+            getattr(self, field)
+            for field in (*_FIELDS, "slowest_index", "slowest_took")
+            if field != "sent"
+        )
+        """The columns but `sent`: what goes with a task forgotten."""
 
-    def forget_oldest(self) -> bool:
-        """Forget the oldest task kept; False if none is."""
-        if not self.sent:
-            return False
-        task = next(iter(self.sent))
-        for field in _FIELDS:
-            getattr(self, field).pop(task, None)
-        self.slowest_index.pop(task, None)
-        self.slowest_took.pop(task, None)
-        self.failed.discard(task)
-        return True
+    def forget_oldest(self) -> None:
+        """Forget the oldest batch kept (there must be one)."""
+        key, _ = self.sent.popitem(last=False)
+        for column in self.others:
+            column.pop(key, None)
+        self.failed.discard(key)
 
-    def _slowest(self, task: int) -> tuple[tuple[Any, float], ...]:
-        if task not in self.slowest_took:
-            return ()
-        index = self.slowest_index[task]
-        return ((self.index_of(task) if index is WHOLE_BATCH else index, self.slowest_took[task]),)
-
-    def index_of(self, task: int) -> Any:
-        """The sampler's index for `task`: a packed list unpacked, else as the sampler gave it."""
-        packed = self.packed.get(task)
-        if packed is None:
-            return self.index[task]
-        return array("q", packed).tolist()
+    def forget_waits(self, count: int) -> None:
+        """Forget the `count` oldest waits."""
+        del self.asked[:count]
+        del self.got[:count]
+        del self.waited_for[:count]
 
     def waits(self, epoch_starts: list[float]) -> list[Wait]:
-        """This driver's waits, each with the time during which another batch of its epoch had
-        arrived and was not handed over yet (`Wait.held`): a sweep in order of time over the
-        answers' arrivals, with the batches handed over meanwhile struck off."""
-        ready: list[tuple[float, int]] = []  # (arrived, task), a heap
-        arrivals = sorted((at, task) for task, at in self.arrived.items())
-        next_arrival = 0
+        """The consumer's waits, each with the time during which another batch of its driver
+        and its epoch had arrived and was not handed over yet (`Wait.held`): a sweep in order
+        of time over the answers' arrivals, each driver's kept apart, with the batches handed
+        over meanwhile struck off."""
+        arrivals = sorted(zip(self.arrived.values(), self.arrived, strict=True))
+        count, next_arrival = len(arrivals), 0
+        ready: dict[int, list[tuple[float, int]]] = {}  # per driver, (arrived, key): a heap
+        push, pop, handed_at, epoch_of = heapq.heappush, heapq.heappop, self.handed.get, self._epoch
         waits = []
-        for asked, got, task in zip(self.asked, self.got, self.waited_for, strict=True):
-            while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= got:
-                heapq.heappush(ready, arrivals[next_arrival])
+        for asked, got, key in zip(self.asked, self.got, self.waited_for, strict=True):
+            while next_arrival < count and arrivals[next_arrival][0] <= got:
+                arrival = arrivals[next_arrival]
+                heap = ready.get(arrival[1] >> TASK_BITS)
+                if heap is None:
+                    heap = ready[arrival[1] >> TASK_BITS] = []
+                push(heap, arrival)
                 next_arrival += 1
-            epoch = bisect.bisect_right(epoch_starts, asked)
-            while ready:
-                other = ready[0][1]
-                handed = self.handed.get(other)
+            heap = ready.get(key >> TASK_BITS) or []
+            while heap:
+                other = heap[0][1]
+                handed = handed_at(other)
                 # Gone for good: handed over by now (the batch this wait got, among them), or
                 # of an epoch before this wait's, abandoned; the waits come in order of time.
-                if (handed is not None and handed <= got) or self._epoch(
+                if (handed is not None and handed <= got) or epoch_of(
                     other, epoch_starts
-                ) < epoch:
-                    heapq.heappop(ready)
+                ) < bisect.bisect_right(epoch_starts, asked):
+                    pop(heap)
                     continue
                 break
-            since = ready[0][0] if ready else got
-            waits.append(Wait(asked, got, None if task == -1 else task, got - max(asked, since)))
+            since = heap[0][0] if heap else got
+            task = key & _TASK
+            held = got - (asked if asked > since else since)
+            waits.append(Wait(asked, got, None if task == _TASK else task, held))
         return waits
 
-    def _epoch(self, task: int, epoch_starts: list[float]) -> int:
-        return bisect.bisect_right(epoch_starts, self.sent[task]) if task in self.sent else 0
+    def _epoch(self, key: int, epoch_starts: list[float]) -> int:
+        return bisect.bisect_right(epoch_starts, self.sent[key]) if key in self.sent else 0
 
-    def records(self, epoch_starts: list[float]) -> list[BatchRecord]:
-        get = dict.get
-        return [
-            BatchRecord(
-                task=task,
-                worker=self.worker[task],
-                epoch=bisect.bisect_right(epoch_starts, sent),
-                index=self.index_of(task),
-                sent=sent,
-                started=get(self.started, task),
-                finished=get(self.finished, task),
-                arrived=get(self.arrived, task),
-                handed=get(self.handed, task),
-                cpu=get(self.cpu, task),
-                slowest=self._slowest(task),
-                failed=task in self.failed,
-            )
-            for task, sent in self.sent.items()
+    def records(self, epoch_starts: list[float], epochs_before: int) -> list[BatchRecord]:
+        """The batches kept; `epochs_before`: epochs begun before the first of `epoch_starts`.
+        Read column by column, each in one pass in C where it can: `stats()` reads the
+        tracer's limit of batches, and a loop over them in Python took twice the time."""
+        keys = list(self.sent)
+        sent = list(self.sent.values())
+        packed = list(map(self.packed.get, keys))
+        given = self.index
+        index = [
+            given[key] if bytes_ is None else array("q", bytes_).tolist()
+            for key, bytes_ in zip(keys, packed, strict=True)
         ]
+        took = list(map(self.slowest_took.get, keys))
+        sample = self.slowest_index
+        slowest = [
+            ()
+            if seconds is None
+            else (((whole if sample[key] is WHOLE_BATCH else sample[key]), seconds),)
+            for key, whole, seconds in zip(keys, index, took, strict=True)
+        ]
+        if epoch_starts:
+            epoch = [epochs_before + bisect.bisect_right(epoch_starts, at) for at in sent]
+        else:
+            epoch = [epochs_before] * len(keys)
+        failed = [key in self.failed for key in keys] if self.failed else [False] * len(keys)
+        return list(
+            map(
+                BatchRecord,
+                [key & _TASK for key in keys],
+                map(self.worker.__getitem__, keys),
+                epoch,
+                index,
+                sent,
+                map(self.started.get, keys),
+                map(self.finished.get, keys),
+                map(self.arrived.get, keys),
+                map(self.handed.get, keys),
+                map(self.cpu.get, keys),
+                slowest,
+                failed,
+            )
+        )
 
 
 _collected: list[Tracer] | None = None
@@ -326,21 +377,35 @@ class Trace:
     waits: tuple[Wait, ...]
     marks: tuple[Mark, ...]
     dropped: int = 0
-    """Batches forgotten because the tracer kept `DEFAULT_LIMIT` already."""
+    """Batches forgotten. A tracer keeps the latest stretch of the run that holds at most its
+    limit (`DEFAULT_LIMIT`) of batches, of waits and of marks, and forgets all before it."""
+    dropped_waits: int = 0
+    """The consumer's waits forgotten with them."""
+    dropped_marks: int = 0
+    """Marks forgotten with them."""
+    epochs_dropped: int = 0
+    """Epochs whose start was forgotten (a batch's `epoch` counts them)."""
 
     @property
     def start(self) -> float:
-        """The first moment traced: the first `iter()`."""
-        moments = [mark.time for mark in self.marks] + [b.sent for b in self.batches]
-        return min(moments) if moments else 0.0
+        """The first moment traced: the first `iter()`, or the oldest moment kept."""
+        first = min(
+            min((mark.time for mark in self.marks), default=math.inf),
+            min((b.sent for b in self.batches), default=math.inf),
+            min((wait.asked for wait in self.waits), default=math.inf),
+        )
+        return first if first < math.inf else 0.0
 
     @property
     def end(self) -> float:
         """The last moment traced."""
-        moments = [mark.time for mark in self.marks] + [wait.got for wait in self.waits]
-        moments += [b.handed for b in self.batches if b.handed is not None]
-        moments += [b.finished for b in self.batches if b.finished is not None]
-        return max(moments) if moments else 0.0
+        last = max(
+            max((mark.time for mark in self.marks), default=-math.inf),
+            max((wait.got for wait in self.waits), default=-math.inf),
+            max((b.handed for b in self.batches if b.handed is not None), default=-math.inf),
+            max((b.finished for b in self.batches if b.finished is not None), default=-math.inf),
+        )
+        return last if last > -math.inf else 0.0
 
     def stats(self) -> LoaderStats:
         return LoaderStats.of(self)
@@ -395,6 +460,9 @@ class LoaderStats:
     in_order: bool
     persistent_workers: bool
     executor: str
+    dropped: int = 0
+    """Batches the tracer forgot (see `Trace.dropped`): they count in `batches` and `epochs`,
+    and in no other figure, each of which is over what was kept."""
 
     @property
     def waiting_share(self) -> float:
@@ -403,42 +471,57 @@ class LoaderStats:
 
     @classmethod
     def of(cls, trace: Trace) -> LoaderStats:
+        with _collector_paused():
+            return cls._of(trace)
+
+    @classmethod
+    def _of(cls, trace: Trace) -> LoaderStats:
         start, end = trace.start, trace.end
         seconds = max(0.0, end - start)
-        done = [b for b in trace.batches if b.seconds is not None]
-        durations = [b.seconds for b in done if b.seconds is not None]
-        median = statistics.median(durations) if durations else None
-        busy = []
-        for worker in range(trace.num_workers):
-            mine = sum(b.seconds or 0.0 for b in done if b.worker == worker)
-            busy.append(mine / seconds if seconds > 0 else 0.0)
-        # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
-        cpu = sum(b.cpu for b in done if b.cpu is not None)
-        wall = sum(b.seconds or 0.0 for b in done if b.cpu is not None)
-        samples = [
-            (index, took, b.worker, b.task, b.epoch) for b in done for index, took in b.slowest
+        # Each batch a worker finished, with how long it took, worked out once: a trace can
+        # hold the tracer's limit of batches.
+        done = [
+            (b, b.finished - b.started)
+            for b in trace.batches
+            if b.started is not None and b.finished is not None
         ]
-        samples.sort(key=lambda sample: -sample[1])
+        median = statistics.median([took for _, took in done]) if done else None
+        loading = [0.0] * trace.num_workers
+        # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
+        cpu = wall = 0.0
+        for b, took in done:
+            if 0 <= b.worker < trace.num_workers:
+                loading[b.worker] += took
+            if b.cpu is not None:
+                cpu += b.cpu
+                wall += took
+        busy = [mine / seconds if seconds > 0 else 0.0 for mine in loading]
+        samples = heapq.nlargest(
+            5,
+            (
+                (index, took, b.worker, b.task, b.epoch)
+                for b, _ in done
+                for index, took in b.slowest
+            ),
+            key=lambda sample: sample[1],
+        )
         stragglers: tuple[BatchRecord, ...] = ()
         if median is not None and median > 0:
-            slow = [b for b in done if (b.seconds or 0.0) > STRAGGLER_FACTOR * median]
-            slow.sort(key=lambda b: -(b.seconds or 0.0))
-            stragglers = tuple(slow)
+            slow = [(b, took) for b, took in done if took > STRAGGLER_FACTOR * median]
+            slow.sort(key=lambda pair: -pair[1])
+            stragglers = tuple(b for b, _ in slow)
         starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
+        handed = sorted(b.handed for b in trace.batches if b.handed is not None)
         startup = []
         for number, began in enumerate(starts):
-            until = starts[number + 1] if number + 1 < len(starts) else float("inf")
-            handed = [
-                b.handed
-                for b in trace.batches
-                if b.handed is not None and began <= b.handed < until
-            ]
-            if handed:
-                startup.append(min(handed) - began)
+            until = starts[number + 1] if number + 1 < len(starts) else math.inf
+            first = bisect.bisect_left(handed, began)
+            if first < len(handed) and handed[first] < until:
+                startup.append(handed[first] - began)
         return cls(
             batches=len(trace.batches) + trace.dropped,
             failed=sum(1 for b in trace.batches if b.failed),
-            epochs=len(starts),
+            epochs=len(starts) + trace.epochs_dropped,
             seconds=seconds,
             waited=sum(wait.got - wait.asked for wait in trace.waits),
             waited_for_order=sum(wait.held for wait in trace.waits),
@@ -447,12 +530,13 @@ class LoaderStats:
             busy=tuple(busy),
             median_batch=median,
             cpu_share=cpu / wall if wall > 0 else None,
-            slowest=tuple(samples[:5]),
+            slowest=tuple(samples),
             stragglers=stragglers,
             num_workers=trace.num_workers,
             in_order=trace.in_order,
             persistent_workers=trace.persistent_workers,
             executor=trace.executor,
+            dropped=trace.dropped,
         )
 
     def suggestions(self) -> tuple[str, ...]:
@@ -520,11 +604,20 @@ class LoaderStats:
         workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"
         if self.executor == "inline":
             workers = "no workers"
-        lines = [
-            f"{self.batches} batches in {self.epochs} epoch{'s' if self.epochs != 1 else ''} "
-            f"over {_s(self.seconds)}; {workers} ({self.executor}), in_order={self.in_order}, "
-            f"persistent_workers={self.persistent_workers}.",
-        ]
+        setting = (
+            f"{workers} ({self.executor}), in_order={self.in_order}, "
+            f"persistent_workers={self.persistent_workers}."
+        )
+        run = f"{self.batches} batches in {self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+        if self.dropped:
+            kept = self.batches - self.dropped
+            lines = [
+                f"{run}; {setting}",
+                f"The tracer kept the last {kept} batches, over {_s(self.seconds)}, and forgot "
+                f"the {self.dropped} before them: the figures below are over what it kept.",
+            ]
+        else:
+            lines = [f"{run} over {_s(self.seconds)}; {setting}"]
         if self.seconds > 0:
             if self.waiting_share < 0.05:
                 lines.append(
@@ -601,21 +694,29 @@ def _intersected(first: list[Interval], second: list[Interval]) -> list[Interval
 def _idle_behind_order(trace: Trace) -> float:
     """Worker-seconds idle with a ready batch held, while the consumer waited for another
     worker's batch (see `LoaderStats.idle_behind_order`)."""
+    if trace.num_workers < 2:
+        return 0.0  # no other worker's batch to wait for
     owner = {(b.epoch, b.task): b.worker for b in trace.batches}
     starts = sorted(m.time for m in trace.marks if m.kind == "epoch start")
+    before = trace.epochs_dropped
     # Each wait for a batch, with the worker that batch was loaded by (its epoch: the number
     # of epochs begun by then), found once for all workers.
     awaited = [
-        (wait.asked, wait.got, owner.get((bisect.bisect_right(starts, wait.asked), wait.task)))
+        (
+            wait.asked,
+            wait.got,
+            owner.get((before + bisect.bisect_right(starts, wait.asked), wait.task)),
+        )
         for wait in trace.waits
         if wait.task is not None
     ]
+    loaded: dict[int, list[BatchRecord]] = {}
+    for b in trace.batches:
+        if b.started is not None:
+            loaded.setdefault(b.worker, []).append(b)
     total = 0.0
     for worker in range(trace.num_workers):
-        mine = sorted(
-            (b for b in trace.batches if b.worker == worker and b.started is not None),
-            key=lambda b: b.started or 0.0,
-        )
+        mine = sorted(loaded.get(worker, ()), key=lambda b: b.started or 0.0)
         gaps = [
             (before.finished, after.started)
             for before, after in itertools.pairwise(mine)
@@ -653,7 +754,13 @@ class Tracer:
     """Watches a loader's scheduler through the step function of each of its drivers.
 
     One tracer serves a loader for its whole life: each iterator's driver gets a step wrapped
-    by `wrap`, and tasks are told apart by which driver sent them.
+    by `wrap`, and all of them keep their tasks in one table, told apart by the driver's
+    number in each task's key (`TASK_BITS`).
+
+    It keeps the latest stretch of the run that holds at most `limit` batches, `limit` of the
+    consumer's waits and `limit` marks, and forgets all before it, the oldest first: memory
+    stays bounded however long the run, in one epoch or in many short ones, and forgetting
+    costs the same at every batch (`forget_work`).
     """
 
     def __init__(
@@ -671,17 +778,27 @@ class Tracer:
         self.executor = executor
         self.limit = limit
         self.clock = clock
-        self.tasks: list[_Tasks] = []
-        """Per driver (loader iterator), its tasks' fields, filled as they come."""
+        self.tasks = _Tasks()
+        """Every driver's tasks and waits, filled as they come."""
         self.marks: list[Mark] = []
+        self.drivers = 0
+        """Drivers wrapped so far."""
         self.dropped = 0
+        self.dropped_waits = 0
+        self.dropped_marks = 0
+        self.epochs_dropped = 0
+        self.forget_work = 0
+        """Entries looked at or moved while forgetting, all told: a few a batch, waits and
+        marks included, however long the run (the tests count it)."""
         self.epoch = 0
 
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, watched: the step function for one driver (one loader iterator)."""
         clock = self.clock
-        tasks = _Tasks()
-        self.tasks.append(tasks)
+        tasks = self.tasks
+        offset = (self.drivers % DRIVERS) << TASK_BITS
+        end = offset | _TASK
+        self.drivers += 1
         worker_of, index_of, packed_of = tasks.worker, tasks.index, tasks.packed
         sent_at = tasks.sent
         packing = _Packer()
@@ -690,7 +807,7 @@ class Tracer:
         slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
         asked_at, got_at, waited_for = tasks.asked.append, tasks.got.append, tasks.waited_for.append
         marks = self.marks
-        limit = self.limit
+        check = self._check
         asked: float | None = None
 
         # Every step of a traced loader runs this, in the main process, between the loader's
@@ -704,7 +821,7 @@ class Tracer:
             if kind is IndexDrawn:
                 pass
             elif kind is TaskCompleted or kind is TaskFailed:
-                task = event.task  # type: ignore[attr-defined]
+                task = event.task + offset  # type: ignore[attr-defined]
                 if task in sent_at:
                     arrived_at[task] = now
                     timing = event.timing  # type: ignore[attr-defined]
@@ -725,6 +842,7 @@ class Tracer:
                 marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
                 if asked is None:
                     asked = now
+                check()
             else:
                 self._saw_rare(now, event)
             for command in transition[1]:
@@ -732,7 +850,8 @@ class Tracer:
                 if ckind is DrawIndex:
                     continue
                 if ckind is SendTask:
-                    task = command.task  # type: ignore[attr-defined]
+                    number = command.task  # type: ignore[attr-defined]
+                    task = number + offset
                     worker_of[task] = command.worker  # type: ignore[attr-defined]
                     sent_at[task] = now
                     index = command.index  # type: ignore[attr-defined]
@@ -741,13 +860,15 @@ class Tracer:
                         index_of[task] = index
                     else:
                         packed_of[task] = packed
-                    if not task % LIMIT_CHECKED_EVERY:
-                        self._forget_beyond(limit)
+                    if not number % LIMIT_CHECKED_EVERY:
+                        check()
                 elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
                     if ckind is Deliver:
-                        task = command.task  # type: ignore[attr-defined]
+                        task = command.task + offset  # type: ignore[attr-defined]
                     elif ckind is RaiseError:
                         task = getattr(command.failure, "task", None)  # type: ignore[attr-defined]
+                        if task is not None:
+                            task += offset
                     else:
                         task = None
                         marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
@@ -756,8 +877,10 @@ class Tracer:
                     if asked is not None:
                         asked_at(asked)
                         got_at(now)
-                        waited_for(-1 if task is None else task)
+                        waited_for(end if task is None else task)
                         asked = None
+                    if task is None:
+                        check()
                 elif ckind is ResumeWorker:
                     marks.append(Mark(now, "resume sent", command.worker))  # type: ignore[attr-defined]
             return transition
@@ -767,15 +890,54 @@ class Tracer:
     @property
     def kept(self) -> int:
         """Batches kept now."""
-        return sum(len(tasks.sent) for tasks in self.tasks)
+        return len(self.tasks.sent)
 
-    def _forget_beyond(self, limit: int) -> None:
-        """Forget the oldest batches kept beyond `limit`, the oldest iterator's first."""
-        over = self.kept - limit
-        for tasks in self.tasks:
-            while over > 0 and tasks.forget_oldest():
-                over -= 1
-                self.dropped += 1
+    def _check(self) -> None:
+        """Forget what is beyond the limit, in passing: the drivers call this at every
+        `LIMIT_CHECKED_EVERY` tasks they send, and at each epoch's start and end."""
+        self._forget_beyond(self.limit, self.limit // 4)
+
+    def _forget_beyond(self, limit: int, slack: int) -> None:
+        """Forget all that came before the last `limit` batches, the last `limit` waits or the
+        last `limit` marks, whichever began latest, so that the trace is one stretch of the
+        run, the latest. Waits and marks go only once more than `slack` of them are due:
+        forgetting them moves the rest of their column, so that with a slack of a quarter of
+        the limit each wait or mark traced costs at most five moves, however long the run."""
+        tasks, marks = self.tasks, self.marks
+        sent, got = tasks.sent, tasks.got
+        over = len(sent) > limit or len(got) > limit + slack or len(marks) > limit + slack
+        if slack and not over:
+            return  # a read (no slack) goes on: what is older than the batches kept goes
+        forgotten = max(0, len(sent) - limit)
+        for _ in range(forgotten):
+            tasks.forget_oldest()
+        # The moment before which all goes: the oldest of each kind that the limit leaves,
+        # and once batches were forgotten, the oldest batch kept.
+        cut = next(iter(sent.values())) if sent and (forgotten or self.dropped) else -math.inf
+        waits_over = len(got) - limit
+        if waits_over > 0:
+            cut = max(cut, tasks.asked[waits_over])
+        marks_over = len(marks) - limit
+        if marks_over > 0:
+            cut = max(cut, marks[marks_over].time)
+        while sent and next(iter(sent.values())) < cut:
+            tasks.forget_oldest()
+            forgotten += 1
+        self.dropped += forgotten
+        # Each forgotten batch, and the look at the one left; the searches, a few steps each.
+        self.forget_work += forgotten + 1 + 2 * (len(got) + len(marks)).bit_length()
+        # By count too: a clock that did not move gives the same moment to many.
+        waits = max(waits_over, bisect.bisect_left(got, cut))
+        if waits > slack:
+            tasks.forget_waits(waits)
+            self.dropped_waits += waits
+            self.forget_work += waits + len(got)
+        gone = max(marks_over, bisect.bisect_left(marks, cut, key=_moment))
+        if gone > slack:
+            self.epochs_dropped += sum(1 for mark in marks[:gone] if mark.kind == "epoch start")
+            del marks[:gone]
+            self.dropped_marks += gone
+            self.forget_work += gone + len(marks)
 
     def _saw_rare(self, now: float, event: Event) -> None:
         """The events that come once an epoch or less."""
@@ -789,20 +951,45 @@ class Tracer:
             self.marks.append(Mark(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
 
     def trace(self) -> Trace:
-        """What was traced so far."""
-        self._forget_beyond(self.limit)
+        """What was traced so far (cut to the limit exactly)."""
+        with _collector_paused():
+            return self._trace()
+
+    def _trace(self) -> Trace:
+        self._forget_beyond(self.limit, 0)
         starts = [mark.time for mark in self.marks if mark.kind == "epoch start"]
-        waits = [wait for tasks in self.tasks for wait in tasks.waits(starts)]
+        waits = self.tasks.waits(starts)
         return Trace(
             num_workers=self.num_workers,
             in_order=self.in_order,
             persistent_workers=self.persistent_workers,
             executor=self.executor,
-            batches=tuple(record for tasks in self.tasks for record in tasks.records(starts)),
-            waits=tuple(sorted(waits, key=lambda wait: wait.asked)),
+            batches=tuple(self.tasks.records(starts, self.epochs_dropped)),
+            waits=tuple(sorted(waits, key=operator.attrgetter("asked"))),
             marks=tuple(self.marks),
             dropped=self.dropped,
+            dropped_waits=self.dropped_waits,
+            dropped_marks=self.dropped_marks,
+            epochs_dropped=self.epochs_dropped,
         )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector paused, if it ran. Reading a trace makes a few objects a batch,
+    all kept: the collector's passes meanwhile found nothing to free and walked them all, again
+    and again, and took two thirds of the time of `stats()` at the limit."""
+    running = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if running:
+            gc.enable()
+
+
+def _moment(mark: Mark) -> float:
+    return mark.time
 
 
 # --- Chrome's trace event format -------------------------------------------------------------

@@ -378,10 +378,10 @@ class WorkerRuntime:
             snapshot["dataset"] = self.dataset.state_dict()
         if self.stateful_iterator:
             snapshot["iterator"] = self.fetcher.dataset_iter.state_dict()
-        if self.pid is None:
-            # In the main process nothing pickles it: a copy, so that the dataset going on
-            # cannot change the state the checkpoint keeps.
-            snapshot = copy.deepcopy(snapshot)
+        # A copy, taken now: a dataset may hand out the very dict it goes on updating, and the
+        # state is pickled later (a worker process's sending thread) or never (threads, the
+        # main process), after the dataset has moved on.
+        snapshot = copy.deepcopy(snapshot)
         self.since = 0
         return (0, snapshot)
 

@@ -15,7 +15,7 @@ from _checkpoints import roundtrip, run_to_end, take
 from _datasets import Numbers, StatefulIterator
 from _side_by_side import WORKERS, as_lists
 
-from statecore import DataLoader
+from statecore import DataLoader, Phase
 
 RUNS = [
     pytest.param("inline", 0, id="inline"),
@@ -408,3 +408,103 @@ def test_snapshot_every_0_steps_sends_no_state_and_resumes_by_fast_forwarding(
     resumed = build()
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == after
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers", "persistent"), PERSISTENT)
+@pytest.mark.parametrize("epochs_before", [0, 1])
+def test_a_state_between_epochs_resumes_the_next_epoch_drawn_from_the_global_as_the_original(
+    executor: str, workers: int, persistent: bool, epochs_before: int
+) -> None:
+    torch.manual_seed(21)
+    original = on_global(executor, workers, persistent)
+    for _ in range(epochs_before):
+        run_to_end(iter(original))
+    state = roundtrip(original.state_dict())  # before the first iter(), or after a for loop
+    expected = [run_to_end(iter(original))]
+    original_global = torch.get_rng_state()
+
+    torch.manual_seed(5)  # a program that neither restores nor seeds its stream as before
+    resumed = on_global(executor, workers, persistent)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == expected[0]
+    # The global generator was put back where the state found it, and the epoch drew from it
+    # what the original's did: the program goes on with the original's stream.
+    assert torch.equal(torch.get_rng_state(), original_global)
+
+
+# --- a dataset state that the dataset goes on changing -------------------------------------------
+
+
+class LiveState(torch.utils.data.IterableDataset[int]):
+    """Its state_dict() hands out the very dict it goes on updating, as many datasets do."""
+
+    def __init__(self) -> None:
+        self.position = {"next": 0}
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = range(worker, 40, workers)
+        while self.position["next"] < len(mine):
+            item = mine[self.position["next"]]
+            self.position["next"] += 1
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = dict(state["position"])
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)  # threads share one dataset object
+def test_a_dataset_state_changed_after_its_batch_is_kept_as_it_was_at_that_batch(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(LiveState(), batch_size=1, executor=executor, num_workers=workers)
+
+    original = build()
+    iterator = iter(original)
+    for _ in range(7):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    after = run_to_end(iterator)
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == after
+
+
+class BreaksWhenAsked(torch.utils.data.Sampler[int]):
+    """A stateful sampler whose state_dict() raises once `broken` is set."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def __iter__(self) -> Any:
+        return iter(range(10))
+
+    def __len__(self) -> int:
+        return 10
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.broken:
+            raise RuntimeError("state_dict is broken")
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@WORKERS
+def test_an_iterator_stops_its_workers_even_when_its_position_cannot_be_kept() -> None:
+    sampler = BreaksWhenAsked()
+    iterator = iter(DataLoader(Numbers(10), sampler=sampler, num_workers=2))
+    list(iterator)  # at the end, its position asks the sampler's state_dict()
+    driver = iterator._driver  # type: ignore[attr-defined]
+    sampler.broken = True
+    with pytest.raises(RuntimeError, match="broken"):
+        iterator._shutdown()  # type: ignore[attr-defined]
+    assert driver.state.phase is Phase.CLOSED

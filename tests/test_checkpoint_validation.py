@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 from _checkpoints import run_to_end, take
-from _datasets import GrowingBatches, Numbers, StatefulIterator
+from _datasets import Augmented, GrowingBatches, Numbers, StatefulIterator
 from hypothesis import event, given
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import DataLoader
+from statecore.executors._checkpoint import _ADDED_IN_2, FORMAT
 
 REFUSED = "cannot load this DataLoader state"
 
@@ -91,12 +92,46 @@ def test_a_missing_field_is_refused_by_name(path: tuple[str, ...]) -> None:
         fresh_map().load_state_dict(state)
 
 
-@pytest.mark.parametrize("version", [True, 1.0, "1"])
+@pytest.mark.parametrize("version", [True, 1.0, "1", 2.0, 3])
 def test_a_version_that_only_equals_one_loosely_is_refused(version: Any) -> None:
     state = map_state()
     state["statecore"] = version
     with pytest.raises(ValueError, match="format version"):
         fresh_map().load_state_dict(state)
+
+
+def as_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` as the statecore before format 2 wrote it."""
+    old = {key: value for key, value in state.items() if key not in _ADDED_IN_2}
+    old["statecore"] = 1
+    old.pop("seeded")
+    old["progress"] = {k: v for k, v in state["progress"].items() if k != "dry"}
+    return old
+
+
+def test_a_state_written_by_format_1_resumes_the_same_batches_and_warns_what_it_cannot_check() -> (
+    None
+):
+    original = fresh_map(generator=seeded())
+    iterator = iter(original)
+    take(iterator, 3)
+    state = json.loads(json.dumps(as_version_1(original.state_dict())))
+    rest = run_to_end(iterator)
+    resumed = fresh_map(generator=seeded())
+    with pytest.warns(UserWarning, match="format 1.*sampler_class, batch_sampler_class, shuffle"):
+        resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest
+
+
+def test_a_format_1_state_is_still_checked_for_what_it_recorded() -> None:
+    state = as_version_1(map_state())
+    del state["batch_size"]
+    with pytest.raises(ValueError, match="batch_size"), pytest.warns(UserWarning):
+        fresh_map().load_state_dict(state)
+
+
+def test_a_state_taken_now_is_format_2() -> None:
+    assert map_state()["statecore"] == FORMAT == 2
 
 
 def test_a_batch_size_of_true_is_not_the_batch_size_one() -> None:
@@ -254,8 +289,17 @@ _VALUES = st.one_of(
 _DELETE = object()
 
 
+def _users(path: tuple[Any, ...]) -> bool:
+    """Whether `path` is in what the sampler's, dataset's or iterator's own `state_dict()` gave:
+    their own `load_state_dict()` judges that, not the loader."""
+    if path[:1] == ("sampler",) and len(path) > 1:
+        return True
+    return path[:1] == ("workers",) and path[3:4] in (("dataset",), ("iterator",))
+
+
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every key path in a state (into dicts and lists), the state itself left out."""
+    """Every key path in a state (into dicts and lists), the state itself and what belongs to
+    the user's objects (`_users`) left out."""
     found = []
     children: Any = ()
     if isinstance(value, dict):
@@ -263,9 +307,30 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     elif isinstance(value, list):
         children = enumerate(value)
     for key, child in children:
-        found.append((*prefix, key))
-        found.extend(_paths(child, (*prefix, key)))
+        path = (*prefix, key)
+        if not _users(path):
+            found.append(path)
+            found.extend(_paths(child, path))
     return found
+
+
+def _at(state: dict[str, Any], path: tuple[Any, ...]) -> Any:
+    for key in path:
+        state = state[key]
+    return state
+
+
+def _replacing(value: Any) -> st.SearchStrategy[Any]:
+    """Anything, or often a value of the same type that may well be valid: so that the states
+    accepted, and resumed, are many too, not only the refused ones."""
+    similar: st.SearchStrategy[Any] = st.nothing()
+    if type(value) is bool:
+        similar = st.booleans()
+    elif type(value) is int:
+        similar = st.integers(min_value=0, max_value=max(20, value + 2))
+    elif isinstance(value, list):
+        similar = st.lists(st.integers(min_value=0, max_value=20), max_size=3)
+    return st.one_of(similar, similar, st.just(_DELETE), _VALUES)
 
 
 def _corrupt(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
@@ -284,11 +349,21 @@ def _iterable_state(**options: Any) -> dict[str, Any]:
     return loader.state_dict()
 
 
+def _augmented_state() -> dict[str, Any]:
+    loader = DataLoader(Augmented(30), batch_size=2, num_workers=2, executor="thread")
+    take(iter(loader), 4)
+    return loader.state_dict()
+
+
 _SOURCES: dict[str, tuple[dict[str, Any], Callable[[], DataLoader[Any]]]] = {
     "map-inline": (map_state(), fresh_map),
     "map-thread": (
         map_state(num_workers=2, executor="thread"),
         lambda: fresh_map(num_workers=2, executor="thread"),
+    ),
+    "stateful-map-thread": (
+        _augmented_state(),
+        lambda: DataLoader(Augmented(30), batch_size=2, num_workers=2, executor="thread"),
     ),
     "iterable-thread": (
         _iterable_state(num_workers=2, executor="thread"),
@@ -310,7 +385,7 @@ def test_a_corrupted_state_is_refused_with_a_named_field_or_resumes(
     for _ in range(data.draw(st.integers(min_value=1, max_value=2), label="fields")):
         paths = _paths(state)
         path = data.draw(st.sampled_from(paths), label="path")
-        _corrupt(state, path, data.draw(st.one_of(st.just(_DELETE), _VALUES), label="value"))
+        _corrupt(state, path, data.draw(_replacing(_at(state, path)), label="value"))
     loader = build()
     try:
         loader.load_state_dict(state)

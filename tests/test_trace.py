@@ -840,3 +840,105 @@ def test_each_worker_is_marked_ready_before_its_first_batch() -> None:
     for worker, moment in ready.items():
         first = min(b.started for b in trace.batches if b.worker == worker and b.started)
         assert trace.start <= moment <= first
+
+
+# --- long runs: what the tracer keeps and what forgetting costs ---------------------------------
+
+
+def traced_epochs(limit: int, epochs: int, batches: int = 1) -> tuple[Any, Tracer]:
+    """An inline loader traced with `limit`, run through `epochs` epochs of `batches`."""
+    from statecore.tools.trace_long_runs import traced_loader
+    from statecore.tools.workloads import Indices
+
+    loader = traced_loader(Indices(batches), limit)
+    for _ in range(epochs):
+        for _ in loader:
+            pass
+    return loader, loader._tracer
+
+
+def test_many_short_epochs_keep_waits_marks_and_batches_within_the_limit() -> None:
+    limit = 40
+    _, tracer = traced_epochs(limit, 600)
+    # Between two reads, waits and marks may run a quarter of the limit over it.
+    assert tracer.kept <= limit
+    assert len(tracer.marks) <= limit + limit // 4
+    assert len(tracer.tasks.got) <= limit + limit // 4
+    trace = tracer.trace()
+    assert 0 < len(trace.batches) <= limit
+    assert 0 < len(trace.waits) <= limit
+    assert 0 < len(trace.marks) <= limit
+    assert len(trace.batches) + trace.dropped == 600
+    assert len(trace.waits) + trace.dropped_waits == 2 * 600  # iter() and the last next()
+
+
+def test_what_a_tracer_holds_stops_growing_at_its_limit_however_many_epochs() -> None:
+    from statecore.tools.trace_long_runs import kept_bytes
+
+    loader, tracer = traced_epochs(40, 400)
+    at_400 = kept_bytes(tracer)
+    for _ in range(1200):
+        for _ in loader:
+            pass
+    # Nothing is kept per iterator: 1,200 more of them leave the tracer's size where it was
+    # (a table per iterator added 3.7 kB each).
+    assert kept_bytes(tracer) <= 1.25 * at_400
+
+
+def test_stats_over_a_trimmed_trace_count_what_was_forgotten_and_describe_what_was_kept() -> None:
+    _, tracer = traced_epochs(limit=20, epochs=30, batches=4)
+    trace = tracer.trace()
+    stats = trace.stats()
+    assert stats.batches == 120
+    assert stats.epochs == 30
+    assert stats.dropped == trace.dropped == 120 - len(trace.batches)
+    # The kept batches are the last ones, numbered by the epochs they were loaded in.
+    assert [(b.epoch, b.task) for b in trace.batches] == [
+        (epoch, task) for epoch in range(31 - len(trace.batches) // 4, 31) for task in range(4)
+    ][-len(trace.batches) :]
+    # Per kept epoch start, one wait for its first batch; the figures cover the kept stretch.
+    assert len(stats.startup_waits) == sum(1 for m in trace.marks if m.kind == "epoch start")
+    assert stats.seconds == trace.end - trace.start
+    assert f"forgot the {stats.dropped} before them" in stats.verdict()
+    assert stats.verdict().startswith("120 batches in 30 epochs; no workers (inline)")
+
+
+def test_forgetting_costs_a_few_steps_for_each_thing_traced_in_one_long_epoch() -> None:
+    _, tracer = traced_epochs(limit=500, epochs=1, batches=20_000)
+    traced = 20_000 + 20_001 + 2  # batches, waits, the epoch's start and end
+    assert tracer.dropped > 15_000
+    assert tracer.forget_work <= 8 * traced
+
+
+def test_forgetting_costs_a_few_steps_for_each_thing_traced_over_many_epochs() -> None:
+    _, tracer = traced_epochs(limit=40, epochs=2_000)
+    traced = 2_000 * (1 + 2 + 3)  # a batch, two waits and three marks an epoch
+    assert tracer.dropped > 1_900
+    assert tracer.forget_work <= 8 * traced
+
+
+def test_the_long_runs_tool_prints_each_quarter_and_the_goals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from statecore.tools.trace_long_runs import main
+
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for shape in ("long:", "epochs:", "epochs-small:"):
+        assert shape in out
+    assert out.count("quarter 4:") == 3
+    assert out.count("stats() took") == 3
+    assert "last 2,000 batches / first 2,000:" in out
+
+
+def test_the_figures_of_a_long_epoch_past_the_limit_span_only_the_stretch_kept() -> None:
+    _, tracer = traced_epochs(limit=100, epochs=1, batches=1_000)
+    trace = tracer.trace()
+    stats = trace.stats()
+    # The epoch's start went with its first batches: the time counted begins with those kept.
+    assert [mark.kind for mark in trace.marks] == ["epoch end"]
+    assert trace.start == min(trace.batches[0].sent, trace.waits[0].asked)
+    assert trace.epochs_dropped == 1
+    assert stats.epochs == 1
+    assert {b.epoch for b in trace.batches} == {1}
+    assert stats.startup_waits == ()
