@@ -35,6 +35,7 @@ __all__ = [
     "Resume",
     "SamplerLog",
     "decode_rng",
+    "draws_nothing",
     "encode_rng",
     "fingerprint",
     "parse",
@@ -74,6 +75,13 @@ def stateful_sampler(index_sampler: Any) -> Any:
     if type(index_sampler) is BatchSampler:
         candidates.append(index_sampler.sampler)
     return next((candidate for candidate in candidates if has_state(candidate)), None)
+
+
+def draws_nothing(index_sampler: Any) -> bool:
+    """Whether the epoch's sampler draws no random number: torch's SequentialSampler, batched
+    by torch's BatchSampler or not. Its epoch is drawn again with no generator's state."""
+    sampler = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    return type(sampler) is SequentialSampler
 
 
 def _qualified(thing: Any) -> str | None:
@@ -184,8 +192,6 @@ class SamplerLog:
 class EpochRecord:
     """What the loader noted as an epoch began, to let a fresh loader draw it again."""
 
-    number: int
-    """Epochs started by the loader so far, this one included: 1 for the first."""
     rng: torch.Tensor
     """The state of the generator the sampler draws from, as the epoch's draws began."""
     seeded: bool = True
@@ -200,7 +206,6 @@ class Resume:
 
     raw: Mapping[str, Any]
     """The checkpoint as given: what `state_dict()` returns until an epoch starts from it."""
-    epoch: int
     progress: Progress
     complete: bool
     base_seed: int | None
@@ -217,7 +222,6 @@ class Resume:
 def snapshot(
     facts: Mapping[str, Any],
     *,
-    epoch: int,
     progress: Progress,
     complete: bool,
     base_seed: int | None,
@@ -232,7 +236,6 @@ def snapshot(
     state = {
         _KEY: FORMAT,
         **facts,
-        "epoch": epoch,
         "progress": {
             "done": progress.done,
             "also": sorted(progress.also),
@@ -388,6 +391,7 @@ def parse(
     *,
     batches: int | None = None,
     rng_size: int | None = None,
+    drawless: bool = False,
 ) -> Resume:
     """Read a checkpoint made by `snapshot`, refusing one taken from a different loader setup.
 
@@ -395,9 +399,11 @@ def parse(
     checkpoint of another dataset or batching would resume the wrong epoch, silently.
     `batches` is the epoch's number of draws when the sampler tells it, and `rng_size` the
     size of the state of the generator the epoch draws from: positions and generator states
-    beyond them cannot come from this loader. Every field is checked for its type and range
-    before anything is used, and a refusal names the field, what it holds and what was
-    expected: a corrupted state must not resume a wrong epoch or kill the workers.
+    beyond them cannot come from this loader. `drawless` says the sampler draws no random
+    number (`draws_nothing`): its epoch needs no generator's state. Every field is checked
+    for its type and range before anything is used, and a refusal names the field, what it
+    holds and what was expected: a corrupted state must not resume a wrong epoch or kill the
+    workers.
     """
     if not isinstance(state, Mapping) or _KEY not in state:
         raise _fail(
@@ -473,8 +479,6 @@ def parse(
     ):
         raise _wrong("progress.dry", dry, expected)
     complete = _bool(_get(state, "complete", "complete"), "complete")
-    # 0 only before the loader's first epoch, when the state says the next iter() starts one.
-    epoch = _int(_get(state, "epoch", "epoch"), "epoch", low=0 if complete else 1)
     base_seed = _get(state, "base_seed", "base_seed")
     if base_seed is not None:
         base_seed = _int(base_seed, "base_seed", high=_SEEDS - count)
@@ -491,6 +495,7 @@ def parse(
         and not complete
         and rng_epoch_start is None
         and sampler is None
+        and not drawless
     ):
         # A map-style epoch is drawn again from its start unless the sampler restores itself.
         raise _wrong(
@@ -501,7 +506,6 @@ def parse(
         )
     return Resume(
         raw=state,
-        epoch=epoch,
         progress=Progress(done, frozenset(also), ended, turn, frozenset(dry)),
         complete=complete,
         base_seed=base_seed,

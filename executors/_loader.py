@@ -30,6 +30,7 @@ from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
     SamplerLog,
+    draws_nothing,
     fingerprint,
     parse,
     positioned,
@@ -154,8 +155,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # from the attributes named like its arguments.
         self.trace = tracing_from_environment() if trace is None else bool(trace)
         self._tracer: Tracer | None = None
-        self._epochs = 0
-        """Epochs started by this loader, the current one included."""
         self._resume: Resume | None = None
         self._latest: weakref.ref[_Iterator] | None = None
         """The latest iterator while it lives: its epoch's position is read from it."""
@@ -243,21 +242,23 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._resume is not None:
             return dict(self._resume.raw)  # loaded and not yet iterated: the same checkpoint
         position = self._position()
+        # The generator the loader draws from, as it stands now: a resume puts it back here.
+        # torch's global one too where the epoch's batches depend on it (its shuffle, its
+        # workers' seeds): a program that does not restore its own state of it (Lightning's
+        # does not) then goes on with the uninterrupted run's global stream. Where they do not
+        # depend on it, the state holds nothing of it: two loaders at the same point of the
+        # same batches give equal states, whatever their programs drew.
+        random = position is not None and (
+            position.base_seed is not None or position.rng_epoch_start is not None
+        )
+        rng_now = _generator_of(self).get_state() if self.generator is not None or random else None
         if position is not None:
-            # torch's global generator is the program's: its state matters to a resume only
-            # between epochs (see `_start_replayed`), and is kept only then.
-            keep = self.generator is not None or position.complete
-            return snapshot(
-                facts,
-                rng_now=_generator_of(self).get_state() if keep else None,
-                **attrs.asdict(position, recurse=False),
-            )
+            return snapshot(facts, rng_now=rng_now, **attrs.asdict(position, recurse=False))
         # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
         return snapshot(
             facts,
-            epoch=self._epochs,
-            progress=Progress(ended=self._epochs > 0),
+            progress=Progress(),
             complete=True,
             base_seed=None,
             rng_epoch_start=None,
@@ -291,6 +292,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._checkpoint_facts(),
             batches=None if self._dataset_kind == _ITER else _trusted_length(self._index_sampler),
             rng_size=source.get_state().numel(),
+            drawless=self._dataset_kind != _ITER and draws_nothing(self._index_sampler),
         )
         saved = resume.workers
         workers = max(self.num_workers, 1)
@@ -444,9 +446,8 @@ def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
 
 def _between_epochs(loader: DataLoader[Any], resume: Resume) -> None:
     """Put the loader where the checkpoint's was once its epoch had ended."""
-    loader._epochs = resume.epoch
-    if resume.rng_now is not None and loader.generator is not None:
-        loader.generator.set_state(resume.rng_now)
+    if resume.rng_now is not None:
+        _generator_of(loader).set_state(resume.rng_now)
     sampler = stateful_sampler(loader._index_sampler)
     if sampler is not None and resume.sampler is not None:
         sampler.load_state_dict(resume.sampler)
@@ -469,11 +470,12 @@ _EPOCH_OVER = (
 class _Position:
     """Where an iterator's epoch stands: a checkpoint, less the loader's own facts."""
 
-    epoch: int
     progress: Progress
     complete: bool
-    base_seed: int
-    rng_epoch_start: torch.Tensor
+    base_seed: int | None
+    """None where no worker is seeded from it: loading in the calling thread."""
+    rng_epoch_start: torch.Tensor | None
+    """None where the sampler draws no random number."""
     seeded: bool
     sampler: Any
     num_yielded: int
@@ -512,46 +514,14 @@ class _Iterator(_BaseDataLoaderIter):
             and seed is not None
             and (persistent if resume.complete else not resume.seeded)
         )
-        replay = None
         if resume is not None and resume.complete:
+            # The generator is put where the checkpoint found it (torch's global one too, so
+            # the program goes on with the original's stream), and the epoch draws from it.
             _between_epochs(loader, resume)
-            if loader.generator is None and resume.rng_now is not None:
-                replay = resume.rng_now
             resume = None
             seed = seed if persistent else None
-        elif resume is not None:
-            loader._epochs = resume.epoch - 1  # the resumed epoch counts again as it starts
         self._resume = resume
-        if replay is None or torch.equal(torch.get_rng_state(), replay):
-            self._start(loader, resume, seed, undraw)
-        else:
-            self._start_replayed(loader, replay, seed, undraw)
-
-    def _start_replayed(
-        self, loader: DataLoader[Any], replay: torch.Tensor, seed: int | None, undraw: bool
-    ) -> None:
-        """Start the epoch after a checkpoint's, drawn as the original drew it.
-
-        The original drew the epoch's seeds (the workers' base seed, the sampler's) from
-        torch's global generator as the checkpoint left it. The program's global generator is
-        elsewhere (not restored, or seeded again), so the draws are made on a copy set to the
-        checkpoint's state, and the program's stream moves on by the same draws, as torch's
-        DataLoader would move it.
-        """
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(replay)
-            if not undraw:
-                torch.empty((), dtype=torch.int64).random_()  # where torch's base seed leaves it
-            seeded = torch.get_rng_state()
-            torch.set_rng_state(replay)
-            self._start(loader, None, seed, undraw)
-            # Lazily drawing samplers (torch's RandomSampler) take their seed on the first draw.
-            self._sampler_iter = positioned(self._sampler_iter, 0, peek=True)
-            sampler_drew = not torch.equal(torch.get_rng_state(), seeded)
-        if not undraw:
-            torch.empty((), dtype=torch.int64).random_()
-        if sampler_drew:
-            next(iter(self._index_sampler), None)
+        self._start(loader, resume, seed, undraw)
 
     def _start(
         self, loader: DataLoader[Any], resume: Resume | None, seed: int | None, undraw: bool
@@ -564,6 +534,7 @@ class _Iterator(_BaseDataLoaderIter):
         if seed is not None:
             self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
+        self._drawless = self._dataset_kind != _ITER and draws_nothing(self._index_sampler)
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
@@ -631,11 +602,10 @@ class _Iterator(_BaseDataLoaderIter):
         # from the loader's generator, moving it on.
         if not (first_iter and self._in_process):
             super()._reset(loader, first_iter)
-        loader._epochs += 1
         # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
         # persistent iterator's later ones do not. A resume draws as the original did.
         seeded = first_iter if resume is None else resume.seeded
-        record = EpochRecord(loader._epochs, rng, seeded)
+        record = EpochRecord(rng, seeded)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -665,7 +635,17 @@ class _Iterator(_BaseDataLoaderIter):
     def _positioned(
         self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator
     ) -> Any:
-        """The sampler's iterator, at the first draw not handed over before the checkpoint."""
+        """The sampler's iterator, at the first draw not handed over before the checkpoint.
+
+        torch's global generator is put where the original's stood at the checkpoint: the
+        epoch's own draws (the base seed, the sampler's seed) had been made from it, and the
+        program's draws (its dropout, its own sampling) come next, as they did.
+        """
+        if loader.generator is None and resume.rng_now is not None:
+            source.set_state(resume.rng_now)  # the replay draws on a copy (see `_replayed`)
+        return self._replayed(loader, resume, sampler, source)
+
+    def _replayed(self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator) -> Any:
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
@@ -677,26 +657,32 @@ class _Iterator(_BaseDataLoaderIter):
             if start is not None and loader.generator is not None:
                 source.set_state(start)
             return iter(self._index_sampler)
+        if start is None and self._drawless:
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=False)
         if start is None:
             raise ValueError(
                 "cannot resume this epoch: the checkpoint has neither the sampler's state nor "
                 "the random state the epoch began with"
             )
         # Any other sampler is drawn again from the epoch's start, as the original drew it.
-        if loader.generator is not None or torch.equal(source.get_state(), start):
-            # The loader's own generator, or the global one where the epoch began (a program
-            # that seeds as the original did): it ends where the original's was.
+        if loader.generator is not None:
+            # Only the sampler draws from the loader's own generator, some of it lazily (torch's
+            # RandomSampler, a chunk at a time): drawn again on it, it ends where the
+            # original's did.
             source.set_state(start)
-            peek = loader.generator is None
-            return positioned(iter(self._index_sampler), resume.progress.done, peek=peek)
-        # The program's global stream is elsewhere: the epoch is drawn on a copy set to its
-        # start, and the stream moves on by the draws a fresh epoch's sampler makes from it
-        # (torch's RandomSampler takes its seed on the first draw), as torch's would.
+            return positioned(iter(self._index_sampler), resume.progress.done, peek=False)
+        # torch's global generator: the epoch is drawn on a copy set to its start (torch's
+        # samplers take all they draw from it on their first draw, hence the peek), and the
+        # generator is then put where the checkpoint found it (see `_positioned`).
         with torch.random.fork_rng(devices=[]):
             source.set_state(start)
             draws = positioned(iter(self._index_sampler), resume.progress.done, peek=True)
             drew = not torch.equal(source.get_state(), start)
-        if drew:
+        now = resume.rng_now
+        if drew and (now is None or torch.equal(now, start)):
+            # The original's sampler had drawn nothing yet at the checkpoint (the generator
+            # stood where the epoch began), or the state did not record the generator: the
+            # stream moves on by the sampler's first draw, as the original's did (torch's).
             next(iter(self._index_sampler), None)
         return draws
 
@@ -720,11 +706,10 @@ class _Iterator(_BaseDataLoaderIter):
             log = record.log
             sampler_state = log.sampler.state_dict() if complete else log.at(done.done)
         return _Position(
-            epoch=record.number,
             progress=done,
             complete=complete,
-            base_seed=int(self._base_seed),
-            rng_epoch_start=record.rng,
+            base_seed=None if self._in_process else int(self._base_seed),
+            rng_epoch_start=None if self._drawless else record.rng,
             seeded=record.seeded,
             sampler=sampler_state,
             num_yielded=self._num_yielded,

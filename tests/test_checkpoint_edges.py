@@ -6,13 +6,14 @@ Each test compares a resumed loader with an uninterrupted run of the same config
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
 import torch
-from _checkpoints import roundtrip, run_to_end
+from _checkpoints import roundtrip, run_to_end, take
 from _datasets import Numbers, StatefulIterator
-from _side_by_side import WORKERS
+from _side_by_side import WORKERS, as_lists
 
 from statecore import DataLoader, Phase
 
@@ -251,6 +252,135 @@ def test_persistent_workers_resumed_between_epochs_run_the_next_epoch_as_the_ori
     assert got == expected
 
 
+def readable(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with its generator states shortened to a digest: a failure prints legibly."""
+    shown = dict(state)
+    shown["rng"] = {
+        name: None if value is None else hashlib.sha1(value.encode()).hexdigest()[:12]
+        for name, value in state["rng"].items()
+    }
+    return shown
+
+
+def fit(
+    loader: DataLoader[Any], epochs: int, limit: int, resumed_at: int = 0
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
+    """Lightning's fit loop: one iter() per epoch, `limit` batches of it (the loader's epoch is
+    left unfinished, as limit_train_batches leaves it), after each batch a draw of the training
+    code's from torch's global generator (its dropout) and the loader's state saved.
+
+    `resumed_at`: the first epoch goes on from that batch, on the iter() that follows a
+    load_state_dict(), as Lightning's first epoch after a restart does. Returns what the
+    training code saw and drew, the states (legible), and the last state as saved.
+    """
+    seen: list[Any] = []
+    states: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+    for epoch in range(epochs):
+        iterator = iter(loader)
+        for _ in range(resumed_at if epoch == 0 else 0, limit):
+            seen.append((as_lists(next(iterator)), torch.rand(2).tolist()))
+            last = roundtrip(loader.state_dict())
+            states.append(readable(last))
+    return seen, states, last
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers", "persistent"), PERSISTENT)
+@pytest.mark.parametrize("saved_at", [2, 4])
+def test_resumed_as_lightning_resumes_every_random_stream_is_the_uninterrupted_runs(
+    executor: str, workers: int, persistent: bool, saved_at: int
+) -> None:
+    torch.manual_seed(5)
+    expected_seen, expected_states, _ = fit(
+        on_global(executor, workers, persistent), epochs=3, limit=4
+    )
+
+    torch.manual_seed(5)
+    seen, states, checkpoint = fit(
+        on_global(executor, workers, persistent), epochs=1, limit=saved_at
+    )
+    # The restarted program does not restore torch's global generator (Lightning does not):
+    # the loader's state puts it back where it stood at the checkpoint.
+    torch.manual_seed(999)
+    resumed = on_global(executor, workers, persistent)
+    resumed.load_state_dict(checkpoint)
+    more_seen, more_states, _ = fit(resumed, epochs=3, limit=4, resumed_at=saved_at)
+    # The batches (their order, their workers' seeds) and the training code's draws; and
+    # every state saved after the resume, the later epochs' base seeds and starts included.
+    assert seen + more_seen == expected_seen
+    assert states + more_states == expected_states
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_the_global_generator_goes_on_as_the_originals_from_a_state_taken_before_any_batch(
+    taken: int,
+) -> None:
+    # Loading in the calling thread, the sampler draws its seed from the global generator on
+    # the epoch's first batch: a state taken before it, the original's draw is still to come.
+    torch.manual_seed(1)
+    original = on_global("inline", 0, persistent=False)
+    iterator = iter(original)
+    take(iterator, taken)
+    state = roundtrip(original.state_dict())
+    rest = run_to_end(iterator)
+    original_global = torch.get_rng_state()
+
+    torch.manual_seed(99)
+    resumed = on_global("inline", 0, persistent=False)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == rest
+    assert torch.equal(torch.get_rng_state(), original_global)
+
+
+def in_order_in_process() -> tuple[DataLoader[Any], list[Any], dict[str, Any]]:
+    """A loader whose batches draw nothing random: its sampler is sequential, and no worker
+    is seeded. Returns it two batches into its epoch, the rest of that epoch, and its state."""
+    loader = DataLoader(Numbers(10), batch_size=2)
+    iterator = iter(loader)
+    take(iterator, 2)
+    state = roundtrip(loader.state_dict())
+    return loader, run_to_end(iterator), state
+
+
+def test_a_state_of_batches_that_draw_nothing_holds_nothing_of_the_global_generator() -> None:
+    # Two programs whose global streams differ (Lightning compares a restarted run's states
+    # with the uninterrupted run's): the same batches, the same state.
+    torch.manual_seed(1)
+    _, _, first = in_order_in_process()
+    torch.manual_seed(2)
+    _, _, second = in_order_in_process()
+    assert first["base_seed"] is None
+    assert first["rng"] == {"epoch_start": None, "now": None}
+    assert first == second
+
+
+def test_a_state_counts_no_epochs_so_a_fresh_loader_gives_the_same_at_the_same_point() -> None:
+    # Lightning restarted from an epoch's end builds a fresh loader and loads no state into it,
+    # then compares its states with those of the loader that ran every epoch.
+    _, _, fresh = in_order_in_process()
+    loader, _, _ = in_order_in_process()
+    run_to_end(iter(loader))
+    iterator = iter(loader)
+    take(iterator, 2)
+    assert roundtrip(loader.state_dict()) == fresh
+
+
+def test_a_state_of_batches_that_draw_nothing_resumes_and_leaves_the_global_generator_alone() -> (
+    None
+):
+    _, rest, state = in_order_in_process()
+    resumed = DataLoader(Numbers(10), batch_size=2)
+    resumed.load_state_dict(state)
+    torch.manual_seed(3)
+    assert run_to_end(iter(resumed)) == rest
+    # The program's stream moved on by what torch's iter() draws from it (its base seed).
+    resumed_program = torch.get_rng_state()
+    torch.manual_seed(3)
+    iter(torch.utils.data.DataLoader(Numbers(10), batch_size=2))
+    assert torch.equal(torch.get_rng_state(), resumed_program)
+
+
 # --- snapshot_every_n_steps=0 -------------------------------------------------------------------
 
 
@@ -292,20 +422,15 @@ def test_a_state_between_epochs_resumes_the_next_epoch_drawn_from_the_global_as_
         run_to_end(iter(original))
     state = roundtrip(original.state_dict())  # before the first iter(), or after a for loop
     expected = [run_to_end(iter(original))]
+    original_global = torch.get_rng_state()
 
     torch.manual_seed(5)  # a program that neither restores nor seeds its stream as before
-    program = torch.get_rng_state()
     resumed = on_global(executor, workers, persistent)
     resumed.load_state_dict(state)
     assert run_to_end(iter(resumed)) == expected[0]
-    # The program's own stream moved on by the draws torch's DataLoader makes at an iter().
-    moved_on = torch.get_rng_state()
-    torch.set_rng_state(program)
-    iter(torch.utils.data.DataLoader(Seeded(), shuffle=True)).__next__()
-    if persistent and epochs_before:
-        torch.set_rng_state(program)
-        next(iter(torch.utils.data.RandomSampler(Seeded())))  # a persistent epoch: no base seed
-    assert torch.equal(moved_on, torch.get_rng_state())
+    # The global generator was put back where the state found it, and the epoch drew from it
+    # what the original's did: the program goes on with the original's stream.
+    assert torch.equal(torch.get_rng_state(), original_global)
 
 
 # --- a dataset state that the dataset goes on changing -------------------------------------------

@@ -347,7 +347,6 @@ def test_a_checkpoint_in_a_later_epoch_of_persistent_workers_resumes_that_epoch(
     take(iterator, 3)
     state = original.state_dict()
     after = run_to_end(iterator)
-    assert state["epoch"] == 2
     fresh = loader(StatefulIterator(16), **options)
     fresh.load_state_dict(state)
     assert run_to_end(iter(fresh)) == after

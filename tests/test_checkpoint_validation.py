@@ -59,7 +59,6 @@ def seeded(seed: int = 7) -> torch.Generator:
         (("progress", "ended"), 1, r"progress\.ended holds 1 \(int\); expected True or False"),
         (("complete",), "no", r"complete holds 'no' \(str\); expected True or False"),
         (("progress", "dry"), [0], r"progress\.dry holds \[0\] \(list\); expected \[\]"),
-        (("epoch",), 0, r"epoch holds 0 \(int\); expected an int from 1"),
         (("num_yielded",), None, r"num_yielded holds None"),
         (("base_seed",), 2**70, r"base_seed holds 1180591620717411303424 \(int\)"),
         (("base_seed",), -5, r"base_seed holds -5"),
@@ -81,7 +80,7 @@ def test_a_field_of_the_wrong_type_or_range_is_refused_by_name(
 
 
 @pytest.mark.parametrize(
-    "path", [("epoch",), ("progress",), ("progress", "done"), ("rng", "now"), ("complete",)]
+    "path", [("progress",), ("progress", "done"), ("rng", "now"), ("complete",)]
 )
 def test_a_missing_field_is_refused_by_name(path: tuple[str, ...]) -> None:
     state = map_state()

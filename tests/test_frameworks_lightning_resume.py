@@ -83,3 +83,50 @@ def test_a_run_resumed_from_a_mid_epoch_checkpoint_trains_on_the_batches_of_an_u
 
     assert first.indices == unbroken.indices[:STOP]
     assert resumed.indices == unbroken.indices[STOP:]
+
+
+class _Drawing(Recorder):
+    """Also draws from torch's global generator at every step, as dropout would."""
+
+    def __init__(self, make_loader: Any) -> None:
+        super().__init__(make_loader)
+        self.draws: list[float] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_index: int) -> torch.Tensor:
+        self.draws.append(torch.rand(1).item())
+        return super().training_step(batch, batch_index)
+
+
+def _on_global(executor: str, workers: int) -> Any:
+    return DataLoader(
+        Marked(40), batch_size=4, shuffle=True, num_workers=workers, executor=executor
+    )
+
+
+@pytest.mark.parametrize(("executor", "workers"), [("inline", 0), ("mp", 2)])
+def test_a_resumed_run_goes_on_with_the_unbroken_runs_global_random_stream(
+    tmp_path: Path, executor: str, workers: int
+) -> None:
+    # Shuffled from torch's global generator, which Lightning does not restore on a resume:
+    # the loader's state puts it back, so the training code's draws and the later epochs'
+    # shuffles are the unbroken run's.
+    unbroken = _Drawing(lambda: _on_global(executor, workers))
+    torch.manual_seed(5)
+    _trainer(tmp_path / "unbroken", max_epochs=3, enable_checkpointing=False).fit(unbroken)
+
+    saves = lightning.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", every_n_train_steps=STOP, save_top_k=-1
+    )
+    first = _Drawing(lambda: _on_global(executor, workers))
+    torch.manual_seed(5)
+    with pytest.raises(_Preempted):
+        _trainer(tmp_path / "first", max_epochs=3, callbacks=[saves, _StopAfter()]).fit(first)
+    checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
+
+    resumed = _Drawing(lambda: _on_global(executor, workers))
+    torch.manual_seed(999)  # the restarted program's global generator is elsewhere
+    trainer = _trainer(tmp_path / "resumed", max_epochs=3, enable_checkpointing=False)
+    trainer.fit(resumed, ckpt_path=checkpoint)
+
+    assert first.indices + resumed.indices == unbroken.indices
+    assert first.draws + resumed.draws == unbroken.draws
