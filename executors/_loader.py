@@ -514,9 +514,18 @@ class _Iterator(_BaseDataLoaderIter):
             and seed is not None
             and (persistent if resume.complete else not resume.seeded)
         )
+        self._carried: tuple[Any, ...] | None = None
         if resume is not None and resume.complete:
             # The generator is put where the checkpoint found it (torch's global one too, so
             # the program goes on with the original's stream), and the epoch draws from it.
+            iterable = loader._dataset_kind == _ITER
+            if persistent or (loader.loads_in_process and iterable):
+                # The original's datasets lived on into the next epoch, with what their last
+                # epoch left in their state: so do the resumed ones (torchdata's too). Not a
+                # map-style one in the main process: its state would be loaded after iter()
+                # drew its seeds, and a state that is torch's global generator's would undo
+                # those draws.
+                self._carried = resume.workers
             _between_epochs(loader, resume)
             resume = None
             seed = seed if persistent else None
@@ -558,6 +567,7 @@ class _Iterator(_BaseDataLoaderIter):
             worker_init_fn=loader.worker_init_fn,
             shared_seed=self._shared_seed,
             resume=None if resume is None else resume.workers,
+            ended=self._carried,
             snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,
         )

@@ -81,6 +81,11 @@ class WorkerSetup:
     resume: tuple[Mark | None, ...] | None = attrs.field(default=None, eq=False)
     """An iterable dataset's first epoch goes on from a checkpoint: per worker, the mark of
     its last batch handed over, from which the worker restores its part of the dataset."""
+    ended: tuple[Mark | None, ...] | None = attrs.field(default=None, eq=False)
+    """The epoch before the first starts from a checkpoint taken between epochs, and this
+    worker's dataset would have lived on into the next (persistent workers, or loading in the
+    main process): per worker, the mark of its last batch of that epoch. A stateful dataset is
+    brought back to where it stood as that epoch ended, and starts the next from there."""
     snapshot_every: int | None = 1
     """A worker with a stateful iterable dataset sends its state with every this many batches
     it yields (None: never; a resume then fast-forwards from the epoch's start)."""
@@ -296,6 +301,8 @@ class WorkerRuntime:
                     # draws its seeds, and a dataset's state may be torch's global generator's.
                     self.restore = saved[1].get("dataset")
             self._restart("while creating the dataset fetcher", mark)
+            if setup.ended is not None and worker_id < len(setup.ended):
+                self._carry(setup.ended[worker_id])
 
     @classmethod
     def in_worker(cls, setup: WorkerSetup, worker_id: int, pid: int | None) -> WorkerRuntime:
@@ -324,8 +331,9 @@ class WorkerRuntime:
             )
         return cls(setup, worker_id, pid, dataset, init_error)
 
-    def _restart(self, where: str, mark: Mark | None = None) -> None:
-        """A fresh dataset iterator, positioned at `mark` if one is given."""
+    def _restart(self, where: str, mark: Mark | None = None) -> bool:
+        """A fresh dataset iterator, positioned at `mark` if one is given; False if that
+        failed (`init_error` then holds why)."""
         setup = self.setup
         self.since = self.skip = 0
         snapshot = mark[1] if mark is not None and mark[1] is not ... else None
@@ -344,14 +352,14 @@ class WorkerRuntime:
                 TimedFetch(self.fetcher, not self.iterable) if setup.trace else self.fetcher.fetch
             )
             if not self.iterable:
-                return
+                return True
             iterator = self.fetcher.dataset_iter
             if snapshot is not None and snapshot.get("iterator") is not None:
                 where = "while loading the dataset iterator's state_dict from the checkpoint"
                 iterator.load_state_dict(snapshot["iterator"])
         except Exception as error:
             self.init_error = self._capture(error, None, where)
-            return
+            return False
         # An iterator that is the dataset itself keeps its state once, as the iterator's: a
         # state loaded before iter() would be lost when its __iter__ starts over.
         self.stateful_iterator = has_state(iterator)
@@ -359,6 +367,37 @@ class WorkerRuntime:
         self.stateful = self.stateful_iterator or self.stateful_dataset
         if mark is not None:
             self.since = self.skip = mark[0]
+        return True
+
+    def _carry(self, mark: Mark | None) -> None:
+        """Bring a stateful dataset to where it stood as the checkpoint's epoch ended.
+
+        A dataset may change its state as its iterator runs dry (counting its epochs, say), so
+        an iterable worker's part is restored at its last batch and run dry again, dropped,
+        and the next epoch's iterator made from there, as a persistent worker's would be. A
+        map-style dataset's state after its last batch is loaded before its first task.
+        """
+        if self.init_error is not None:
+            return
+        if not self.iterable:
+            if self.stateful_map and mark is not None and mark[1] not in (None, ...):
+                self.restore = mark[1].get("dataset")
+            return
+        if not self.stateful:
+            return  # nothing of the epoch lives on in the dataset: no need to run it again
+        # No mark: the worker's part was empty, and runs dry again at once.
+        if not self._restart("while loading the dataset's state_dict from the checkpoint", mark):
+            return  # `init_error` says why, with the first task
+        # The epoch is over: every item left of it, the `skip` batches' included, was read.
+        iterator, self.skip = self.fetcher.dataset_iter, 0
+        while True:
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+            except Exception:
+                continue  # its error was handed over before the checkpoint
+        self._restart("while restarting the dataset for the next epoch")
 
     def _mark(self) -> Mark:
         """The mark of the batch (or error) just yielded, its dataset's state every so often."""

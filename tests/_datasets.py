@@ -257,6 +257,29 @@ class PerWorkerCounts(IterableDataset):  # type: ignore[type-arg]
             yield from (100 * k + j for j in range(self.counts[k]))
 
 
+class CountsEpochs(IterableDataset):  # type: ignore[type-arg]
+    """(item, epoch) for this worker's share of range(n); its state counts the epochs.
+
+    The count moves on only once its iterator has run dry, so the state that tells the next
+    epoch's number exists only after the epoch's last item: a dataset that keeps its own epoch.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for item in share_of_range(self.n):
+            yield item, self.epoch
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+
+
 class Rewinding(Positioned):
     """A `Positioned` that goes back to the start once it has run dry, as many datasets do so
     that the next epoch starts over: its state after the last item is that of the start."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 from _checkpoints import roundtrip, run_to_end, take
 from _datasets import (
+    CountsEpochs,
     PerWorkerCounts,
     Positioned,
     Rewinding,
@@ -407,3 +408,27 @@ def test_a_state_taken_before_iter_resumes_the_first_iterable_epoch() -> None:
     fresh = loader(ShardedRange(5))
     fresh.load_state_dict(state)
     assert run_to_end(iter(fresh)) == run_to_end(iter(original))
+
+
+CARRYING = [
+    pytest.param("inline", 0, id="inline"),
+    pytest.param("thread", 2, id="thread-2-persistent"),
+    pytest.param("mp", 2, id="mp-2-persistent"),
+]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
+def test_a_state_between_epochs_carries_each_datasets_own_state_into_the_next_epoch(
+    executor: str, workers: int
+) -> None:
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
+    uninterrupted = loader(CountsEpochs(8), **options)
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(3)]
+    original = loader(CountsEpochs(8), **options)
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    fresh = loader(CountsEpochs(8), **options)
+    take(iter(fresh), 1)  # elsewhere in its own first epoch when the state is loaded
+    fresh.load_state_dict(state)
+    assert [run_to_end(iter(fresh)) for _ in range(2)] == epochs[1:]

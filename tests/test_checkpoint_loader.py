@@ -423,6 +423,31 @@ def test_a_map_style_dataset_state_per_worker_is_restored_and_draws_as_the_origi
     assert run_to_end(iter(resumed)) == after
 
 
+@WORKERS
+@pytest.mark.parametrize(
+    ("executor", "workers"),
+    [
+        pytest.param("thread", 2, id="thread-2-persistent"),
+        pytest.param("mp", 2, id="mp-2-persistent"),
+    ],
+)
+def test_a_map_style_state_between_epochs_goes_on_into_the_next_epoch_as_its_workers_did(
+    executor: str, workers: int
+) -> None:
+    def build() -> DataLoader[Any]:
+        options = {"generator": seeded(), "num_workers": workers}
+        return loader(Augmented(12), executor=executor, persistent_workers=True, **options)
+
+    uninterrupted = build()
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == epochs[1]
+
+
 def test_a_map_style_dataset_state_is_kept_as_of_the_last_batch_handed_over() -> None:
     original = loader(Augmented(40), num_workers=2, executor="thread", prefetch_factor=4)
     iterator = iter(original)
