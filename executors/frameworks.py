@@ -32,6 +32,7 @@ for code that calls it. See docs/frameworks.md.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any
 
@@ -69,8 +70,9 @@ def keep_statecore_under_accelerate() -> None:
     `prepare_with_accelerate`.
     """
     try:
-        from accelerate import Accelerator
-
+        # The hook runs once accelerate is imported: take it from there (importing it here would
+        # make it look like a dependency of the plain install, which it is not).
+        Accelerator = sys.modules["accelerate"].Accelerator
         prepare = Accelerator.prepare_data_loader
     except Exception as error:  # an accelerate that is not the one this was written against
         warnings.warn(
