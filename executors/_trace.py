@@ -251,14 +251,20 @@ class _Tasks:
             epoch = [epochs_before] * len(keys)
         failed = [key in self.failed for key in keys] if self.failed else [False] * len(keys)
         task = [key & _TASK for key in keys]
-        worker = list(map(self.worker.__getitem__, keys))
-        started = list(map(self.started.get, keys))
-        finished = list(map(self.finished.get, keys))
-        arrived = list(map(self.arrived.get, keys))
-        handed = list(map(self.handed.get, keys))
-        cpu = list(map(self.cpu.get, keys))
+        worker = _column(self.worker, keys)
+        started = _column(self.started, keys)
+        finished = _column(self.finished, keys)
+        arrived = _column(self.arrived, keys)
+        handed = _column(self.handed, keys)
+        cpu = _column(self.cpu, keys)
         took = self.slowest_took
-        sampled = [row for row, key in enumerate(keys) if key in took] if took else []
+        # A worker reports a slowest sample with each batch it times: mostly, every batch has one.
+        sampled: Sequence[int]
+        if len(took) == len(keys):
+            sampled, took_sampled = range(len(keys)), _column(took, keys)
+        else:
+            sampled = [row for row, key in enumerate(keys) if key in took] if took else []
+            took_sampled = [took[keys[row]] for row in sampled]
         packed, given, sample_of = self.packed, self.index, self.slowest_index
 
         def index(row: int) -> Any:
@@ -330,11 +336,21 @@ class _Tasks:
             cpu=cpu,
             failed=failed,
             sample_row=sampled,
-            sample_took=[took[keys[row]] for row in sampled],
+            sample_took=took_sampled,
             sample_index=sample_index,
             record=record,
             records=records,
         )
+
+
+def _column(column: dict[int, Any], keys: list[int]) -> list[Any]:
+    """`column`'s value for each of `keys`, None where it has none. Where it holds those keys
+    in that order (a loader that hands its batches over in the order it sent them), its values
+    are read as they lie: a look-up a key, in a dict that forgot as many keys as a long run
+    does, took six times as long."""
+    if len(column) == len(keys) and list(column) == keys:
+        return list(column.values())
+    return list(map(column.get, keys))
 
 
 _collected: list[Tracer] | None = None
@@ -473,7 +489,7 @@ class _Batches:
     handed: list[float | None]
     cpu: list[float | None]
     failed: list[bool]
-    sample_row: list[int]
+    sample_row: Sequence[int]
     """The slowest samples of all batches, one entry a sample: the row of its batch..."""
     sample_took: list[float]
     """... its seconds ..."""
@@ -629,23 +645,24 @@ class LoaderStats:
         seconds = max(0.0, end - start)
         # Each batch a worker finished, with how long it took, worked out once: a trace can
         # hold the tracer's limit of batches.
-        done = [
-            (row, finished - started)
-            for row, (started, finished) in enumerate(
-                zip(batches.started, batches.finished, strict=True)
-            )
-            if started is not None and finished is not None
+        # How long a worker took over each batch it finished, worked out once, a column at a
+        # time: a trace can hold the tracer's limit of batches.
+        durations = [
+            None if started is None or finished is None else finished - started
+            for started, finished in zip(batches.started, batches.finished, strict=True)
         ]
-        median = statistics.median([took for _, took in done]) if done else None
+        done = [row for row, took in enumerate(durations) if took is not None]
+        took_done = [took for took in durations if took is not None]
+        median = statistics.median(took_done) if done else None
         loading = [0.0] * trace.num_workers
+        worker_of, cpu_of = batches.worker, batches.cpu
+        if trace.num_workers:
+            for worker, took in zip(map(worker_of.__getitem__, done), took_done, strict=True):
+                if 0 <= worker < trace.num_workers:
+                    loading[worker] += took
         # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
         cpu = wall = 0.0
-        worker_of, cpu_of = batches.worker, batches.cpu
-        for row, took in done:
-            worker = worker_of[row]
-            if 0 <= worker < trace.num_workers:
-                loading[worker] += took
-            spent = cpu_of[row]
+        for spent, took in zip(map(cpu_of.__getitem__, done), took_done, strict=True):
             if spent is not None:
                 cpu += spent
                 wall += took
@@ -661,7 +678,8 @@ class LoaderStats:
             )
         stragglers: tuple[BatchRecord, ...] = ()
         if median is not None and median > 0:
-            slow = [(row, took) for row, took in done if took > STRAGGLER_FACTOR * median]
+            bound = STRAGGLER_FACTOR * median
+            slow = [(row, took) for row, took in zip(done, took_done, strict=True) if took > bound]
             slow.sort(key=lambda pair: -pair[1])
             stragglers = tuple(batches.record(row) for row, _ in slow)
         starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
