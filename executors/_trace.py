@@ -200,7 +200,13 @@ class _Tasks:
         and its epoch had arrived and was not handed over yet (`Wait.held`): a sweep in order
         of time over the answers' arrivals, each driver's kept apart, with the batches handed
         over meanwhile struck off. In the order the consumer asked, as `Trace.waits`."""
-        arrivals = sorted(zip(self.arrived.values(), self.arrived, strict=True))
+        arrived = self.arrived
+        times = list(arrived.values())
+        arrivals = list(zip(times, arrived, strict=True))
+        # Answers are kept as they arrive, so in order of time already (ties aside, which the
+        # sweep takes in one go): sorted only where the clock went back.
+        if not all(map(operator.le, times, itertools.islice(times, 1, None))):
+            arrivals.sort()
         count, next_arrival = len(arrivals), 0
         ready: dict[int, list[tuple[float, int]]] = {}  # per driver, (arrived, key): a heap
         push, pop, handed_at, epoch_of = heapq.heappush, heapq.heappop, self.handed.get, self._epoch
@@ -683,7 +689,7 @@ class LoaderStats:
             slow.sort(key=lambda pair: -pair[1])
             stragglers = tuple(batches.record(row) for row, _ in slow)
         starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
-        handed = sorted(at for at in batches.handed if at is not None)
+        handed = sorted(at for at in batches.handed if at is not None) if starts else []
         startup = []
         for number, began in enumerate(starts):
             until = starts[number + 1] if number + 1 < len(starts) else math.inf
