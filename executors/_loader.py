@@ -213,6 +213,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def trace_record(self) -> Trace:
         """Everything traced so far: per batch, when it was sent, loaded and handed over; the
         consumer's waits; epochs, resumes and deaths (see docs/profiling.md)."""
+        return self._traced().trace()
+
+    def _traced(self) -> Tracer:
         if self._tracer is None:
             why = (
                 "it has not been iterated yet"
@@ -220,13 +223,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 else "pass trace=True, or set STATECORE_TRACE=1 in the environment"
             )
             raise RuntimeError(f"this DataLoader has no trace: {why}")
-        return self._tracer.trace()
+        return self._tracer
 
     def stats(self) -> LoaderStats:
         """The traced figures: how long the training loop waited on loading, how busy each
         worker was, the slowest samples by index; `.verdict()` says it in words, with what
         to try. The loader must be traced (`trace=True` or STATECORE_TRACE=1)."""
-        return self.trace_record().stats()
+        # From the tracer's tables: the records of a trace at the limit took most of the time.
+        return self._traced().stats()
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 

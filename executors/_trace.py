@@ -29,7 +29,7 @@ import struct
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,16 +195,23 @@ class _Tasks:
         del self.got[:count]
         del self.waited_for[:count]
 
-    def waits(self, epoch_starts: list[float]) -> list[Wait]:
+    def waits(self, epoch_starts: list[float]) -> _Waits:
         """The consumer's waits, each with the time during which another batch of its driver
         and its epoch had arrived and was not handed over yet (`Wait.held`): a sweep in order
         of time over the answers' arrivals, each driver's kept apart, with the batches handed
-        over meanwhile struck off."""
-        arrivals = sorted(zip(self.arrived.values(), self.arrived, strict=True))
+        over meanwhile struck off. In the order the consumer asked, as `Trace.waits`."""
+        arrived = self.arrived
+        times = list(arrived.values())
+        arrivals = list(zip(times, arrived, strict=True))
+        # Answers are kept as they arrive, so in order of time already (ties aside, which the
+        # sweep takes in one go): sorted only where the clock went back.
+        if not all(map(operator.le, times, itertools.islice(times, 1, None))):
+            arrivals.sort()
         count, next_arrival = len(arrivals), 0
         ready: dict[int, list[tuple[float, int]]] = {}  # per driver, (arrived, key): a heap
         push, pop, handed_at, epoch_of = heapq.heappush, heapq.heappop, self.handed.get, self._epoch
-        waits = []
+        held_for: list[float] = []
+        task_of: list[int | None] = []
         for asked, got, key in zip(self.asked, self.got, self.waited_for, strict=True):
             while next_arrival < count and arrivals[next_arrival][0] <= got:
                 arrival = arrivals[next_arrival]
@@ -227,55 +234,129 @@ class _Tasks:
                 break
             since = heap[0][0] if heap else got
             task = key & _TASK
-            held = got - (asked if asked > since else since)
-            waits.append(Wait(asked, got, None if task == _TASK else task, held))
-        return waits
+            held_for.append(got - (asked if asked > since else since))
+            task_of.append(None if task == _TASK else task)
+        waits = _Waits(list(self.asked), list(self.got), task_of, held_for)
+        return waits.in_order_asked()
 
     def _epoch(self, key: int, epoch_starts: list[float]) -> int:
         return bisect.bisect_right(epoch_starts, self.sent[key]) if key in self.sent else 0
 
-    def records(self, epoch_starts: list[float], epochs_before: int) -> list[BatchRecord]:
-        """The batches kept; `epochs_before`: epochs begun before the first of `epoch_starts`.
-        Read column by column, each in one pass in C where it can: `stats()` reads the
-        tracer's limit of batches, and a loop over them in Python took twice the time."""
+    def batches(self, epoch_starts: list[float], epochs_before: int) -> _Batches:
+        """The batches kept, as columns; `epochs_before`: epochs begun before the first of
+        `epoch_starts`. Each column is read in one pass in C where it can: `stats()` reads
+        the tracer's limit of batches, and a loop over them in Python took twice the time.
+        The indices and the slowest samples, the dearest to read, are read only for the
+        batches asked for (`_Batches.record`, `_Batches.records`), while these tables stay
+        as they are: read them at once."""
         keys = list(self.sent)
         sent = list(self.sent.values())
-        packed = list(map(self.packed.get, keys))
-        given = self.index
-        index = [
-            given[key] if bytes_ is None else array("q", bytes_).tolist()
-            for key, bytes_ in zip(keys, packed, strict=True)
-        ]
-        took = list(map(self.slowest_took.get, keys))
-        sample = self.slowest_index
-        slowest = [
-            ()
-            if seconds is None
-            else (((whole if sample[key] is WHOLE_BATCH else sample[key]), seconds),)
-            for key, whole, seconds in zip(keys, index, took, strict=True)
-        ]
         if epoch_starts:
             epoch = [epochs_before + bisect.bisect_right(epoch_starts, at) for at in sent]
         else:
             epoch = [epochs_before] * len(keys)
         failed = [key in self.failed for key in keys] if self.failed else [False] * len(keys)
-        return list(
-            map(
-                BatchRecord,
-                [key & _TASK for key in keys],
-                map(self.worker.__getitem__, keys),
-                epoch,
-                index,
-                sent,
-                map(self.started.get, keys),
-                map(self.finished.get, keys),
-                map(self.arrived.get, keys),
-                map(self.handed.get, keys),
-                map(self.cpu.get, keys),
-                slowest,
-                failed,
+        task = [key & _TASK for key in keys]
+        worker = _column(self.worker, keys)
+        started = _column(self.started, keys)
+        finished = _column(self.finished, keys)
+        arrived = _column(self.arrived, keys)
+        handed = _column(self.handed, keys)
+        cpu = _column(self.cpu, keys)
+        took = self.slowest_took
+        # A worker reports a slowest sample with each batch it times: mostly, every batch has one.
+        sampled: Sequence[int]
+        if len(took) == len(keys):
+            sampled, took_sampled = range(len(keys)), _column(took, keys)
+        else:
+            sampled = [row for row, key in enumerate(keys) if key in took] if took else []
+            took_sampled = [took[keys[row]] for row in sampled]
+        packed, given, sample_of = self.packed, self.index, self.slowest_index
+
+        def index(row: int) -> Any:
+            key = keys[row]
+            bytes_ = packed.get(key)
+            return given[key] if bytes_ is None else array("q", bytes_).tolist()
+
+        def slowest(key: int, whole: Any) -> tuple[tuple[Any, float], ...]:
+            seconds = took.get(key)
+            if seconds is None:
+                return ()
+            sample = sample_of[key]
+            return (((whole if sample is WHOLE_BATCH else sample), seconds),)
+
+        def record(row: int) -> BatchRecord:
+            whole = index(row)
+            return BatchRecord(
+                task[row],
+                worker[row],
+                epoch[row],
+                whole,
+                sent[row],
+                started[row],
+                finished[row],
+                arrived[row],
+                handed[row],
+                cpu[row],
+                slowest(keys[row], whole),
+                failed[row],
             )
+
+        def sample_index(number: int) -> Any:
+            row = sampled[number]
+            sample = sample_of[keys[row]]
+            return index(row) if sample is WHOLE_BATCH else sample
+
+        def records() -> list[BatchRecord]:
+            indices = [
+                given[key] if bytes_ is None else array("q", bytes_).tolist()
+                for key, bytes_ in zip(keys, map(packed.get, keys), strict=True)
+            ]
+            return list(
+                map(
+                    BatchRecord,
+                    task,
+                    worker,
+                    epoch,
+                    indices,
+                    sent,
+                    started,
+                    finished,
+                    arrived,
+                    handed,
+                    cpu,
+                    map(slowest, keys, indices),
+                    failed,
+                )
+            )
+
+        return _Batches(
+            task=task,
+            worker=worker,
+            epoch=epoch,
+            sent=sent,
+            started=started,
+            finished=finished,
+            arrived=arrived,
+            handed=handed,
+            cpu=cpu,
+            failed=failed,
+            sample_row=sampled,
+            sample_took=took_sampled,
+            sample_index=sample_index,
+            record=record,
+            records=records,
         )
+
+
+def _column(column: dict[int, Any], keys: list[int]) -> list[Any]:
+    """`column`'s value for each of `keys`, None where it has none. Where it holds those keys
+    in that order (a loader that hands its batches over in the order it sent them), its values
+    are read as they lie: a look-up a key, in a dict that forgot as many keys as a long run
+    does, took six times as long."""
+    if len(column) == len(keys) and list(column) == keys:
+        return list(column.values())
+    return list(map(column.get, keys))
 
 
 _collected: list[Tracer] | None = None
@@ -366,6 +447,105 @@ class Wait:
 
 
 @attrs.frozen
+class _Waits:
+    """The consumer's waits as columns, in the order it asked (as `Trace.waits`)."""
+
+    asked: list[float]
+    got: list[float]
+    task: list[int | None]
+    held: list[float]
+
+    @classmethod
+    def of(cls, waits: Sequence[Wait]) -> _Waits:
+        return cls(
+            [wait.asked for wait in waits],
+            [wait.got for wait in waits],
+            [wait.task for wait in waits],
+            [wait.held for wait in waits],
+        )
+
+    def in_order_asked(self) -> _Waits:
+        """These waits, in the order the consumer asked (as they ended, mostly)."""
+        asked = self.asked
+        if all(map(operator.le, asked, itertools.islice(asked, 1, None))):
+            return self
+        order = sorted(range(len(asked)), key=asked.__getitem__)
+        return _Waits(
+            *([column[row] for row in order] for column in attrs.astuple(self, recurse=False))
+        )
+
+    def waits(self) -> tuple[Wait, ...]:
+        return tuple(map(Wait, self.asked, self.got, self.task, self.held))
+
+
+@attrs.frozen
+class _Batches:
+    """Batches as columns, one entry a batch, from which `LoaderStats` works out the figures:
+    read from a trace's records (`of`), or from a tracer's tables (`_Tasks.batches`), where a
+    record costs more than all the figures, and the few records the figures name are made
+    alone (`record`)."""
+
+    task: list[int]
+    worker: list[int]
+    epoch: list[int]
+    sent: list[float]
+    started: list[float | None]
+    finished: list[float | None]
+    arrived: list[float | None]
+    handed: list[float | None]
+    cpu: list[float | None]
+    failed: list[bool]
+    sample_row: Sequence[int]
+    """The slowest samples of all batches, one entry a sample: the row of its batch..."""
+    sample_took: list[float]
+    """... its seconds ..."""
+    sample_index: Callable[[int], Any]
+    """... and its dataset index, by the sample's number."""
+    record: Callable[[int], BatchRecord]
+    """A row's record."""
+    records: Callable[[], list[BatchRecord]]
+    """Every row's record."""
+
+    @classmethod
+    def of(cls, batches: Sequence[BatchRecord]) -> _Batches:
+        samples = [(row, index, took) for row, b in enumerate(batches) for index, took in b.slowest]
+        indices = [index for _, index, _ in samples]
+        return cls(
+            task=[b.task for b in batches],
+            worker=[b.worker for b in batches],
+            epoch=[b.epoch for b in batches],
+            sent=[b.sent for b in batches],
+            started=[b.started for b in batches],
+            finished=[b.finished for b in batches],
+            arrived=[b.arrived for b in batches],
+            handed=[b.handed for b in batches],
+            cpu=[b.cpu for b in batches],
+            failed=[b.failed for b in batches],
+            sample_row=[row for row, _, _ in samples],
+            sample_took=[took for _, _, took in samples],
+            sample_index=indices.__getitem__,
+            record=batches.__getitem__,
+            records=lambda: list(batches),
+        )
+
+
+def _span(marks: Sequence[Mark], batches: _Batches, waits: _Waits) -> tuple[float, float]:
+    """The first moment traced (the first `iter()`, or the oldest moment kept) and the last."""
+    first = min(
+        min((mark.time for mark in marks), default=math.inf),
+        min(batches.sent, default=math.inf),
+        min(waits.asked, default=math.inf),
+    )
+    last = max(
+        max((mark.time for mark in marks), default=-math.inf),
+        max(waits.got, default=-math.inf),
+        max((at for at in batches.handed if at is not None), default=-math.inf),
+        max((at for at in batches.finished if at is not None), default=-math.inf),
+    )
+    return (first if first < math.inf else 0.0), (last if last > -math.inf else 0.0)
+
+
+@attrs.frozen
 class Trace:
     """Everything a tracer kept, as plain data."""
 
@@ -389,23 +569,12 @@ class Trace:
     @property
     def start(self) -> float:
         """The first moment traced: the first `iter()`, or the oldest moment kept."""
-        first = min(
-            min((mark.time for mark in self.marks), default=math.inf),
-            min((b.sent for b in self.batches), default=math.inf),
-            min((wait.asked for wait in self.waits), default=math.inf),
-        )
-        return first if first < math.inf else 0.0
+        return _span(self.marks, _Batches.of(self.batches), _Waits.of(self.waits))[0]
 
     @property
     def end(self) -> float:
         """The last moment traced."""
-        last = max(
-            max((mark.time for mark in self.marks), default=-math.inf),
-            max((wait.got for wait in self.waits), default=-math.inf),
-            max((b.handed for b in self.batches if b.handed is not None), default=-math.inf),
-            max((b.finished for b in self.batches if b.finished is not None), default=-math.inf),
-        )
-        return last if last > -math.inf else 0.0
+        return _span(self.marks, _Batches.of(self.batches), _Waits.of(self.waits))[1]
 
     def stats(self) -> LoaderStats:
         return LoaderStats.of(self)
@@ -472,46 +641,55 @@ class LoaderStats:
     @classmethod
     def of(cls, trace: Trace) -> LoaderStats:
         with _collector_paused():
-            return cls._of(trace)
+            return cls._of(trace, _Batches.of(trace.batches), _Waits.of(trace.waits))
 
     @classmethod
-    def _of(cls, trace: Trace) -> LoaderStats:
-        start, end = trace.start, trace.end
+    def _of(cls, trace: Trace, batches: _Batches, waits: _Waits) -> LoaderStats:
+        """The figures of `batches` and `waits`, which are `trace`'s (its own `batches` and
+        `waits` are not read: `Tracer.stats` gives none, and the columns)."""
+        start, end = _span(trace.marks, batches, waits)
         seconds = max(0.0, end - start)
         # Each batch a worker finished, with how long it took, worked out once: a trace can
         # hold the tracer's limit of batches.
-        done = [
-            (b, b.finished - b.started)
-            for b in trace.batches
-            if b.started is not None and b.finished is not None
+        # How long a worker took over each batch it finished, worked out once, a column at a
+        # time: a trace can hold the tracer's limit of batches.
+        durations = [
+            None if started is None or finished is None else finished - started
+            for started, finished in zip(batches.started, batches.finished, strict=True)
         ]
-        median = statistics.median([took for _, took in done]) if done else None
+        done = [row for row, took in enumerate(durations) if took is not None]
+        took_done = [took for took in durations if took is not None]
+        median = statistics.median(took_done) if done else None
         loading = [0.0] * trace.num_workers
+        worker_of, cpu_of = batches.worker, batches.cpu
+        if trace.num_workers:
+            for worker, took in zip(map(worker_of.__getitem__, done), took_done, strict=True):
+                if 0 <= worker < trace.num_workers:
+                    loading[worker] += took
         # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
         cpu = wall = 0.0
-        for b, took in done:
-            if 0 <= b.worker < trace.num_workers:
-                loading[b.worker] += took
-            if b.cpu is not None:
-                cpu += b.cpu
+        for spent, took in zip(map(cpu_of.__getitem__, done), took_done, strict=True):
+            if spent is not None:
+                cpu += spent
                 wall += took
         busy = [mine / seconds if seconds > 0 else 0.0 for mine in loading]
-        samples = heapq.nlargest(
-            5,
-            (
-                (index, took, b.worker, b.task, b.epoch)
-                for b, _ in done
-                for index, took in b.slowest
-            ),
-            key=lambda sample: sample[1],
-        )
+        took_of = batches.sample_took
+        slowest = heapq.nlargest(5, range(len(took_of)), key=took_of.__getitem__)
+        samples = []
+        for number in slowest:
+            row = batches.sample_row[number]
+            index = batches.sample_index(number)
+            samples.append(
+                (index, took_of[number], worker_of[row], batches.task[row], batches.epoch[row])
+            )
         stragglers: tuple[BatchRecord, ...] = ()
         if median is not None and median > 0:
-            slow = [(b, took) for b, took in done if took > STRAGGLER_FACTOR * median]
+            bound = STRAGGLER_FACTOR * median
+            slow = [(row, took) for row, took in zip(done, took_done, strict=True) if took > bound]
             slow.sort(key=lambda pair: -pair[1])
-            stragglers = tuple(b for b, _ in slow)
+            stragglers = tuple(batches.record(row) for row, _ in slow)
         starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
-        handed = sorted(b.handed for b in trace.batches if b.handed is not None)
+        handed = sorted(at for at in batches.handed if at is not None) if starts else []
         startup = []
         for number, began in enumerate(starts):
             until = starts[number + 1] if number + 1 < len(starts) else math.inf
@@ -519,13 +697,13 @@ class LoaderStats:
             if first < len(handed) and handed[first] < until:
                 startup.append(handed[first] - began)
         return cls(
-            batches=len(trace.batches) + trace.dropped,
-            failed=sum(1 for b in trace.batches if b.failed),
+            batches=len(batches.task) + trace.dropped,
+            failed=sum(batches.failed),
             epochs=len(starts) + trace.epochs_dropped,
             seconds=seconds,
-            waited=sum(wait.got - wait.asked for wait in trace.waits),
-            waited_for_order=sum(wait.held for wait in trace.waits),
-            idle_behind_order=_idle_behind_order(trace),
+            waited=sum(map(operator.sub, waits.got, waits.asked)),
+            waited_for_order=sum(waits.held),
+            idle_behind_order=_idle_behind_order(trace, batches, waits),
             startup_waits=tuple(startup),
             busy=tuple(busy),
             median_batch=median,
@@ -691,41 +869,43 @@ def _intersected(first: list[Interval], second: list[Interval]) -> list[Interval
     return both
 
 
-def _idle_behind_order(trace: Trace) -> float:
+def _idle_behind_order(trace: Trace, batches: _Batches, waits: _Waits) -> float:
     """Worker-seconds idle with a ready batch held, while the consumer waited for another
     worker's batch (see `LoaderStats.idle_behind_order`)."""
     if trace.num_workers < 2:
         return 0.0  # no other worker's batch to wait for
-    owner = {(b.epoch, b.task): b.worker for b in trace.batches}
+    owner = dict(zip(zip(batches.epoch, batches.task, strict=True), batches.worker, strict=True))
     starts = sorted(m.time for m in trace.marks if m.kind == "epoch start")
     before = trace.epochs_dropped
     # Each wait for a batch, with the worker that batch was loaded by (its epoch: the number
     # of epochs begun by then), found once for all workers.
     awaited = [
-        (
-            wait.asked,
-            wait.got,
-            owner.get((before + bisect.bisect_right(starts, wait.asked), wait.task)),
-        )
-        for wait in trace.waits
-        if wait.task is not None
+        (asked, got, owner.get((before + bisect.bisect_right(starts, asked), task)))
+        for asked, got, task in zip(waits.asked, waits.got, waits.task, strict=True)
+        if task is not None
     ]
-    loaded: dict[int, list[BatchRecord]] = {}
-    for b in trace.batches:
-        if b.started is not None:
-            loaded.setdefault(b.worker, []).append(b)
+    started, finished = batches.started, batches.finished
+    arrived, handed = batches.arrived, batches.handed
+    loaded: dict[int, list[int]] = {}
+    for row, worker in enumerate(batches.worker):
+        if started[row] is not None:
+            loaded.setdefault(worker, []).append(row)
     total = 0.0
     for worker in range(trace.num_workers):
-        mine = sorted(loaded.get(worker, ()), key=lambda b: b.started or 0.0)
+        mine = sorted(loaded.get(worker, ()), key=lambda row: started[row] or 0.0)
         gaps = [
-            (before.finished, after.started)
-            for before, after in itertools.pairwise(mine)
-            if before.finished is not None
-            and after.started is not None
-            and after.started > before.finished
+            (done, later)
+            for one, after in itertools.pairwise(mine)
+            if (done := finished[one]) is not None
+            and (later := started[after]) is not None
+            and later > done
         ]
         ready = _merged(
-            [(b.arrived, b.handed) for b in mine if b.arrived is not None and b.handed is not None]
+            [
+                (at, out)
+                for row in mine
+                if (at := arrived[row]) is not None and (out := handed[row]) is not None
+            ]
         )
         waiting = _merged(
             [(asked, got) for asked, got, other in awaited if other not in (None, worker)]
@@ -953,19 +1133,32 @@ class Tracer:
     def trace(self) -> Trace:
         """What was traced so far (cut to the limit exactly)."""
         with _collector_paused():
-            return self._trace()
+            batches, waits = self._read()
+            return attrs.evolve(
+                self._settings(), batches=tuple(batches.records()), waits=waits.waits()
+            )
 
-    def _trace(self) -> Trace:
+    def stats(self) -> LoaderStats:
+        """The figures of `trace()`, worked out from the tracer's tables: of its records,
+        only those the figures name are made (`_Batches`)."""
+        with _collector_paused():
+            batches, waits = self._read()
+            return LoaderStats._of(self._settings(), batches, waits)
+
+    def _read(self) -> tuple[_Batches, _Waits]:
         self._forget_beyond(self.limit, 0)
         starts = [mark.time for mark in self.marks if mark.kind == "epoch start"]
-        waits = self.tasks.waits(starts)
+        return self.tasks.batches(starts, self.epochs_dropped), self.tasks.waits(starts)
+
+    def _settings(self) -> Trace:
+        """The trace with no batches nor waits: its settings, marks and counts."""
         return Trace(
             num_workers=self.num_workers,
             in_order=self.in_order,
             persistent_workers=self.persistent_workers,
             executor=self.executor,
-            batches=tuple(self.tasks.records(starts, self.epochs_dropped)),
-            waits=tuple(sorted(waits, key=operator.attrgetter("asked"))),
+            batches=(),
+            waits=(),
             marks=tuple(self.marks),
             dropped=self.dropped,
             dropped_waits=self.dropped_waits,

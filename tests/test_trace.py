@@ -29,6 +29,7 @@ from statecore.executors._timing import WHOLE_BATCH
 from statecore.executors._trace import (
     TRACE_VARIABLE,
     BatchRecord,
+    LoaderStats,
     Mark,
     Trace,
     Tracer,
@@ -942,3 +943,21 @@ def test_the_figures_of_a_long_epoch_past_the_limit_span_only_the_stretch_kept()
     assert stats.epochs == 1
     assert {b.epoch for b in trace.batches} == {1}
     assert stats.startup_waits == ()
+
+
+@pytest.mark.timeout(120)
+def test_a_tracers_figures_from_its_tables_are_those_of_its_traces_records() -> None:
+    # Two epochs with two workers and a straggler each, past a limit: every figure has
+    # something to count (stragglers, slowest samples, idle workers, forgotten batches).
+    loader = statecore.DataLoader(
+        OneStraggler(), batch_size=BATCH_SIZE, num_workers=2, executor="thread", trace=True
+    )
+    loader._tracer = tracer = Tracer(2, loader.in_order, False, "thread", limit=20)
+    for _ in range(2):
+        for _ in loader:
+            pass
+    trace = tracer.trace()
+    stats = tracer.stats()
+    assert stats.dropped > 0 and stats.stragglers and stats.slowest
+    assert stats == LoaderStats.of(trace)
+    assert loader.stats() == stats
