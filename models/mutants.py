@@ -527,7 +527,7 @@ def _short_len_cuts_the_epoch() -> dict[str, object]:
             promised = len(self._index_sampler)
         except TypeError:
             return where
-        if not where.complete and where.progress.done >= promised:
+        if where is not None and not where.complete and where.progress.done >= promised:
             return attrs.evolve(where, complete=True)
         return where
 
