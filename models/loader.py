@@ -58,34 +58,10 @@ __all__ = [
 ]
 
 EPOCHS = 3
-# Restrictions while a defect of issue 26 is fixed on another branch, each to be removed as its
-# fix merges into main. Never silent: each names the defect and what it keeps the machine from.
-UNTIL_DEFECT_1_MERGES = False
-"""Issue 26 defect 1 (h-resume): a state taken after breaking out of the loop (the iterator
-dropped) starts the epoch over. Until then the machine takes no state after a break."""
-UNTIL_DEFECT_2_MERGES = False
-"""Issue 26 defect 2 (h-resume): with persistent workers, a state taken after an epoch's
-StopIteration resumes the next epoch in another order (the fresh iterator draws a base seed the
-persistent one never drew). Until then the machine takes no state of a persistent loader
-between epochs, and kills no worker of a persistent loader (an epoch may end before the death
-is noticed, and the job then goes on from a state taken between epochs)."""
-UNTIL_DEFECT_3_MERGES = False
-"""Issue 26 defect 3 (h-state): an iterable worker found dry, whose dataset's state returns to
-the start once exhausted, is restarted on resume and its shard comes out again. Until then the
-machine draws no "rewinding" dataset."""
-UNTIL_DEFECT_4_MERGES = False
-"""Issue 26 defect 4 (h-resume): a sampler whose __len__ says less than it yields ends the
-epoch early in a checkpoint, and a state taken at an epoch's last batch but before its
-StopIteration resumes the next epoch instead of an empty one. Until then the machine draws no
-understated sampler and takes no state at an epoch's last batch."""
-UNTIL_DEFECT_5_MERGES = False
-UNTIL_A_DRY_STATE_AFTER_A_DEATH_LOADS = True
-"""Found by this machine, not one of issue 26's defects (reported, unfixed): an iterable
-dataset's worker killed once every worker had been found dry (all data handed over, the
-death noticed before the StopIteration): the failed loader's state holds progress.ended=True
-with complete=False, and the fresh loader it is loaded into fails its iter() with a
-MisuseError (ResetRequested ... not allowed in phase IDLE: every worker of the checkpoint is
-dry). Until it is fixed the machine kills workers of map-style loaders only."""
+"""Epochs of the uninterrupted run; the program never goes past them."""
+
+# Restrictions while a bug this machine found is open, each to be removed as its fix merges.
+# Never silent: each names the bug and what it keeps the machine from.
 UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS = True
 """Found by this machine, not one of issue 26's defects (reported, unfixed): where a map-style
 dataset's state lives on from one epoch into the next (in-process loading, whose one dataset
@@ -95,9 +71,6 @@ epoch, and a loaded state that no batch of the resumed epoch used (broken out of
 never put back. The next epoch then draws other augmentations than the uninterrupted run's.
 Until it is fixed, "stateful-map" is drawn only with worker threads or processes that do not
 persist (each epoch's workers start from the dataset as built)."""
-"""Issue 26 defect 5 (h-state): a map-style dataset's own state is neither saved nor restored,
-so a resumed run draws other augmentations. Until then the machine draws no "stateful-map"."""
-"""Epochs of the uninterrupted run; the program never goes past them."""
 
 DATASETS = (
     "map",  # a map-style dataset: index -> index
@@ -454,11 +427,7 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
     kinds = [
         k
         for k in DATASETS
-        if not (UNTIL_DEFECT_5_MERGES and k == "stateful-map")
-        and not (UNTIL_DEFECT_3_MERGES and k == "rewinding")
-        and not (
-            UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS and k == "stateful-map" and workers == 0
-        )
+        if not (UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS and k == "stateful-map" and workers == 0)
     ]
     # Map-style thrice: it alone shuffles, and shuffling is where resumes go wrong most.
     dataset = draw(st.sampled_from(["map", "map", *kinds]), label="dataset")
@@ -470,11 +439,7 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
     else:
         counts = (draw(st.integers(1, 9), label="n"),)  # torch refuses to shuffle nothing
     shuffle = not iterable and draw(st.sampled_from((True, False)), label="shuffle")
-    understated = (
-        0
-        if iterable or UNTIL_DEFECT_4_MERGES
-        else draw(st.sampled_from((0, 0, 1, 3)), label="understated")
-    )
+    understated = 0 if iterable else draw(st.sampled_from((0, 0, 1, 3)), label="understated")
     return Setup(
         executor=executor,
         workers=workers,
@@ -638,25 +603,6 @@ def loader_machine(
             self.iterator = None
             self.record = attrs.evolve(self.record, dropped=True)
 
-        def _at_the_last_batch(self) -> bool:
-            record = self.record
-            if self.iterator is None and not record.dropped:
-                return False
-            full = self._oracle(record.taken(record.epoch))
-            return len(record.seen[record.epoch]) == len(full)
-
-        def _between_persistent_epochs(self) -> bool:
-            record = self.record
-            return self.setup.persistent and self.iterator is None and record.epoch > 0
-
-        def _may_save(self) -> bool:
-            if UNTIL_DEFECT_1_MERGES and self.record.dropped:
-                return False
-            if UNTIL_DEFECT_2_MERGES and self._between_persistent_epochs():
-                return False
-            return not (UNTIL_DEFECT_4_MERGES and self._at_the_last_batch())
-
-        @precondition(lambda self: self._may_save())
         @rule(through_json=st.booleans())
         def saves(self, through_json: bool) -> None:
             state = _roundtrip(self.loader.state_dict(), through_json)
@@ -667,7 +613,6 @@ def loader_machine(
 
         @rule()
         def asks_for_a_state_it_drops(self) -> None:
-            # (Not restricted for defect 1 or 4: what the state says is not checked here.)
             # A state may be asked for at any moment, and asking changes nothing; also keeps a
             # rule enabled once every epoch is over.
             self.loader.state_dict()
@@ -682,14 +627,7 @@ def loader_machine(
             self._rng_at_begin = saved.rng
             self.record = saved.record
 
-        @precondition(
-            lambda self: (
-                self.setup.executor == "mp"
-                and self.iterator is not None
-                and not (UNTIL_DEFECT_2_MERGES and self.setup.persistent)
-                and not (UNTIL_A_DRY_STATE_AFTER_A_DEATH_LOADS and self.setup.iterable)
-            )
-        )
+        @precondition(lambda self: self.setup.executor == "mp" and self.iterator is not None)
         @rule(which=st.integers(0, 3))
         def loses_a_worker(self, which: int) -> None:
             # A worker process is killed; the job goes on from the state the loader gives once
@@ -708,15 +646,14 @@ def loader_machine(
                 died = True
             else:
                 died = False  # the epoch ended before the death was noticed
-            last = self._at_the_last_batch()
             rng = self._rng_of_the_epoch() if died else torch.get_rng_state()
             self._restart(_roundtrip(self.loader.state_dict(), through_json=False))
             torch.set_rng_state(rng)
             self._rng_at_begin = rng
             self.record = attrs.evolve(self.record, dropped=False)
-            # (Until defect 4's fix merges, a map-style state at the last batch resumes the
-            # next epoch, not the empty end of this one: the record ends the epoch instead.)
-            if died and not (UNTIL_DEFECT_4_MERGES and last and not self.setup.iterable):
+            # A state taken once every batch was handed over (the death noticed before the
+            # StopIteration) resumes that epoch, which then ends with no batch.
+            if died:
                 for batch in iter(self.loader):
                     self.record = self.record.handed(_plain(batch))
             self.record = self.record.end()

@@ -161,7 +161,8 @@ _ANSWERS = (TaskCompleted, TaskFailed, WorkerExhausted)
 TRANSITIONS: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = {
     IDLE: _table(
         {
-            ResetRequested: (RUNNING,),
+            # Draining at once when a checkpoint's every worker is dry: its epoch has no batch left.
+            ResetRequested: (RUNNING, DRAINING),
             WorkerDied: (FAILED,),
             Interrupted: (IDLE,),
             CloseRequested: (CLOSED,),
@@ -561,20 +562,17 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
                     f"the checkpoint's dry workers {sorted(resume.dry)} are not workers of an "
                     f"iterable dataset's {n}",
                 )
-            if len(resume.dry) == n:
-                raise _refuse(
-                    state,
-                    event,
-                    "every worker of the checkpoint is dry: nothing of its epoch remains "
-                    "(`progress` says so with ended=True), so the next epoch starts afresh",
-                )
             # Found dry before the checkpoint, with every batch handed over: they stay dry.
+            # When all of them were, every batch of the epoch was handed over but the consumer
+            # was not yet told it ended (a state taken then, or by a call that failed or was
+            # interrupted before its StopIteration): the resumed epoch ends with no batch, as a
+            # map-style one resumed after its last batch does.
             workers = tuple(
                 EXHAUSTED if w in resume.dry else status for w, status in enumerate(workers)
             )
         life = attrs.evolve(
             life,
-            phase=RUNNING,
+            phase=RUNNING if ACTIVE in workers else DRAINING,
             epoch=1,
             base=state.rcvd_idx,
             resetting=True,

@@ -10,7 +10,7 @@ yielded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -30,8 +30,10 @@ from _datasets import (
 from _side_by_side import WORKERS, as_lists
 from torch.utils.data import IterableDataset, get_worker_info
 
-from statecore import DataLoader
-from statecore.executors import pinned
+from statecore import DataLoader, Event, WorkerExhausted
+from statecore.executors import Executor, Launch, pinned
+from statecore.executors._registry import lookup
+from statecore.models.loader import Forwarding
 
 RUNS = [
     pytest.param("inline", 0, id="inline"),
@@ -336,6 +338,56 @@ def test_a_checkpoint_after_the_last_iterable_batch_resumes_the_next_epoch() -> 
     assert state["progress"]["ended"] is True
     fresh = loader(ShardedRange(6), num_workers=2, executor="thread")
     fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == first
+
+
+class InterruptedOnceAllDry(Forwarding):
+    """Raises KeyboardInterrupt in the first wait after every worker was found dry: a Ctrl-C in
+    the `next()` that would have raised the epoch's StopIteration, with nothing left of it."""
+
+    def __init__(self, inner: Executor, workers: int) -> None:
+        super().__init__(inner)
+        self.workers = workers
+        self.dry: set[int] = set()
+        self.fired = False
+
+    def poll(self, timeout: float | None) -> Event | None:
+        if len(self.dry) == self.workers and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt("interrupted after every worker ran dry")
+        event = self.inner.poll(timeout)
+        if isinstance(event, WorkerExhausted):
+            self.dry.add(event.worker)
+        return event
+
+
+def interrupted_once_all_dry(name: str) -> Callable[[Launch], Executor]:
+    inner, _ = lookup(name)
+    return lambda launch: InterruptedOnceAllDry(inner(launch), launch.num_workers)
+
+
+@WORKERS
+@pytest.mark.parametrize("executor", ["thread", "mp"])
+def test_a_state_with_every_worker_dry_before_the_stop_iteration_resumes_an_empty_epoch(
+    executor: str,
+) -> None:
+    # Each worker has one batch; the third task of each is still awaited once both ran dry
+    # (prefetch 3), so the interrupt lands in the next() after the last batch.
+    options = {"num_workers": 2, "prefetch_factor": 3}
+    original = loader(
+        PerWorkerCounts((2, 2)), executor=interrupted_once_all_dry(executor), **options
+    )
+    iterator = iter(original)
+    first = take(iterator, 2)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    state = roundtrip(original.state_dict())
+    assert (state["progress"]["ended"], state["progress"]["dry"]) == (True, [0, 1])
+    assert state["complete"] is False
+    fresh = loader(PerWorkerCounts((2, 2)), executor=executor, **options)
+    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match="yields no batch"):
+        assert run_to_end(iter(fresh)) == []
     assert run_to_end(iter(fresh)) == first
 
 

@@ -13,6 +13,7 @@ from statecore import (
     IndexDrawn,
     Interrupted,
     Phase,
+    ResetRequested,
     SamplerExhausted,
     SamplerFailed,
     State,
@@ -54,6 +55,9 @@ NOT_IN_THE_WORLD = {
     (Phase.FINISHED, WorkerExhausted, Phase.FINISHED): "a stale answer overtook a resume",
     (Phase.IDLE, WorkerDied, Phase.FAILED): "a worker died before the first epoch",
     (Phase.IDLE, CloseRequested, Phase.CLOSED): "closed before the first epoch",
+    # The world resumes a checkpoint whose epoch has ended as the next epoch; the loader does
+    # so only once the consumer was told (`complete`), else it resumes the empty end.
+    (Phase.IDLE, ResetRequested, Phase.DRAINING): "a resume with every worker dry",
 }
 
 

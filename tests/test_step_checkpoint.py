@@ -16,6 +16,7 @@ from statecore import (
     IndexDrawn,
     MisuseError,
     NextRequested,
+    Phase,
     Progress,
     ResetRequested,
     SamplerExhausted,
@@ -203,10 +204,14 @@ def test_an_epoch_whose_workers_are_all_dry_has_ended_though_answers_are_awaited
     assert progress(state) == Progress(done=2, ended=True, turn=0, dry=frozenset({0, 1}))
 
 
-def test_a_resume_with_every_worker_dry_is_refused_as_an_ended_epoch() -> None:
-    resume = Progress(done=4, dry=frozenset({0, 1}))
-    with pytest.raises(MisuseError, match="every worker of the checkpoint is dry"):
-        feed(initial_state(config(2, iterable=True)), ResetRequested(resume=resume))
+def test_a_resume_with_every_worker_dry_ends_its_epoch_at_the_first_request_with_no_batch() -> None:
+    resume = Progress(done=4, ended=True, dry=frozenset({0, 1}))
+    state, commands = feed(initial_state(config(2, iterable=True)), ResetRequested(resume=resume))
+    state, more = fill(state)
+    assert only(commands + more, SendTask) == []
+    state, commands = feed(state, NextRequested())
+    assert only(commands, Deliver) == []
+    assert state.phase is Phase.FINISHED
 
 
 def test_dry_workers_must_be_workers_of_an_iterable_dataset() -> None:
