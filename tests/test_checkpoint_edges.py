@@ -79,25 +79,33 @@ class LongerThanItSays(torch.utils.data.Sampler[int]):
         return 5
 
 
-@WORKERS
-@pytest.mark.parametrize(("executor", "workers"), RUNS)
-def test_a_sampler_longer_than_its_len_resumes_what_it_has_left(
-    executor: str, workers: int
-) -> None:
+def _resumed_past(taken: int, executor: str, workers: int) -> tuple[dict[str, Any], list[Any]]:
+    """A state of a loader whose sampler yields more than its len() says, taken after `taken`
+    batches, and what a fresh loader resumed from it hands over."""
+
     def build() -> DataLoader[Any]:
         return DataLoader(
             Numbers(20), sampler=LongerThanItSays(), executor=executor, num_workers=workers
         )
 
-    original = build()
-    iterator = iter(original)
-    for _ in range(len(original)):  # every batch len() promised, and the sampler has more
+    iterator = iter(original := build())
+    for _ in range(taken):
         next(iterator)
     state = roundtrip(original.state_dict())
-    assert state["complete"] is False
     resumed = build()
     resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == [[i] for i in range(5, 12)]
+    return state, run_to_end(iter(resumed))
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), RUNS)
+def test_a_sampler_longer_than_its_len_resumes_what_it_has_left(
+    executor: str, workers: int
+) -> None:
+    # every batch len() promised, and the sampler has more
+    state, rest = _resumed_past(5, executor, workers)
+    assert state["complete"] is False
+    assert rest == [[i] for i in range(5, 12)]
 
 
 @WORKERS
@@ -107,19 +115,7 @@ def test_a_state_taken_past_a_samplers_len_is_accepted_and_resumes(
 ) -> None:
     # Positions beyond len() are legitimate for a sampler that yields more than it says: only
     # torch's own samplers, which yield exactly len(), bound them when a state is loaded.
-    def build() -> DataLoader[Any]:
-        return DataLoader(
-            Numbers(20), sampler=LongerThanItSays(), executor=executor, num_workers=workers
-        )
-
-    original = build()
-    iterator = iter(original)
-    for _ in range(len(original) + 2):
-        next(iterator)
-    state = roundtrip(original.state_dict())
-    resumed = build()
-    resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == [[i] for i in range(7, 12)]
+    assert _resumed_past(7, executor, workers)[1] == [[i] for i in range(7, 12)]
 
 
 # --- torchdata's end of an epoch ----------------------------------------------------------------
