@@ -54,6 +54,8 @@ _WHERE = {
     "pinned": "_pinned",
     "ray": "_ray",
     "runnable": "_registry",
+    # Not public: statecore's import hook calls it once accelerate is imported (frameworks.py).
+    "keep_statecore_under_accelerate": "frameworks",
 }
 
 __all__ = [

@@ -188,9 +188,9 @@ _build_before_a_census(_build_data_loader)
 
 
 def _keep_statecore_under_accelerate() -> None:
-    from statecore.executors.frameworks import keep_statecore_under_accelerate
+    from statecore import executors
 
-    keep_statecore_under_accelerate()
+    executors.keep_statecore_under_accelerate()
 
 
 # accelerate's prepare builds a torch loader in place of ours: have it put ours back from the

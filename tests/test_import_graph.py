@@ -38,12 +38,10 @@ FOLDERS = {
 CORE_EXCEPTIONS = {
     # `statecore.DataLoader` and `statecore.get_worker_info` are the names torch users reach
     # for, but the loader needs torch and the core must import without it: the package's
-    # `__getattr__` (and the hook that builds the loader class once a training framework is
-    # imported) import the executors on first use, inside functions only.
+    # `__getattr__` (and the hooks that build the loader class once a training framework is
+    # imported, and keep accelerate's prepare from replacing it) import the executors on
+    # first use, inside functions only.
     ("statecore", "statecore.executors"): "the lazy DataLoader/get_worker_info hook",
-    # Once accelerate is imported (it imports torch), the hook that has accelerate's prepare
-    # keep statecore's loaders is put in place, from a function too.
-    ("statecore", "statecore.executors.frameworks"): "the accelerate hook",
     # `python -m statecore` runs statecore/__main__.py; the command line itself is a program,
     # so __main__ only hands over to it. Nothing imports __main__.
     ("statecore.__main__", "statecore.tools.cli"): "`python -m statecore` hands over",
@@ -52,7 +50,6 @@ CORE_EXCEPTIONS = {
 
 INSIDE_FUNCTIONS_ONLY = {
     ("statecore", "statecore.executors"),
-    ("statecore", "statecore.executors.frameworks"),
 }
 """Exceptions that hold only for an import inside a function, never at module level."""
 
