@@ -460,7 +460,9 @@ class LoaderMutant:
     """One deliberate bug in the loader's checkpoint code (`statecore.executors._loader`),
     which the loader-level machine (`statecore.models.loader`) must catch. `replacements`
     maps attribute names of `_loader`'s classes and functions ("DataLoader._position",
-    "parse") to wrong versions."""
+    "parse") to wrong versions; a name with a module before a colon is that module's
+    ("statecore.executors._worker:WorkerRuntime._mark": the worker's side of a checkpoint,
+    which runs in this process under the inline and thread executors)."""
 
     name: str
     description: str
@@ -469,13 +471,16 @@ class LoaderMutant:
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Install the bug while the block runs; restore the real code after."""
+        import importlib
+
         from statecore.executors import _loader
 
         saved: list[tuple[object, str, object]] = []
         try:
             for path, value in self.replacements().items():
+                module, _, path = path.rpartition(":")
                 *owners, name = path.split(".")
-                owner: object = _loader
+                owner: object = importlib.import_module(module) if module else _loader
                 for part in owners:
                     owner = getattr(owner, part)
                 saved.append((owner, name, vars(owner)[name]))
@@ -534,6 +539,37 @@ def _short_len_cuts_the_epoch() -> dict[str, object]:
     return {"_Iterator._position": position}
 
 
+def _dry_worker_starts_its_part_again() -> dict[str, object]:
+    from statecore.executors._loader import _Iterator
+    from statecore.executors._worker import Mark, WorkerRuntime
+
+    real_position = _Iterator._position
+    real_mark = WorkerRuntime._mark
+
+    def position(self: _Iterator) -> Any:
+        # The checkpoint forgets which workers were found dry: the resumed scheduler asks them.
+        where = real_position(self)
+        if where is None:
+            return None
+        return attrs.evolve(where, progress=attrs.evolve(where.progress, dry=frozenset()))
+
+    def mark(self: WorkerRuntime) -> Mark:
+        # And a short last batch, which ran the iterator dry, sends the state as it stands
+        # then: a dataset that goes back to its start when dry says "the start". Either half
+        # alone is covered by the other's fix; together they are defect 3 as it was.
+        fetcher = self.fetcher
+        ended, fetcher.ended = fetcher.ended, False
+        try:
+            return real_mark(self)
+        finally:
+            fetcher.ended = ended
+
+    return {
+        "_Iterator._position": position,
+        "statecore.executors._worker:WorkerRuntime._mark": mark,
+    }
+
+
 LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
     LoaderMutant(
         "break-then-save-restarts-the-epoch",
@@ -549,5 +585,11 @@ LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
         "short-len-cuts-the-epoch",
         "a sampler's __len__ marks the epoch complete, though the sampler yields more",
         _short_len_cuts_the_epoch,
+    ),
+    LoaderMutant(
+        "dry-worker-starts-its-part-again",
+        "a worker that ran dry is asked again on resume, from the state its dataset went back "
+        "to: its part of an iterable dataset comes out again",
+        _dry_worker_starts_its_part_again,
     ),
 )

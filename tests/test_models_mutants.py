@@ -129,6 +129,15 @@ LOADER_MUTANT_FOCUS: dict[str, Callable[[Setup], Setup]] = {
         persistent=True,
         understated=0,
     ),
+    # Iterable datasets that go back to their start once dry, with uneven shards (in-process
+    # too: one part whose short last batch runs it dry), so that a worker runs dry mid-epoch.
+    "dry-worker-starts-its-part-again": lambda s: attrs.evolve(
+        s,
+        dataset="rewinding",
+        counts=tuple(2 + (s.counts[0] + 3 * k) % 4 for k in range(max(s.workers, 1))),
+        shuffle=False,
+        understated=0,
+    ),
 }
 
 
@@ -151,10 +160,13 @@ def test_the_loader_machine_catches(mutant: LoaderMutant) -> None:
 
 def test_a_loader_mutant_is_removed_when_its_block_ends() -> None:
     from statecore.executors import _loader
+    from statecore.executors._worker import WorkerRuntime
 
     before = {name: vars(_loader.DataLoader).get(name) for name in vars(_loader.DataLoader)}
+    mark = WorkerRuntime._mark
     for mutant in LOADER_MUTANTS:
         with mutant.applied():
             pass
     assert _loader.parse is parse
+    assert WorkerRuntime._mark is mark
     assert {name: vars(_loader.DataLoader).get(name) for name in vars(_loader.DataLoader)} == before
