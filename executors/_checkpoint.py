@@ -198,6 +198,10 @@ class EpochRecord:
     """The epoch's `iter()` drew the workers' base seed (not a persistent iterator's later
     epoch): a resumed epoch draws it again, so that the generator moves on as it did."""
     log: SamplerLog | None = None
+    carried: tuple[Mark | None, ...] | None = None
+    """Where the datasets lived on from the epoch before (persistent workers, the main
+    process): per worker, where its dataset stood as that epoch ended (the mark of its last
+    batch), which a worker without a batch handed over this epoch still stands on."""
 
 
 @attrs.frozen
@@ -217,6 +221,9 @@ class Resume:
     workers: tuple[Mark | None, ...] | None = None
     """An iterable dataset's, or a map-style dataset's with a state: per worker, the mark of
     its last batch handed over."""
+    carried: tuple[Mark | None, ...] | None = None
+    """A state taken in an epoch whose datasets lived on from the one before: per worker, the
+    mark of its last batch of that one (see `EpochRecord.carried`)."""
 
 
 def snapshot(
@@ -231,6 +238,7 @@ def snapshot(
     num_yielded: int,
     seeded: bool = True,
     workers: list[Mark | None] | None = None,
+    carried: list[Mark | None] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint as plain data (see the module's docstring)."""
     state = {
@@ -254,11 +262,17 @@ def snapshot(
         "seeded": seeded,
     }
     if workers is not None:
-        state["workers"] = [
-            {"since": 0, "state": None} if mark is None else {"since": mark[0], "state": mark[1]}
-            for mark in workers
-        ]
+        state["workers"] = _plain_marks(workers)
+    if carried is not None:
+        state["carried"] = _plain_marks(carried)
     return state
+
+
+def _plain_marks(marks: list[Mark | None]) -> list[dict[str, Any]]:
+    return [
+        {"since": 0, "state": None} if mark is None else {"since": mark[0], "state": mark[1]}
+        for mark in marks
+    ]
 
 
 def _fail(message: str) -> ValueError:
@@ -332,15 +346,15 @@ _SEEDS = 2**63 - 1
 seed plus worker id) must still fit the 64 bits torch's and numpy's generators take."""
 
 
-def _workers(value: Any, count: int | None) -> tuple[Mark | None, ...]:
+def _workers(value: Any, count: int | None, key: str = "workers") -> tuple[Mark | None, ...]:
     """Per-worker marks, as `snapshot` wrote them: `count` of them for an iterable dataset,
     any number (one per worker it was taken with) for a map-style dataset's states."""
     if not isinstance(value, list | tuple) or (len(value) != count if count else not value):
         many = "one or more" if count is None else str(count)
-        raise _wrong("workers", value, f"a list of {many} entries, one per worker")
+        raise _wrong(key, value, f"a list of {many} entries, one per worker")
     marks: list[Mark | None] = []
     for w, entry in enumerate(value):
-        path = f"workers[{w}]"
+        path = f"{key}[{w}]"
         entry = _mapping(entry, path)
         since = _int(_get(entry, "since", f"{path}.since"), f"{path}.since")
         saved = _get(entry, "state", f"{path}.state")
@@ -436,6 +450,11 @@ def parse(
     elif state.get("workers") is not None:
         # A map-style dataset with a state: each worker's, after its last batch handed over.
         workers = _workers(state["workers"], None)
+    # Absent from states that carry nothing over (and from those written before it existed).
+    carried = state.get("carried")
+    if carried is not None:
+        iterable_kind = facts.get("dataset_kind") == "iterable"
+        carried = _workers(carried, count if iterable_kind else None, "carried")
     for name, mine in facts.items():
         theirs = state.get(name, _MISSING)
         # Compared with their types: True is not the batch size 1, nor 1.0 the length 1.
@@ -515,6 +534,7 @@ def parse(
         num_yielded=num_yielded,
         seeded=seeded,
         workers=workers,
+        carried=carried,
     )
 
 

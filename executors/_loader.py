@@ -54,7 +54,7 @@ from statecore.executors._trace import (
     collecting,
     tracing_from_environment,
 )
-from statecore.executors._worker import WorkerSetup, has_state
+from statecore.executors._worker import Mark, WorkerSetup, has_state
 
 __all__ = ["DataLoader", "EpochOverWarning"]
 
@@ -484,6 +484,51 @@ class _Position:
     sampler: Any
     num_yielded: int
     workers: list[Any] | None
+    carried: list[Any] | None = None
+    """Per worker, where its dataset stood as the epoch before ended, where it lived on."""
+
+
+def _standing(resume: Resume) -> tuple[Mark | None, ...] | None:
+    """Where each worker's dataset stood at a checkpoint: at its last batch handed over, or, for
+    a worker with none this epoch, where the epoch before left it (where it lived on)."""
+    return _merged(resume.workers, resume.carried)
+
+
+def _merged(
+    marks: tuple[Mark | None, ...] | list[Any] | None,
+    carried: tuple[Mark | None, ...] | list[Any] | None,
+) -> tuple[Mark | None, ...] | None:
+    if marks is None or carried is None:
+        return None if marks is None else tuple(marks)
+    # (0, None), as a state writes "no batch handed over", is no mark.
+    return tuple(
+        mark if mark not in (None, (0, None)) or w >= len(carried) else carried[w]
+        for w, mark in enumerate(marks)
+    )
+
+
+def _carried_over(
+    previous: _Position | None, exact_after_a_break: bool
+) -> tuple[Mark | None, ...] | None:
+    """What the datasets carry into a new epoch from the `previous` one, which lived on.
+
+    Known where the previous epoch ended (every batch handed over, each worker at its last
+    mark), and, with `exact_after_a_break`, where it was broken out of: a map-style dataset in
+    the main process, which loads nothing ahead of the consumer. Workers that loaded ahead
+    (prefetched batches no one received) stand somewhere no mark says; an iterable part was not
+    run dry. There nothing is recorded, and a resume starts those datasets as built.
+    """
+    if previous is None or not (previous.complete or exact_after_a_break):
+        return None
+    return _merged(previous.workers, previous.carried)
+
+
+def _load_main_dataset(loader: DataLoader[Any], marks: tuple[Mark | None, ...] | None) -> None:
+    """Put a map-style dataset loaded in the main process where worker 0's mark says."""
+    mark = None if not marks else marks[0]
+    if mark is not None and mark[1] not in (None, ...) and mark[1].get("dataset") is not None:
+        dataset: Any = loader.dataset  # map-style with a state: the mark says so
+        dataset.load_state_dict(mark[1]["dataset"])
 
 
 @attrs.define
@@ -518,18 +563,33 @@ class _Iterator(_BaseDataLoaderIter):
             and seed is not None
             and (persistent if resume.complete else not resume.seeded)
         )
-        self._carried: tuple[Any, ...] | None = None
+        in_process = loader.loads_in_process
+        # Where the original's datasets lived on from one epoch into the next (persistent
+        # workers, the main process), they carry what their last epoch left in their state into
+        # it: so do the resumed ones (torchdata's too). `_carried` goes to the resumed workers,
+        # which bring their datasets there; `_carries` is this epoch's record of it, so that a
+        # state taken before a worker's first batch of the epoch still holds it.
+        self._carried: tuple[Mark | None, ...] | None = None
+        self._carries: tuple[Mark | None, ...] | None = None
+        in_main = in_process and loader._dataset_kind != _ITER
+        if resume is None and in_process:
+            # The dataset is the loader's own object, which the previous iterator's epoch left
+            # where it stands: nothing to bring there, only to record.
+            self._carries = _carried_over(loader._position(), in_main)
+        elif resume is not None and (persistent or in_process):
+            self._carries = _standing(resume)
+            if resume.complete or in_main:
+                self._carried = self._carries
+            else:
+                self._carried = resume.carried
+            if in_main and resume.complete:
+                # A map-style dataset in the main process is the loader's own: it is put where
+                # it stood before iter() draws its seeds, as the original's stood then (a state
+                # that is torch's global generator's is then put where the checkpoint found it).
+                _load_main_dataset(loader, self._carried)
         if resume is not None and resume.complete:
             # The generator is put where the checkpoint found it (torch's global one too, so
             # the program goes on with the original's stream), and the epoch draws from it.
-            iterable = loader._dataset_kind == _ITER
-            if persistent or (loader.loads_in_process and iterable):
-                # The original's datasets lived on into the next epoch, with what their last
-                # epoch left in their state: so do the resumed ones (torchdata's too). Not a
-                # map-style one in the main process: its state would be loaded after iter()
-                # drew its seeds, and a state that is torch's global generator's would undo
-                # those draws.
-                self._carried = resume.workers
             _between_epochs(loader, resume)
             resume = None
             seed = seed if persistent else None
@@ -547,6 +607,8 @@ class _Iterator(_BaseDataLoaderIter):
         if seed is not None:
             self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
+        # A map-style dataset in the main process is the loader's own: `_reset` loads its state.
+        in_main = in_process and self._dataset_kind != _ITER
         self._drawless = self._dataset_kind != _ITER and draws_nothing(self._index_sampler)
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
@@ -570,8 +632,8 @@ class _Iterator(_BaseDataLoaderIter):
             num_workers=workers,
             worker_init_fn=loader.worker_init_fn,
             shared_seed=self._shared_seed,
-            resume=None if resume is None else resume.workers,
-            ended=self._carried,
+            resume=None if resume is None or in_main else resume.workers,
+            ended=None if in_main else self._carried,
             snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,
         )
@@ -619,7 +681,12 @@ class _Iterator(_BaseDataLoaderIter):
         # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
         # persistent iterator's later ones do not. A resume draws as the original did.
         seeded = first_iter if resume is None else resume.seeded
-        record = EpochRecord(rng, seeded)
+        carries = self._carries
+        if not first_iter:
+            # A persistent iterator's workers go on into this epoch with their datasets.
+            previous = self._position() if self._epoch is not None else None
+            carries = _carried_over(previous, False)
+        record = EpochRecord(rng, seeded, carried=carries)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -636,6 +703,13 @@ class _Iterator(_BaseDataLoaderIter):
                 record.rng = resume.rng_epoch_start
             self._sampler_iter = self._positioned(loader, resume, sampler, source)
             self._num_yielded = self._resumed_from = resume.num_yielded
+            if self._in_process and self._dataset_kind != _ITER:
+                # The loader's own dataset, where it stood at the last batch handed over (or as
+                # the epoch before left it): now, once iter() has drawn its seeds and put torch's
+                # global generator where the checkpoint found it, so a state that is that
+                # generator's is not undone; and now rather than with the first batch, so that
+                # an epoch broken out of at once still leaves it for the next.
+                _load_main_dataset(loader, _standing(resume))
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)
@@ -728,6 +802,7 @@ class _Iterator(_BaseDataLoaderIter):
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
+            carried=None if record.carried is None else list(record.carried),
         )
 
     def __next__(self) -> Any:

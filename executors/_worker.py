@@ -82,10 +82,11 @@ class WorkerSetup:
     """An iterable dataset's first epoch goes on from a checkpoint: per worker, the mark of
     its last batch handed over, from which the worker restores its part of the dataset."""
     ended: tuple[Mark | None, ...] | None = attrs.field(default=None, eq=False)
-    """The epoch before the first starts from a checkpoint taken between epochs, and this
-    worker's dataset would have lived on into the next (persistent workers, or loading in the
-    main process): per worker, the mark of its last batch of that epoch. A stateful dataset is
-    brought back to where it stood as that epoch ended, and starts the next from there."""
+    """The first epoch starts from a checkpoint, and this worker's dataset would have lived on
+    into it from the epoch before (persistent workers, or loading in the main process): per
+    worker, the mark of its last batch of that epoch before. A stateful dataset is brought back
+    to where it stood as that epoch ended, and starts the next from there; the worker's mark
+    in `resume`, if any, then positions it in the resumed epoch."""
     snapshot_every: int | None = 1
     """A worker with a stateful iterable dataset sends its state with every this many batches
     it yields (None: never; a resume then fast-forwards from the epoch's start)."""
@@ -294,15 +295,21 @@ class WorkerRuntime:
             mark = None
             if setup.resume is not None and self.iterable:
                 mark = setup.resume[worker_id]
-            elif setup.resume is not None and worker_id < len(setup.resume) and self.stateful_map:
+            carried = setup.ended is not None and worker_id < len(setup.ended)
+            # What the previous epoch left in the dataset first, then the resumed epoch's own
+            # position in it (a mark of this epoch), which supersedes it.
+            self._restart("while creating the dataset fetcher", None if carried else mark)
+            if carried:
+                assert setup.ended is not None
+                self._carry(setup.ended[worker_id])
+                if mark not in (None, (0, None)) and self.init_error is None:
+                    self._restart("while loading the dataset's state from the checkpoint", mark)
+            if setup.resume is not None and worker_id < len(setup.resume) and self.stateful_map:
                 saved = setup.resume[worker_id]
                 if saved is not None and saved[1] not in (None, ...):
                     # Loaded with the first task, not now: in the main process iter() still
                     # draws its seeds, and a dataset's state may be torch's global generator's.
                     self.restore = saved[1].get("dataset")
-            self._restart("while creating the dataset fetcher", mark)
-            if setup.ended is not None and worker_id < len(setup.ended):
-                self._carry(setup.ended[worker_id])
 
     @classmethod
     def in_worker(cls, setup: WorkerSetup, worker_id: int, pid: int | None) -> WorkerRuntime:

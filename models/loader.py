@@ -60,18 +60,6 @@ __all__ = [
 EPOCHS = 3
 """Epochs of the uninterrupted run; the program never goes past them."""
 
-# Restrictions while a bug this machine found is open, each to be removed as its fix merges.
-# Never silent: each names the bug and what it keeps the machine from.
-UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS = True
-"""Found by this machine, not one of issue 26's defects (reported, unfixed): where a map-style
-dataset's state lives on from one epoch into the next (in-process loading, whose one dataset
-object serves every epoch, and persistent workers, whose copies do), a resumed run does not
-carry it on: a state taken between epochs or at an epoch's last batch holds none for the next
-epoch, and a loaded state that no batch of the resumed epoch used (broken out of at once) is
-never put back. The next epoch then draws other augmentations than the uninterrupted run's.
-Until it is fixed, "stateful-map" is drawn only with worker threads or processes that do not
-persist (each epoch's workers start from the dataset as built)."""
-
 DATASETS = (
     "map",  # a map-style dataset: index -> index
     "stateful-map",  # map-style, with a per-worker draw counter in state_dict (augmentation)
@@ -424,13 +412,8 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
     """Configurations small enough for tens of examples a second, over `executors`."""
     executor = draw(st.sampled_from(executors), label="executor")
     workers = 0 if executor == "inline" else draw(st.integers(1, 3), label="workers")
-    kinds = [
-        k
-        for k in DATASETS
-        if not (UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS and k == "stateful-map" and workers == 0)
-    ]
     # Map-style thrice: it alone shuffles, and shuffling is where resumes go wrong most.
-    dataset = draw(st.sampled_from(["map", "map", *kinds]), label="dataset")
+    dataset = draw(st.sampled_from(["map", "map", *DATASETS]), label="dataset")
     iterable = dataset not in ("map", "stateful-map")
     if iterable:
         counts = tuple(
@@ -449,9 +432,7 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
         drop_last=draw(st.booleans(), label="drop_last"),
         shuffle=shuffle,
         generator=not understated and draw(st.booleans(), label="generator"),
-        persistent=workers > 0
-        and not (UNTIL_DATASET_STATE_IS_KEPT_BETWEEN_EPOCHS and dataset == "stateful-map")
-        and draw(st.booleans(), label="persistent"),
+        persistent=workers > 0 and draw(st.booleans(), label="persistent"),
         # A stateful map-style dataset's samples depend on which worker loads them, which
         # out of order depends on timing: the uninterrupted run itself would differ run to run.
         in_order=workers < 2 or dataset == "stateful-map" or draw(st.booleans(), label="in_order"),

@@ -484,3 +484,24 @@ def test_a_state_between_epochs_carries_each_datasets_own_state_into_the_next_ep
     take(iter(fresh), 1)  # elsewhere in its own first epoch when the state is loaded
     fresh.load_state_dict(state)
     assert [run_to_end(iter(fresh)) for _ in range(2)] == epochs[1:]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
+def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_each_dataset(
+    executor: str, workers: int
+) -> None:
+    # After iter() and before any batch of the second epoch. (Not later: CountsEpochs's state
+    # does not say where in an epoch it stands.)
+    taken = 0
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
+    uninterrupted = loader(CountsEpochs(8), **options)
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(3)]
+    original = loader(CountsEpochs(8), **options)
+    run_to_end(iter(original))
+    second = iter(original)
+    take(second, taken)
+    state = roundtrip(original.state_dict())
+    fresh = loader(CountsEpochs(8), **options)
+    fresh.load_state_dict(state)
+    assert [run_to_end(iter(fresh)) for _ in range(2)] == [epochs[1][taken:], epochs[2]]

@@ -448,6 +448,67 @@ def test_a_map_style_state_between_epochs_goes_on_into_the_next_epoch_as_its_wor
     assert run_to_end(iter(resumed)) == epochs[1]
 
 
+LIVING_ON = [
+    pytest.param("inline", 0, id="inline"),
+    pytest.param("thread", 2, id="thread-2-persistent"),
+    pytest.param("mp", 2, id="mp-2-persistent"),
+]
+"""Where a map-style dataset lives on from one epoch into the next: the main process's own
+object, or persistent workers' copies."""
+
+
+def _living_on(executor: str, workers: int) -> DataLoader[Any]:
+    options = {"generator": seeded(), "num_workers": workers, "persistent_workers": workers > 0}
+    return loader(Augmented(12), executor=executor, batch_size=2, **options)
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), LIVING_ON)
+def test_a_map_style_state_between_epochs_carries_the_datasets_state_where_it_lives_on(
+    executor: str, workers: int
+) -> None:
+    uninterrupted = _living_on(executor, workers)
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(3)]
+    original = _living_on(executor, workers)
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    resumed = _living_on(executor, workers)
+    resumed.load_state_dict(state)
+    assert [run_to_end(iter(resumed)) for _ in range(2)] == epochs[1:]
+
+
+@WORKERS
+@pytest.mark.parametrize("taken", [0, 1])
+@pytest.mark.parametrize(("executor", "workers"), LIVING_ON)
+def test_a_map_style_state_taken_early_in_the_next_epoch_holds_what_the_last_one_left(
+    executor: str, workers: int, taken: int
+) -> None:
+    # After iter() and before any batch of the second epoch (or one: worker 1 has none yet).
+    uninterrupted = _living_on(executor, workers)
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
+    original = _living_on(executor, workers)
+    run_to_end(iter(original))
+    second = iter(original)
+    take(second, taken)
+    state = roundtrip(original.state_dict())
+    resumed = _living_on(executor, workers)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == epochs[1][taken:]
+
+
+def test_a_resumed_epoch_in_the_main_process_broken_out_of_at_once_leaves_its_state() -> None:
+    original = _living_on("inline", 0)
+    first = iter(original)
+    take(first, 2)
+    state = roundtrip(original.state_dict())
+    del first  # broken out of
+    following = run_to_end(iter(original))
+    resumed = _living_on("inline", 0)
+    resumed.load_state_dict(state)
+    iter(resumed)  # the resumed epoch, broken out of before its first batch
+    assert run_to_end(iter(resumed)) == following
+
+
 def test_a_map_style_dataset_state_is_kept_as_of_the_last_batch_handed_over() -> None:
     original = loader(Augmented(40), num_workers=2, executor="thread", prefetch_factor=4)
     iterator = iter(original)
