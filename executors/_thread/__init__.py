@@ -10,7 +10,7 @@ Everything here runs in the main process; split by what each part holds:
 - `reseed`: the watch on the process-wide seeding functions, and its warning;
 - `storages`: the pool of ordinary storages that worker threads collate batches into.
 
-A worker thread is made a worker as torch makes a worker process (`executor._prepare`).
+A worker thread starts as every worker does, through `executors._startup.start_worker`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Run in the main process: `start`, `dispatch`, `resume`, `stop_worker` and `shutdown` from the
 driver's thread, `poll` from the driver's thread or the pin stage's
 (`Capabilities.poll_from_any_thread`), and each worker's body (`_run`) in a thread of its own,
-which it makes a worker as torch makes a worker process (`_prepare`).
+which starts as every worker does (`executors._startup.start_worker`), seated as a thread.
 
 No start-up cost, no pickling, and batches are handed over by reference. This is the right
 choice when loading releases the GIL (file and network I/O, decoding in native code) and on
@@ -22,12 +22,12 @@ What torch gives each worker process, each thread gets where it can:
   the dataset are not copied; they hold nothing a worker sets. A dataset that cannot be copied
   is shared by every worker, with a warning.
 - `get_worker_info()`, ours and torch's, returns the calling thread's own WorkerInfo (id,
-  num_workers, seed = base_seed + id, and that worker's copy of the dataset), so IterableDatasets
-  shard themselves as they do in worker processes; datapipes are reseeded and sharded as torch's
-  workers do it. In the main thread it stays None. As torch's own thread workers will, it also says
-  `worker_method="thread"` and carries the worker's own generators in `rng`, seeded from its seed
-  (see `_worker.thread_worker_info`), so `torch.thread_safe_generator()` returns that worker's torch
-  generator.
+  num_workers, seed = base_seed + id, and that worker's copy of the dataset), so
+  IterableDatasets shard themselves as they do in worker processes; datapipes are reseeded and
+  sharded as torch's workers do it. In the main thread it stays None. As torch's own thread
+  workers will, it also says `worker_method="thread"` and carries the worker's own generators in
+  `rng`, seeded from its seed (see `executors._startup.worker_info`), so
+  `torch.thread_safe_generator()` returns that worker's torch generator.
 - `worker_init_fn(worker_id)` runs in the worker's thread before its first task.
 
 What differs from worker processes:
@@ -69,9 +69,12 @@ import queue
 import threading
 from typing import Any, ClassVar
 
+import torch.utils.data._utils.worker as torch_worker
+
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._startup import Seat, start_worker
 from statecore.executors._thread.copies import own_copy, rebound
 from statecore.executors._thread.hooks import (
     install_pooled_storages,
@@ -80,12 +83,7 @@ from statecore.executors._thread.hooks import (
 )
 from statecore.executors._thread.reseed import install_reseed_watch, warn_reseeded
 from statecore.executors._thread.storages import StoragePool
-from statecore.executors._worker import (
-    WorkerRuntime,
-    WorkerSetup,
-    prepare_dataset,
-    thread_worker_info,
-)
+from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["JOIN_TIMEOUT", "ThreadExecutor"]
 
@@ -117,6 +115,16 @@ def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
     if isinstance(command.index, list):
         return f"while loading the batch of dataset indices {command.index!r}"
     return f"while loading dataset index {command.index!r}"
+
+
+def _tell(info: torch_worker.WorkerInfo) -> None:
+    """Give this worker thread its WorkerInfo: `get_worker_info()` answers it here alone."""
+    per_thread.info = info
+
+
+def _now_doing(where: str) -> None:
+    """What this worker thread is doing, named by the reseed warning."""
+    per_thread.where = where
 
 
 class ThreadExecutor:
@@ -178,9 +186,8 @@ class ThreadExecutor:
         init_error: BaseException | None,
     ) -> None:
         setup = self.launch.setup
-        note = f"Raised in DataLoader worker thread {worker}"
         try:
-            runtime = self._prepare(worker, dataset, init_error, note)
+            runtime = self._prepare(worker, dataset, init_error)
             while True:
                 command = inbox.get()
                 if command is None:
@@ -202,36 +209,21 @@ class ThreadExecutor:
             per_thread.__dict__.clear()
 
     def _prepare(
-        self, worker: int, dataset: Any, init_error: BaseException | None, note: str
+        self, worker: int, dataset: Any, init_error: BaseException | None
     ) -> WorkerRuntime:
-        """Make this thread worker `worker`: its WorkerInfo, its datapipe's seed and shard, and
-        `worker_init_fn`, as in torch's worker processes (which also seed the process-wide
-        generators: threads cannot)."""
-        setup = rebound(self.launch.setup, dataset)
-        per_thread.info = thread_worker_info(setup.base_seed, worker, setup.num_workers, dataset)
+        """Make this thread worker `worker`, loading from its own copy `dataset`, through the
+        start-up every worker takes, seated as a thread (which cannot seed the process-wide
+        generators, and whose WorkerInfo only it sees)."""
         per_thread.on_reseed = functools.partial(self._saw_reseed, worker)
         per_thread.pool = self.storages
-        where = "while sharding the datapipe"
-        try:
-            if init_error is None:
-                prepare_dataset(setup, worker, dataset)
-                where = "in worker_init_fn"
-                per_thread.where = where
-                if setup.worker_init_fn is not None:
-                    setup.worker_init_fn(worker)
-                where = "while creating the dataset fetcher"
-            per_thread.where = "while loading"
-            return WorkerRuntime(
-                setup, worker, None, dataset=dataset, init_error=init_error, note=note
-            )
-        except Exception as error:
-            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
-            error.add_note(f"{note} {where}")
-            init_error = error
-        except BaseException as error:
-            init_error = _ended(worker, error, where)
-        per_thread.where = "while loading"
-        return WorkerRuntime(setup, worker, None, dataset=dataset, init_error=init_error, note=note)
+        seat = Seat.thread(
+            note=f"Raised in DataLoader worker thread {worker}",
+            tell=_tell,
+            doing=_now_doing,
+            ended=_ended,
+        )
+        setup = rebound(self.launch.setup, dataset)
+        return start_worker(setup, worker, seat, dataset=dataset, init_error=init_error)
 
     def _saw_reseed(self, worker: int, label: str) -> None:
         # In the worker's thread. Two workers racing here both find None: either report will do.

@@ -4,7 +4,7 @@ Run in the main process: installed by the executor's `start`, then called in wha
 calls them. Outside a worker thread each hooked function does exactly what it did before.
 
 - torch's `get_worker_info()` answers per thread: a worker thread's own WorkerInfo
-  (`per_thread.info`), set as the thread becomes a worker;
+  (`per_thread.info`), set by the worker's start-up (`executors._startup`);
 - torch's collate, in a worker thread, takes each batch's storage from the executor's pool
   (`storages`) instead of shared memory: see `executor`'s docstring.
 
