@@ -67,6 +67,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import warnings
 from typing import Any, ClassVar
 
 import torch.utils.data._utils.worker as torch_worker
@@ -81,11 +82,15 @@ from statecore.executors._thread.hooks import (
     install_worker_info,
     per_thread,
 )
-from statecore.executors._thread.reseed import install_reseed_watch, warn_reseeded
+from statecore.executors._thread.reseed import (
+    ThreadReseedWarning,
+    first_warning_for,
+    install_reseed_watch,
+)
 from statecore.executors._thread.storages import StoragePool
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
-__all__ = ["JOIN_TIMEOUT", "ThreadExecutor"]
+__all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 
 JOIN_TIMEOUT = 5.0
 
@@ -107,16 +112,6 @@ def _ended(worker: int, error: BaseException, where: str) -> WorkerDiedError:
     return ended
 
 
-def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
-    if isinstance(command, ResumeWorker):
-        return "while restarting the dataset for a new epoch"
-    if setup.iterable:
-        return "while loading from the IterableDataset"
-    if isinstance(command.index, list):
-        return f"while loading the batch of dataset indices {command.index!r}"
-    return f"while loading dataset index {command.index!r}"
-
-
 def _tell(info: torch_worker.WorkerInfo) -> None:
     """Give this worker thread its WorkerInfo: `get_worker_info()` answers it here alone."""
     per_thread.info = info
@@ -125,6 +120,16 @@ def _tell(info: torch_worker.WorkerInfo) -> None:
 def _now_doing(where: str) -> None:
     """What this worker thread is doing, named by the reseed warning."""
     per_thread.where = where
+
+
+def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
+    if isinstance(command, ResumeWorker):
+        return "while restarting the dataset for a new epoch"
+    if setup.iterable:
+        return "while loading from the IterableDataset"
+    if isinstance(command.index, list):
+        return f"while loading the batch of dataset indices {command.index!r}"
+    return f"while loading dataset index {command.index!r}"
 
 
 class ThreadExecutor:
@@ -232,7 +237,25 @@ class ThreadExecutor:
 
     def _warn_reseeded(self, worker: int, label: str, where: str) -> None:
         self.reseed_warned = True
-        warn_reseeded(worker, label, where, self.launch.setup.dataset)
+        dataset = self.launch.setup.dataset
+        if not first_warning_for(dataset):
+            return
+        warnings.warn(
+            f"DataLoader worker thread {worker} reseeded a process-wide random generator "
+            f"({label}) {where}, for a dataset {type(dataset).__name__}. Worker threads share "
+            "the process's generators (random, torch's default generator, numpy's global "
+            "state): a seed set in one thread moves the numbers every thread draws, so samples "
+            "depend on how the threads interleave and differ from those of torch's worker "
+            "processes. Draw from the worker's own generators instead: "
+            "torch.thread_safe_generator() (as generator= of torch.rand and the like; None "
+            "outside worker threads, meaning torch's default generator) and "
+            "get_worker_info().rng.random_generator, seeded per worker as worker processes "
+            "seed theirs; or from a generator of the sample's own, such as "
+            "torch.Generator().manual_seed(index); or load in worker processes with "
+            'executor="mp". This warning is given once per dataset.',
+            ThreadReseedWarning,
+            stacklevel=2,
+        )
 
     def _answer(self, event: Event) -> None:
         self.results.put(event)

@@ -1,11 +1,11 @@
-"""The reseed watch: a worker thread that reseeds a process-wide generator is warned about.
+"""The reseed watch: a worker thread that reseeds a process-wide generator is seen doing so.
 
 Run in the main process. The process-wide generators (`random`, torch's default generator,
 numpy's global state) are shared by every thread, so a seed set in one worker thread moves the
 numbers all of them draw. The seeding functions tell the calling worker thread's executor
 (`per_thread.on_reseed`) that they ran, and the executor warns, with a `ThreadReseedWarning`
-once per dataset, from its polling thread. Only the seeding functions are watched: a dataset
-that does not call them pays nothing per sample.
+once per dataset (`first_warning_for`), from its polling thread. Only the seeding functions
+are watched: a dataset that does not call them pays nothing per sample.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import functools
 import random
 import threading
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ import torch.random
 
 from statecore.executors._thread.hooks import INSTALLED, per_thread
 
-__all__ = ["ThreadReseedWarning", "install_reseed_watch", "warn_reseeded"]
+__all__ = ["ThreadReseedWarning", "first_warning_for", "install_reseed_watch"]
 
 
 class ThreadReseedWarning(RuntimeWarning):
@@ -86,33 +85,11 @@ _warned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _warned_lock = threading.Lock()
 
 
-def _first_warning_for(dataset: Any) -> bool:
+def first_warning_for(dataset: Any) -> bool:
+    """Whether `dataset` is not warned about yet; from now on it is."""
     with _warned_lock:
         if _warned.get(id(dataset)) is dataset:
             return False
         with contextlib.suppress(TypeError):  # not weakly referenceable: warned per iterator
             _warned[id(dataset)] = dataset
         return True
-
-
-def warn_reseeded(worker: int, label: str, where: str, dataset: Any) -> None:
-    """Warn that worker thread `worker` called `label` `where`, unless `dataset` was warned
-    about already."""
-    if not _first_warning_for(dataset):
-        return
-    warnings.warn(
-        f"DataLoader worker thread {worker} reseeded a process-wide random generator "
-        f"({label}) {where}, for a dataset {type(dataset).__name__}. Worker threads share "
-        "the process's generators (random, torch's default generator, numpy's global "
-        "state): a seed set in one thread moves the numbers every thread draws, so samples "
-        "depend on how the threads interleave and differ from those of torch's worker "
-        "processes. Draw from the worker's own generators instead: "
-        "torch.thread_safe_generator() (as generator= of torch.rand and the like; None "
-        "outside worker threads, meaning torch's default generator) and "
-        "get_worker_info().rng.random_generator, seeded per worker as worker processes "
-        "seed theirs; or from a generator of the sample's own, such as "
-        "torch.Generator().manual_seed(index); or load in worker processes with "
-        'executor="mp". This warning is given once per dataset.',
-        ThreadReseedWarning,
-        stacklevel=3,
-    )
