@@ -7,7 +7,7 @@ Everything here runs in the main process; split by what each part holds:
 - `copies`: each worker thread's own copy of the dataset, and its methods bound to it;
 - `hooks`: what the executor changes in torch, once per process, so that threads can be
   workers (`get_worker_info()` per thread; collate's storages from the pool);
-- `reseed`: the watch on the process-wide seeding functions, and its warning;
+- `reseed`: the watch on the process-wide seeding functions, and the datasets warned about;
 - `storages`: the pool of ordinary storages that worker threads collate batches into.
 
 A worker thread starts as every worker does, through `executors._startup.start_worker`.
