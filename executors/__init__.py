@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from statecore.executors._ray import RayOptions, RayUnavailableError, ray
     from statecore.executors._registry import ENTRY_POINT_GROUP, available, runnable
     from statecore.executors._remote import RemoteError
-    from statecore.executors._worker import WorkerRuntime, WorkerSetup, as_worker, get_worker_info
+    from statecore.executors._startup import as_worker, get_worker_info
+    from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 _WHERE = {
     "ENTRY_POINT_GROUP": "_registry",
@@ -46,11 +47,11 @@ _WHERE = {
     "RemoteError": "_remote",
     "WorkerRuntime": "_worker",
     "WorkerSetup": "_worker",
-    "as_worker": "_worker",
+    "as_worker": "_startup",
     "available": "_registry",
     "capabilities_of": "_protocol",
     "failure_exception": "_driver",
-    "get_worker_info": "_worker",
+    "get_worker_info": "_startup",
     "pinned": "_pinned",
     "ray": "_ray",
     "runnable": "_registry",

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from statecore import Event, ResumeWorker, SendTask
 from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._startup import Seat, start_worker
 from statecore.executors._worker import WorkerRuntime
 
 __all__ = ["InlineExecutor"]
@@ -31,8 +32,8 @@ class InlineExecutor:
         """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
 
     def start(self) -> None:
-        # In the main process torch neither seeds nor sets worker info: neither do we.
-        self.runtime = WorkerRuntime(self.launch.setup, worker_id=0)
+        # In the main process torch neither seeds nor sets worker info: neither does this seat.
+        self.runtime = start_worker(self.launch.setup, 0, Seat.caller())
 
     def dispatch(self, command: SendTask) -> None:
         self.queue.append(command)

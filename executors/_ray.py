@@ -10,8 +10,9 @@ local instance when no address is set. An address that does not answer is refuse
 with an error saying what to do, rather than left to Ray's connection retries (a minute or
 more of silence).
 
-Each actor builds a `WorkerRuntime` as a worker process does (`WorkerRuntime.in_worker`:
-seeding, worker info, datapipe sharding, `worker_init_fn`), from the loader's `WorkerSetup`,
+Each actor starts as a worker process does, through the one start-up path
+(`executors._startup.start_worker`: seeding, worker info, datapipe sharding,
+`worker_init_fn`, its `WorkerRuntime`), from the loader's `WorkerSetup`,
 which is put in Ray's object store once and read once per node. A task or a resume is one call
 of the actor's `answer` method. A single-threaded actor runs the calls of one caller in the
 order they were made, which gives the protocol's "answers in the order given"; `poll` waits on
@@ -49,8 +50,9 @@ from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._registry import NEEDS
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
+from statecore.executors._startup import Seat, start_worker
 from statecore.executors._timing import ClockSkew, TaskTiming
-from statecore.executors._worker import WorkerRuntime, WorkerSetup
+from statecore.executors._worker import WorkerSetup
 
 __all__ = ["RayExecutor", "RayOptions", "RayUnavailableError", "ray"]
 
@@ -193,7 +195,7 @@ def _plain_storages() -> None:
     """In this (actor) process, storages torch's collate asks for in shared memory are
     ordinary ones.
 
-    `WorkerRuntime.in_worker` sets torch's worker info, so that `get_worker_info()` works in
+    The worker's start-up sets torch's worker info, so that `get_worker_info()` works in
     datasets; torch's collate then builds each batch in shared memory, for a pipe to a parent
     process. A batch from an actor crosses through Ray's object store instead, and a
     shared-memory storage would cost a file and a descriptor per batch for nothing. Only
@@ -269,7 +271,7 @@ class _Worker:
         _plain_storages()
         self.pid = os.getpid()
         self.node = _this_node(library)
-        self.runtime = WorkerRuntime.in_worker(setup, worker_id, self.pid)
+        self.runtime = start_worker(setup, worker_id, Seat.process(self.pid))
 
     def placement(self) -> tuple[int, str]:
         """The pid of this actor's process, for the error that reports its death, and its

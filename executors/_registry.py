@@ -59,7 +59,7 @@ def _mp(launch: Launch) -> Executor:
 
 
 def _thread(launch: Launch) -> Executor:
-    from statecore.executors._thread import ThreadExecutor
+    from statecore.executors._thread.executor import ThreadExecutor
 
     return ThreadExecutor(launch)
 

@@ -1,9 +1,10 @@
-"""What a worker does, wherever it runs: seed itself as torch does, then answer tasks.
+"""What a worker does, wherever it runs: answer tasks from its own dataset.
 
 `WorkerSetup` is everything a worker needs, shipped to it once. `WorkerRuntime` lives inside
 the worker and turns each command (`SendTask`, `ResumeWorker`) into the event that answers it.
-The multiprocessing executor runs one runtime per process; the loop around it, the pipes and
-the watchdog are that executor's business.
+How a worker starts (seeding, its WorkerInfo, `worker_init_fn`) is `executors._startup`'s,
+one path for every executor. The multiprocessing executor runs one runtime per process; the
+loop around it, the pipes and the watchdog are that executor's business.
 
 Datapipes get what torch's workers give them: each worker reseeds its datapipe with the
 loader's shared seed (again at every resume) and shards it with `apply_sharding` as instance
@@ -15,18 +16,14 @@ datapipe of its own: a process has its copy; the thread executor makes one per t
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 from torch.utils.data import IterDataPipe, MapDataPipe
-from torch.utils.data._utils import HAS_NUMPY
-from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
 from statecore import (
@@ -42,15 +39,7 @@ from statecore.executors._quick import completed
 from statecore.executors._remote import RemoteError
 from statecore.executors._timing import CPU_SAMPLED_EVERY, FAST_TASK, TaskTiming, TimedFetch
 
-__all__ = [
-    "WorkerRuntime",
-    "WorkerSetup",
-    "as_worker",
-    "get_worker_info",
-    "prepare_dataset",
-    "seed_worker",
-    "thread_worker_info",
-]
+__all__ = ["WorkerRuntime", "WorkerSetup", "capture", "prepare_dataset"]
 
 
 def _distributed_settings() -> tuple[int, int]:
@@ -126,36 +115,6 @@ def has_state(thing: Any) -> bool:
     )
 
 
-def get_worker_info() -> torch_worker.WorkerInfo | None:
-    """The current worker's WorkerInfo, or None in the main process.
-
-    The same object that `torch.utils.data.get_worker_info()` returns inside our workers, so
-    IterableDatasets that shard themselves with torch's function work unchanged.
-    """
-    return torch.utils.data.get_worker_info()
-
-
-@contextlib.contextmanager
-def as_worker(setup: WorkerSetup, worker_id: int) -> Iterator[None]:
-    """Within the block, `get_worker_info()` (ours and torch's) describes worker `worker_id`.
-
-    For executors that run several workers on one thread: wrap each worker's dataset work
-    (creating its `WorkerRuntime`, answering its commands) so that datasets which shard
-    themselves by worker see the right worker.
-    """
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=worker_id,
-        num_workers=setup.num_workers,
-        seed=setup.base_seed + worker_id,
-        dataset=setup.dataset,
-    )
-    try:
-        yield
-    finally:
-        torch_worker._worker_info = saved
-
-
 def prepare_dataset(setup: WorkerSetup, worker_id: int, dataset: Any) -> Any:
     """`dataset` made ready for worker `worker_id`, as torch's workers make it: a datapipe is
     reseeded with the loader's shared seed and sharded for this worker, in place.
@@ -177,64 +136,6 @@ def _shard_datapipe(setup: WorkerSetup, worker_id: int, dataset: Any) -> None:
         # rank gets an even share.
         world_size, rank = setup.distributed
         apply_sharding(dataset, setup.num_workers * world_size, worker_id * world_size + rank)
-
-
-def seed_worker(base_seed: int, worker_id: int) -> int:
-    """Seed `random`, torch and numpy as torch seeds its workers; return the worker's seed."""
-    seed = base_seed + worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if HAS_NUMPY:
-        import numpy
-
-        numpy.random.seed(torch_worker._generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
-    return seed
-
-
-def thread_worker_info(
-    base_seed: int, worker_id: int, num_workers: int, dataset: Any
-) -> torch_worker.WorkerInfo:
-    """The WorkerInfo of a worker thread, as torch's own thread workers will build it.
-
-    A thread cannot seed the process-wide generators for itself alone, so it gets generators of
-    its own in `rng`, seeded from the worker's seed as `seed_worker` seeds the process-wide
-    ones: `random.Random(seed)` and a CPU `torch.Generator` draw what `random` and torch's
-    default generator draw in a worker process. `worker_method="thread"` is what makes
-    `torch.thread_safe_generator()` return `rng.torch_generator`. numpy's generator is a
-    `numpy.random.Generator` over the worker's numpy seed, as torch's thread workers (on
-    pytorch's main branch, after 2.13) make it; its numbers are not those of numpy's global
-    functions in a worker process.
-
-    A torch without these fields (before 2.13) gets the WorkerInfo it gives its processes.
-    """
-    seed = base_seed + worker_id
-    container = getattr(torch_worker, "_RNG", None)
-    if container is None:
-        return torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
-        )
-    torch_generator = torch.Generator()
-    torch_generator.manual_seed(seed)
-    numpy_generator = None
-    if HAS_NUMPY:
-        import numpy
-
-        numpy_generator = numpy.random.default_rng(
-            torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
-        )
-    rng = container(
-        random_generator=random.Random(seed),
-        torch_generator=torch_generator,
-        numpy_generator=numpy_generator,
-    )
-    return torch_worker.WorkerInfo(
-        id=worker_id,
-        num_workers=num_workers,
-        seed=seed,
-        dataset=dataset,
-        rng=rng,
-        worker_method="thread",
-    )
 
 
 class WorkerRuntime:
@@ -271,8 +172,12 @@ class WorkerRuntime:
         self.skip = 0
         """Batches to fast-forward before the next one: those handed over before a checkpoint."""
         self.stateful = False
-        self.stateful_map = not self.iterable and has_state(
-            dataset if dataset is not None else setup.dataset
+        # A worker that failed to start runs none of the dataset's code, lookups included:
+        # the failure may be the dataset's own, met looking it up.
+        self.stateful_map = (
+            init_error is None
+            and not self.iterable
+            and has_state(dataset if dataset is not None else setup.dataset)
         )
         """A map-style dataset with a state (an augmentation's generator, say): sent with every
         batch, as the state after it, since a map-style worker cannot fast-forward."""
@@ -313,30 +218,12 @@ class WorkerRuntime:
 
     @classmethod
     def in_worker(cls, setup: WorkerSetup, worker_id: int, pid: int | None) -> WorkerRuntime:
-        """Prepare this process or thread as worker `worker_id`, the way torch's workers are."""
-        seed = seed_worker(setup.base_seed, worker_id)
-        dataset = setup.dataset
-        init_error = None
-        try:
-            dataset = prepare_dataset(setup, worker_id, dataset)
-        except Exception as error:
-            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
-            init_error = RemoteError.capture(
-                error, worker=worker_id, pid=pid, index=None, where="while sharding the datapipe"
-            )
-        # torch's own global, so that torch.utils.data.get_worker_info() sees this worker, and
-        # default_collate builds batches straight in shared memory as it does in torch's workers.
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=setup.num_workers, seed=seed, dataset=dataset
-        )
-        try:
-            if init_error is None and setup.worker_init_fn is not None:
-                setup.worker_init_fn(worker_id)
-        except Exception as error:
-            init_error = RemoteError.capture(
-                error, worker=worker_id, pid=pid, index=None, where="in worker_init_fn"
-            )
-        return cls(setup, worker_id, pid, dataset, init_error)
+        """Prepare this process as worker `worker_id`, the way torch's workers are: the start-up
+        every worker takes (`executors._startup.start_worker`), seated in a process of its own."""
+        # Imported here: the start-up builds runtimes, so its module imports this one.
+        from statecore.executors._startup import Seat, start_worker
+
+        return start_worker(setup, worker_id, Seat.process(pid))
 
     def _restart(self, where: str, mark: Mark | None = None) -> bool:
         """A fresh dataset iterator, positioned at `mark` if one is given; False if that
@@ -584,14 +471,26 @@ class WorkerRuntime:
     def _capture(
         self, error: BaseException, index: object, where: str = "while loading"
     ) -> BaseException | RemoteError:
-        if self.pid is None:
-            if self.note is not None:
-                at = "" if index is None else f" at dataset index {index!r}"
-                error.add_note(f"{self.note} {where}{at}")
-            return error
-        return RemoteError.capture(
-            error, worker=self.worker_id, pid=self.pid, index=index, where=where
-        )
+        return capture(error, self.worker_id, self.pid, self.note, index, where)
+
+
+def capture(
+    error: BaseException,
+    worker: int,
+    pid: int | None,
+    note: str | None,
+    index: object,
+    where: str = "while loading",
+) -> BaseException | RemoteError:
+    """Worker `worker`'s `error`, met `where` (at dataset `index`, if not None), as its answer
+    carries it: in a process of its own (`pid`), as data that crosses to the loader's process;
+    in the loader's process, the exception itself, with `note` added if given."""
+    if pid is None:
+        if note is not None:
+            at = "" if index is None else f" at dataset index {index!r}"
+            error.add_note(f"{note} {where}{at}")
+        return error
+    return RemoteError.capture(error, worker=worker, pid=pid, index=index, where=where)
 
 
 def _reseed_datapipe(dataset: Any, seed: int) -> Any:

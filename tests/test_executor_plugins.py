@@ -25,7 +25,7 @@ from statecore.executors import (
 from statecore.executors._inline import InlineExecutor
 from statecore.executors._mp import MultiprocessExecutor
 from statecore.executors._registry import BUILT_IN, loads_in_process
-from statecore.executors._thread import ThreadExecutor
+from statecore.executors._thread.executor import ThreadExecutor
 from statecore.models.kit import check_executor, matrix
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "executors.md"

@@ -89,3 +89,37 @@ def test_in_process_loading_raises_the_datasets_own_exception(loader_class: type
         next(iter(loader))
     assert raised.value.index == 0
     assert str(raised.value) == "bad sample 0"
+
+
+class LooksUpInAnUnreachableStore(torch.utils.data.Dataset[int]):
+    """Looks up the attributes it lacks in a store that no worker can reach: in a worker, every
+    such lookup raises (statecore's own lookups too, as a worker starts), not AttributeError."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or torch.utils.data.get_worker_info() is None:
+            raise AttributeError(name)
+        raise OSError(f"the store is out of reach, looking up {name!r}")
+
+
+@pytest.mark.parametrize("executor", ["mp", "thread"])
+@WORKERS
+def test_an_error_as_a_worker_starts_comes_with_its_first_task_wherever_it_runs(
+    executor: str,
+) -> None:
+    # Every worker starts through one path: where a worker thread answers its first task with
+    # the error, a worker process does too, rather than dying of it.
+    loader = statecore.DataLoader(
+        LooksUpInAnUnreachableStore(), batch_size=2, num_workers=1, executor=executor
+    )
+    iterator = iter(loader)
+    try:
+        with pytest.raises(OSError, match="the store is out of reach"):
+            next(iterator)
+    finally:
+        close(iterator)

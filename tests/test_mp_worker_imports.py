@@ -25,6 +25,7 @@ WORKER_SIDE = {
     "statecore.executors._quick",
     "statecore.executors._remote",
     "statecore.executors._signals",
+    "statecore.executors._startup",
     "statecore.executors._timing",
     "statecore.executors._worker",
 }

@@ -24,7 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 import statecore
 from statecore import LoaderTimeoutError, WorkerDiedError
 from statecore.executors import Capabilities, Declared, Launch, PinnedExecutor, pinned
-from statecore.executors._thread import ThreadExecutor
+from statecore.executors._thread.executor import ThreadExecutor
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 STAGE = "statecore-pin"

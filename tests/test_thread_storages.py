@@ -1,9 +1,9 @@
 """Worker threads collate into storages the consumer has let go of, and never into one it holds.
 
 A batch is a large new allocation; writing it into fresh pages makes the kernel fault and zero
-each of them. The thread executor's pool (`executors/_storages.py`) gives torch's collate, in a
-worker thread, an ordinary storage that no tensor uses any more, of exactly the batch's size,
-and keeps a bounded number of them.
+each of them. The thread executor's pool (`executors/_thread/storages.py`) gives torch's
+collate, in a worker thread, an ordinary storage that no tensor uses any more, of exactly the
+batch's size, and keeps a bounded number of them.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import Dataset
 
 import statecore
-from statecore.executors import _storages
-from statecore.executors._storages import MIN_BYTES, StoragePool
-from statecore.executors._thread import ThreadExecutor
+from statecore.executors._thread import storages
+from statecore.executors._thread.executor import ThreadExecutor
+from statecore.executors._thread.storages import MIN_BYTES, StoragePool
 
 pytestmark = pytest.mark.skipif(
-    not _storages.AVAILABLE, reason="this torch does not count references to a storage"
+    not storages.AVAILABLE, reason="this torch does not count references to a storage"
 )
 
 FLOATS = 64 << 10

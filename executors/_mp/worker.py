@@ -48,6 +48,7 @@ from statecore.executors._mp.wire import (
 )
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import restore_in_child
+from statecore.executors._startup import Seat, start_worker
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 
@@ -228,7 +229,7 @@ def worker_main(
     setup = shipped if isinstance(shipped, WorkerSetup) else unpack_setup(*shipped)
     buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
-    runtime = WorkerRuntime.in_worker(setup, worker_id, os.getpid())
+    runtime = start_worker(setup, worker_id, Seat.process(os.getpid()))
     answers = AnswerSender(worker_id, results, buffers)
     try:
         _serve(tasks, stopping, runtime, buffers, answers)

@@ -1,11 +1,12 @@
 """The storages worker threads collate batches into, used again once the consumer lets go.
 
-Run by the thread executor's workers (`_thread`). A worker process writes each batch into a
-buffer of its pool and the main process hands that buffer back when the consumer lets go of the
-batch (`_mp.pool`). Worker threads need no crossing, but a batch is still a large new
-allocation: from the C library's heap or, for a batch of many megabytes, from a fresh mapping,
-whose pages the kernel must find and zero as collate first writes them. On the large-batch
-benchmark that page-faulting costs about a third of a worker thread's time.
+Run by the thread executor's workers (`executor`), asked by torch's collate through `hooks`.
+A worker process writes each batch into a buffer of its pool and the main process hands that
+buffer back when the consumer lets go of the batch (`_mp.pool`). Worker threads need no
+crossing, but a batch is still a large new allocation: from the C library's heap or, for a
+batch of many megabytes, from a fresh mapping, whose pages the kernel must find and zero as
+collate first writes them. On the large-batch benchmark that page-faulting costs about a third
+of a worker thread's time.
 
 So torch's collate functions, in a worker thread, take the storage of the batch from here:
 a storage of exactly the size asked for that no tensor uses any more (its reference count is

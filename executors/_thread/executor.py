@@ -1,5 +1,10 @@
 """The thread executor: workers are threads of the main process.
 
+Run in the main process: `start`, `dispatch`, `resume`, `stop_worker` and `shutdown` from the
+driver's thread, `poll` from the driver's thread or the pin stage's
+(`Capabilities.poll_from_any_thread`), and each worker's body (`_run`) in a thread of its own,
+which starts as every worker does (`executors._startup.start_worker`), seated as a thread.
+
 No start-up cost, no pickling, and batches are handed over by reference. This is the right
 choice when loading releases the GIL (file and network I/O, decoding in native code) and on
 free-threaded Python.
@@ -20,9 +25,9 @@ What torch gives each worker process, each thread gets where it can:
   num_workers, seed = base_seed + id, and that worker's copy of the dataset), so
   IterableDatasets shard themselves as they do in worker processes; datapipes are reseeded and
   sharded as torch's workers do it. In the main thread it stays None. As torch's own thread
-  workers will, it also says `worker_method="thread"` and carries the worker's own generators
-  in `rng`, seeded from its seed (see `thread_worker_info`), so `torch.thread_safe_generator()`
-  returns that worker's torch generator.
+  workers will, it also says `worker_method="thread"` and carries the worker's own generators in
+  `rng`, seeded from its seed (see `executors._startup.worker_info`), so
+  `torch.thread_safe_generator()` returns that worker's torch generator.
 - `worker_init_fn(worker_id)` runs in the worker's thread before its first task.
 
 What differs from worker processes:
@@ -32,7 +37,7 @@ What differs from worker processes:
   so that it can cross to the main process; a thread's batch needs no crossing, and each
   shared batch would hold an open file while it lives. So in a worker thread that call, made
   by torch's collate (called by the loader or from a custom `collate_fn`), gets an ordinary
-  storage from the executor's pool (`_storages`): one the consumer has let go of, or a new
+  storage from the executor's pool (`storages`): one the consumer has let go of, or a new
   one. Everything else, the dataset, `worker_init_fn` and a custom `collate_fn` itself, sees
   the thread's WorkerInfo as usual. The cost is a look at the caller's frame in each
   `get_worker_info()` call made in a worker thread.
@@ -59,225 +64,35 @@ a daemon and does not keep the interpreter alive.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
 import queue
-import random
-import sys
 import threading
-import types
 import warnings
-import weakref
-from collections.abc import Callable
 from typing import Any, ClassVar
 
-import attrs
-import torch
-import torch.random
 import torch.utils.data._utils.worker as torch_worker
-from torch.utils.data import Dataset, IterDataPipe, MapDataPipe
 
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import Capabilities, Launch
-from statecore.executors._storages import StoragePool
-from statecore.executors._worker import (
-    WorkerRuntime,
-    WorkerSetup,
-    prepare_dataset,
-    thread_worker_info,
+from statecore.executors._startup import Seat, start_worker
+from statecore.executors._thread.copies import own_copy, rebound
+from statecore.executors._thread.hooks import (
+    install_pooled_storages,
+    install_worker_info,
+    per_thread,
 )
+from statecore.executors._thread.reseed import (
+    ThreadReseedWarning,
+    first_warning_for,
+    install_reseed_watch,
+)
+from statecore.executors._thread.storages import StoragePool
+from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 
 JOIN_TIMEOUT = 5.0
-
-_threads = threading.local()
-"""In a worker thread: `info` (its WorkerInfo), `on_reseed` (told of each seeding call),
-`where` (what the thread is doing, for the warning), `pool` (the executor's StoragePool) and
-`claiming` (torch's collate has just asked for the worker info, and will ask for a storage).
-Absent in every other thread."""
-_installed = threading.Lock()
-_COLLATE_MODULE = "torch.utils.data._utils.collate"
-
-
-class ThreadReseedWarning(RuntimeWarning):
-    """A worker thread reseeded a random generator that every thread of the process shares."""
-
-
-def _install_thread_worker_info() -> None:
-    """Make torch's get_worker_info() answer per thread, once per process.
-
-    torch keeps the worker's info in a module global, one per process. We give the function a
-    body that first looks at this thread's info; everyone holding a reference to it, such as
-    `torch.utils.data.get_worker_info`, sees the change. Outside our worker threads it returns
-    exactly what it returned before. Called from torch's collate module in a worker thread, it
-    answers None: see the module docstring.
-    """
-    with _installed:
-        namespace = torch_worker.__dict__
-        if namespace.get("_statecore_threads") is _threads:
-            return
-        namespace["_statecore_threads"] = _threads
-        namespace["_statecore_caller"] = sys._getframe
-        namespace["_statecore_collate"] = _COLLATE_MODULE
-        namespace["_statecore_collating"] = _collating
-        source = (
-            "def get_worker_info():\n"
-            "    info = getattr(_statecore_threads, 'info', None)\n"
-            "    if info is None:\n"
-            "        return _worker_info\n"
-            "    if _statecore_caller(1).f_globals.get('__name__') == _statecore_collate:\n"
-            "        return _statecore_collating(info)\n"
-            "    return info\n"
-        )
-        compiled: dict[str, Any] = {}
-        exec(compile(source, "<statecore thread worker info>", "exec"), namespace, compiled)
-        torch_worker.get_worker_info.__code__ = compiled["get_worker_info"].__code__
-
-
-def _collating(info: Any) -> Any:
-    """What torch's collate module hears from get_worker_info() in a worker thread: the info,
-    if the thread has a pool to give it the batch's storage from (it then asks for one with
-    `_new_shared`); else None, so that it allocates an ordinary batch itself."""
-    if getattr(_threads, "pool", None) is None:
-        return None
-    _threads.claiming = True
-    return info
-
-
-def _install_pooled_storages() -> None:
-    """Have `UntypedStorage._new_shared`, asked by torch's collate in a worker thread, return
-    an ordinary storage from that thread's pool, once per process. Every other call, in any
-    thread, gets what it got before."""
-    with _installed:
-        current = torch.UntypedStorage._new_shared
-        if getattr(current, "_statecore_pooled", False):
-            return
-        original: Callable[..., torch.UntypedStorage] = current
-
-        def new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
-            pool = getattr(_threads, "pool", None)
-            if pool is not None and getattr(_threads, "claiming", False):
-                # This call answers collate's question, pooled or not: a later call of the
-                # thread's own (a dataset asking for shared memory) must get shared memory.
-                _threads.claiming = False
-                if cls is torch.UntypedStorage and torch.device(device).type == "cpu":
-                    claimed: torch.UntypedStorage = pool.claim(size)
-                    return claimed
-            return original(size, device=device)
-
-        new_shared._statecore_pooled = True  # type: ignore[attr-defined]
-        torch.UntypedStorage._new_shared = classmethod(new_shared)  # type: ignore[assignment,method-assign]
-
-
-def _reseeding(label: str) -> None:
-    """Called by every watched seeding function before it seeds, in whatever thread."""
-    report = getattr(_threads, "on_reseed", None)
-    if report is not None:
-        report(label)
-
-
-def _install_reseed_watch() -> None:
-    """Have the process-wide seeding functions tell a worker thread's executor they ran, once
-    per process.
-
-    torch's `manual_seed` and `seed` keep their identity (their code is replaced, as for
-    get_worker_info): torch._dynamo and others recognise them by it. `random.seed` and
-    `numpy.random.seed` are bound or compiled functions, replaced by a wrapper in their module;
-    references taken before that are not watched.
-    """
-    with _installed:
-        namespace = torch.random.__dict__
-        if namespace.get("_statecore_reseeding") is _reseeding:
-            return
-        namespace["_statecore_reseeding"] = _reseeding
-        for name, parameters in (("manual_seed", "seed"), ("seed", "")):
-            function = namespace[name]
-            namespace[f"_statecore_{name}"] = types.FunctionType(
-                function.__code__, function.__globals__, name, function.__defaults__
-            )
-            source = (
-                f"def {name}({parameters}):\n"
-                f"    _statecore_reseeding('torch.{name}')\n"
-                f"    return _statecore_{name}({parameters})\n"
-            )
-            compiled: dict[str, Any] = {}
-            exec(compile(source, "<statecore reseed watch>", "exec"), namespace, compiled)
-            function.__code__ = compiled[name].__code__
-        random.seed = _watching(random.seed, "random.seed")
-        with contextlib.suppress(ImportError):
-            import numpy.random
-
-            numpy.random.seed = _watching(numpy.random.seed, "numpy.random.seed")
-
-
-def _watching(function: Callable[..., Any], label: str) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def seed(*args: Any, **kwargs: Any) -> Any:
-        _reseeding(label)
-        return function(*args, **kwargs)
-
-    return seed
-
-
-_warned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-"""Datasets already warned about, by id; an entry goes when its dataset does."""
-_warned_lock = threading.Lock()
-
-
-def _first_warning_for(dataset: Any) -> bool:
-    with _warned_lock:
-        if _warned.get(id(dataset)) is dataset:
-            return False
-        with contextlib.suppress(TypeError):  # not weakly referenceable: warned per iterator
-            _warned[id(dataset)] = dataset
-        return True
-
-
-def _rebound(setup: WorkerSetup, dataset: Any) -> WorkerSetup:
-    """`setup` whose worker_init_fn and collate_fn, if methods of the loader's dataset, are
-    methods of the worker's copy `dataset` instead.
-
-    A worker process unpickles the dataset and these functions together, so `ds.init` given as
-    worker_init_fn sets its attributes on the worker's copy; a thread must do the same by hand.
-    """
-    original = setup.dataset
-    if dataset is original:
-        return setup
-
-    def mine(function: Any) -> Any:
-        if getattr(function, "__self__", None) is original and hasattr(function, "__func__"):
-            return types.MethodType(function.__func__, dataset)
-        return function
-
-    return attrs.evolve(
-        setup, worker_init_fn=mine(setup.worker_init_fn), collate_fn=mine(setup.collate_fn)
-    )
-
-
-def _own_copy(dataset: Any) -> Any:
-    """What one worker loads from: see the module docstring. Raises if a datapipe cannot be
-    copied (sharing one breaks it); warns and shares anything else that cannot."""
-    if isinstance(dataset, IterDataPipe | MapDataPipe):
-        return copy.deepcopy(dataset)
-    if isinstance(dataset, torch.Tensor) or not (
-        isinstance(dataset, Dataset) or hasattr(dataset, "__dict__")
-    ):
-        return dataset
-    try:
-        return copy.copy(dataset)
-    except Exception as error:
-        warnings.warn(
-            f"The thread executor could not copy the dataset ({type(dataset).__name__}) for "
-            f"each worker: {error!r}. Its worker threads share the one object, so what a worker "
-            "or worker_init_fn sets on it is seen by every worker. Make the dataset copyable "
-            '(copy.copy), or load in worker processes with executor="mp".',
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return dataset
 
 
 def _ended(worker: int, error: BaseException, where: str) -> WorkerDiedError:
@@ -295,6 +110,16 @@ def _ended(worker: int, error: BaseException, where: str) -> WorkerDiedError:
     )
     ended.__cause__ = error
     return ended
+
+
+def _tell(info: torch_worker.WorkerInfo) -> None:
+    """Give this worker thread its WorkerInfo: `get_worker_info()` answers it here alone."""
+    per_thread.info = info
+
+
+def _now_doing(where: str) -> None:
+    """What this worker thread is doing, named by the reseed warning."""
+    per_thread.where = where
 
 
 def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
@@ -323,15 +148,15 @@ class ThreadExecutor:
         self.closed = False
         workers = launch.num_workers
         self.storages = StoragePool(spare=workers + 1, most=4 * workers + 4)
-        """Where torch's collate takes the batches' storages from (see `_storages`)."""
+        """Where torch's collate takes the batches' storages from (see `storages`)."""
         self.reseeded: tuple[int, str, str] | None = None
         """(worker, seeding function, where) of the first reseeding seen; set by a worker."""
         self.reseed_warned = False
 
     def start(self) -> None:
-        _install_thread_worker_info()
-        _install_reseed_watch()
-        _install_pooled_storages()
+        install_worker_info()
+        install_reseed_watch()
+        install_pooled_storages()
         # Copied here, in the consumer's iter(): what the main process changes afterwards is
         # not seen, as with worker processes.
         dataset = self.launch.setup.dataset
@@ -350,7 +175,7 @@ class ThreadExecutor:
 
     def _copy_for(self, worker: int, dataset: Any) -> tuple[Any, BaseException | None]:
         try:
-            return _own_copy(dataset), None
+            return own_copy(dataset), None
         except Exception as error:
             error.add_note(
                 f"Raised while copying the datapipe for DataLoader worker thread {worker}: each "
@@ -366,9 +191,8 @@ class ThreadExecutor:
         init_error: BaseException | None,
     ) -> None:
         setup = self.launch.setup
-        note = f"Raised in DataLoader worker thread {worker}"
         try:
-            runtime = self._prepare(worker, dataset, init_error, note)
+            runtime = self._prepare(worker, dataset, init_error)
             while True:
                 command = inbox.get()
                 if command is None:
@@ -387,49 +211,34 @@ class ThreadExecutor:
             self._answer(WorkerDied(worker, None, None))
             raise
         finally:
-            _threads.__dict__.clear()
+            per_thread.__dict__.clear()
 
     def _prepare(
-        self, worker: int, dataset: Any, init_error: BaseException | None, note: str
+        self, worker: int, dataset: Any, init_error: BaseException | None
     ) -> WorkerRuntime:
-        """Make this thread worker `worker`: its WorkerInfo, its datapipe's seed and shard, and
-        `worker_init_fn`, as in torch's worker processes (which also seed the process-wide
-        generators: threads cannot)."""
-        setup = _rebound(self.launch.setup, dataset)
-        _threads.info = thread_worker_info(setup.base_seed, worker, setup.num_workers, dataset)
-        _threads.on_reseed = functools.partial(self._saw_reseed, worker)
-        _threads.pool = self.storages
-        where = "while sharding the datapipe"
-        try:
-            if init_error is None:
-                prepare_dataset(setup, worker, dataset)
-                where = "in worker_init_fn"
-                _threads.where = where
-                if setup.worker_init_fn is not None:
-                    setup.worker_init_fn(worker)
-                where = "while creating the dataset fetcher"
-            _threads.where = "while loading"
-            return WorkerRuntime(
-                setup, worker, None, dataset=dataset, init_error=init_error, note=note
-            )
-        except Exception as error:
-            # Raised in the turn of the first task, as torch does, so it reaches the consumer.
-            error.add_note(f"{note} {where}")
-            init_error = error
-        except BaseException as error:
-            init_error = _ended(worker, error, where)
-        _threads.where = "while loading"
-        return WorkerRuntime(setup, worker, None, dataset=dataset, init_error=init_error, note=note)
+        """Make this thread worker `worker`, loading from its own copy `dataset`, through the
+        start-up every worker takes, seated as a thread (which cannot seed the process-wide
+        generators, and whose WorkerInfo only it sees)."""
+        per_thread.on_reseed = functools.partial(self._saw_reseed, worker)
+        per_thread.pool = self.storages
+        seat = Seat.thread(
+            note=f"Raised in DataLoader worker thread {worker}",
+            tell=_tell,
+            doing=_now_doing,
+            ended=_ended,
+        )
+        setup = rebound(self.launch.setup, dataset)
+        return start_worker(setup, worker, seat, dataset=dataset, init_error=init_error)
 
     def _saw_reseed(self, worker: int, label: str) -> None:
         # In the worker's thread. Two workers racing here both find None: either report will do.
         if self.reseeded is None:
-            self.reseeded = (worker, label, getattr(_threads, "where", "while loading"))
+            self.reseeded = (worker, label, getattr(per_thread, "where", "while loading"))
 
     def _warn_reseeded(self, worker: int, label: str, where: str) -> None:
         self.reseed_warned = True
         dataset = self.launch.setup.dataset
-        if not _first_warning_for(dataset):
+        if not first_warning_for(dataset):
             return
         warnings.warn(
             f"DataLoader worker thread {worker} reseeded a process-wide random generator "
