@@ -40,6 +40,7 @@ from statecore import (
     ExecutorFailed,
     ExecutorFailure,
     Failure,
+    IndexDrawn,
     InternalError,
     Interrupted,
     LoaderCancelledError,
@@ -71,7 +72,6 @@ from statecore import (
 )
 from statecore.executors._flight import FlightRecorder
 from statecore.executors._protocol import Executor, capabilities_of
-from statecore.executors._quick import index_drawn
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
 
@@ -377,7 +377,7 @@ class Driver:
                 raise  # `carry_out` tells the scheduler, which abandons the draw
             self._feed(SamplerFailed(error))
         else:
-            self.state, commands = self.step(self.state, index_drawn(index))
+            self.state, commands = self.step(self.state, IndexDrawn.fast(index))
             self.todo.extend(commands)
 
 

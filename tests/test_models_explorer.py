@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from statecore import (
-    TRANSITIONS,
+    EDGES,
     CloseRequested,
     Config,
     DrawIndex,
@@ -86,7 +86,7 @@ def test_every_edge_of_the_table_is_explored_or_needs_a_racing_executor(
 ) -> None:
     table = {
         (phase, event, target)
-        for phase, moves in TRANSITIONS.items()
+        for phase, moves in EDGES.items()
         for event, targets in moves.items()
         for target in targets
     }

@@ -22,7 +22,6 @@ WORKER_SIDE = {
     "statecore.executors._mp.pool",
     "statecore.executors._mp.wire",
     "statecore.executors._mp.worker",
-    "statecore.executors._quick",
     "statecore.executors._remote",
     "statecore.executors._signals",
     "statecore.executors._startup",

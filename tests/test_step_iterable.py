@@ -6,8 +6,8 @@ import pytest
 from _drive import config, feed, fill, only, start
 
 from statecore import (
+    EDGES,
     RESOLVED,
-    TRANSITIONS,
     Deliver,
     EndEpoch,
     ExecutorError,
@@ -247,5 +247,5 @@ def test_an_index_dropped_when_every_worker_is_dry_leaves_the_end_to_the_next_re
 
 
 def test_the_transition_table_allows_an_index_drawn_to_finish_a_draining_epoch() -> None:
-    assert Phase.FINISHED in TRANSITIONS[Phase.DRAINING][IndexDrawn]
+    assert Phase.FINISHED in EDGES[Phase.DRAINING][IndexDrawn]
     feed(_dry_while_drawing(waiting=True), IndexDrawn(None))

@@ -250,13 +250,12 @@ def one_worker_epoch(traced: Any, batches: int) -> Any:
     """Drive `traced` through an epoch of `batches` two-index batches on one worker, each
     asked for, drawn, sent and answered in turn; the state after it."""
     from statecore import Config, NextRequested, ResetRequested, TaskCompleted, initial_state
-    from statecore.executors._quick import index_drawn
 
     state = initial_state(Config(num_workers=1, prefetch_factor=1, lazy=True))
     state, _ = traced(state, ResetRequested())
     for task in range(batches):
         state, _ = traced(state, NextRequested())
-        state, _ = traced(state, index_drawn([task, task + 100]))
+        state, _ = traced(state, statecore.IndexDrawn.fast([task, task + 100]))
         state, _ = traced(state, TaskCompleted(task, 0, task))
     return state
 
@@ -289,7 +288,6 @@ def test_reading_a_trace_mid_run_changes_nothing_of_what_a_later_read_gives() ->
 
 def test_an_event_the_scheduler_refuses_leaves_the_trace_as_without_it() -> None:
     from statecore import NextRequested, StatecoreError, TaskCompleted, step
-    from statecore.executors._quick import index_drawn
 
     tracer = Tracer(1, True, False, "inline")
     traced = tracer.wrap(step)
@@ -298,7 +296,7 @@ def test_an_event_the_scheduler_refuses_leaves_the_trace_as_without_it() -> None
         traced(state, TaskCompleted(77, 0, None))  # no task 77 was sent
     # The driver goes on with the state it had.
     state, _ = traced(state, NextRequested())
-    state, _ = traced(state, index_drawn([2, 102]))
+    state, _ = traced(state, statecore.IndexDrawn.fast([2, 102]))
     traced(state, TaskCompleted(2, 0, None))
     trace = tracer.trace()
     assert [(b.task, b.index) for b in trace.batches] == [
@@ -319,7 +317,6 @@ def test_a_wait_counts_as_held_back_the_time_a_later_batch_sat_ready() -> None:
         initial_state,
         step,
     )
-    from statecore.executors._quick import index_drawn
 
     now = [0.0]
     drawn = itertools.count()
@@ -333,7 +330,7 @@ def test_a_wait_counts_as_held_back_the_time_a_later_batch_sat_ready() -> None:
         state, commands = traced(state, event)
         for command in commands:  # the sampler's indices, drawn as the scheduler asks
             if isinstance(command, DrawIndex):
-                at(moment, index_drawn(next(drawn)))
+                at(moment, statecore.IndexDrawn.fast(next(drawn)))
 
     at(0.0, ResetRequested())  # iter(): tasks 0 and 1 go out; the wait for a batch begins
     at(1.0, NextRequested())

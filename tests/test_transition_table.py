@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from _drive import ONE_OF_EACH, config, feed, start
+from _drive import ONE_OF_EACH, config, feed, only, start
 
 from statecore import (
+    ECHOES,
+    EDGES,
+    RULES,
     TRANSITIONS,
     ClosedError,
     CloseRequested,
+    Deliver,
+    DrawIndex,
+    EndEpoch,
     Event,
     ExecutorError,
     ExecutorFailed,
@@ -21,10 +27,13 @@ from statecore import (
     Phase,
     ProtocolError,
     ResetRequested,
+    Rule,
     SamplerExhausted,
     State,
     TaskCompleted,
     WorkerDied,
+    WorkerExhausted,
+    WorkerResumed,
     initial_state,
     step,
 )
@@ -165,7 +174,7 @@ def test_a_worker_death_is_accepted_in_every_phase(phase: Phase) -> None:
 
 @pytest.mark.parametrize("phase", [Phase.FAILED, Phase.CLOSED], ids=lambda phase: phase.name)
 def test_a_worker_death_after_failure_or_close_changes_nothing(phase: Phase) -> None:
-    assert TRANSITIONS[phase][WorkerDied] == frozenset({phase})
+    assert TRANSITIONS[phase][WorkerDied] is phase
     state = BUILDERS[phase]()
     after, commands = feed(state, WorkerDied(worker=1, pid=5, exitcode=-9))
     assert commands == []
@@ -184,3 +193,63 @@ def test_answers_while_resuming_are_accepted_only_for_stale_tasks() -> None:
             step(state, wrong)
     after, commands = feed(state, TaskCompleted(task=0, worker=0))
     assert (after.phase, commands) == (Phase.RESUMING, [])
+
+
+# --- one phase per move, and the rules after it --------------------------------------------------
+
+
+def test_the_table_names_one_phase_per_move() -> None:
+    for moves in TRANSITIONS.values():
+        assert all(isinstance(target, Phase) for target in moves.values())
+
+
+def _rule(name: str) -> Rule:
+    (found,) = [rule for rule in RULES if rule.name == name]
+    return found
+
+
+def test_every_acknowledgement_in_takes_resuming_on_to_running() -> None:
+    rule = _rule("every acknowledgement in")
+    state = start(_CONFIG, SamplerExhausted(), NextRequested(), ResetRequested())[0]
+    state, _ = feed(state, WorkerResumed(worker=0, epoch=2))
+    assert state.phase is Phase.RESUMING  # the move's phase, while worker 1 has not answered
+    state, commands = feed(state, WorkerResumed(worker=1, epoch=2))
+    assert TRANSITIONS[Phase.RESUMING][WorkerResumed] is rule.source
+    assert state.phase is rule.target
+    assert commands == [DrawIndex()]
+
+
+def test_no_active_worker_left_takes_running_on_to_draining() -> None:
+    rule = _rule("no active worker left")
+    state = start(_CONFIG, IndexDrawn(0), IndexDrawn(1))[0]
+    state, _ = feed(state, WorkerExhausted(task=0, worker=0))
+    assert state.phase is Phase.RUNNING  # the move's phase, while worker 1 is active
+    state, _ = feed(state, WorkerExhausted(task=1, worker=1))
+    assert TRANSITIONS[Phase.RUNNING][WorkerExhausted] is rule.source
+    assert state.phase is rule.target
+
+
+def test_the_epoch_over_takes_draining_on_to_finished_only_for_a_request() -> None:
+    rule = _rule("the epoch over")
+    state, _ = feed(_draining(), TaskCompleted(task=0, worker=0, payload="batch"))
+    assert state.phase is Phase.DRAINING  # every task resolved, but nobody asked
+    state, commands = feed(state, NextRequested())
+    assert state.phase is Phase.DRAINING  # handed the last batch
+    assert only(commands, Deliver) == [Deliver(0, 0, "batch")]
+    state, commands = feed(state, NextRequested())
+    assert TRANSITIONS[Phase.DRAINING][NextRequested] is rule.source
+    assert state.phase is rule.target
+    assert commands == [EndEpoch()]
+
+
+def test_the_edges_are_the_move_the_rules_after_it_and_an_echo() -> None:
+    assert EDGES[Phase.RUNNING][WorkerExhausted] == {
+        Phase.RUNNING,
+        Phase.DRAINING,
+        Phase.FINISHED,
+    }
+    assert EDGES[Phase.IDLE][ResetRequested] == {Phase.RUNNING, Phase.DRAINING}
+    assert EDGES[Phase.RESUMING][NextRequested] == {Phase.RESUMING}
+    # A worker told to stop exits as told: an echo, dropped without a move.
+    assert EDGES[Phase.FINISHED][WorkerDied] == {Phase.FAILED, Phase.FINISHED}
+    assert WorkerDied in ECHOES[Phase.FINISHED]

@@ -1,0 +1,189 @@
+"""The legal moves, as data: everything about *where* a step may lead lives in this file.
+
+`TRANSITIONS` names the one phase each move leads to; `RULES` are the state-triggered moves
+that `step` applies after it, in one place (`statecore._step._settle`); `ECHOES` are the events
+a phase drops without a move. `EDGES` joins them: every phase a step may end in, which the models
+check each step against and docs/state-machine.md draws (`python -m statecore diagram`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from statecore._events import (
+    CloseRequested,
+    Event,
+    ExecutorFailed,
+    IndexDrawn,
+    Interrupted,
+    NextRequested,
+    ResetRequested,
+    SamplerExhausted,
+    SamplerFailed,
+    TaskCompleted,
+    TaskFailed,
+    TimedOut,
+    WorkerDied,
+    WorkerExhausted,
+    WorkerResumed,
+)
+from statecore._state import Phase
+
+__all__ = ["ECHOES", "EDGES", "RULES", "TRANSITIONS", "Rule"]
+
+IDLE = Phase.IDLE
+RESUMING = Phase.RESUMING
+RUNNING = Phase.RUNNING
+DRAINING = Phase.DRAINING
+FINISHED = Phase.FINISHED
+FAILED = Phase.FAILED
+CLOSED = Phase.CLOSED
+
+_ANSWERS = (TaskCompleted, TaskFailed, WorkerExhausted)
+_FAILURES = (WorkerDied, TimedOut, ExecutorFailed)
+
+# --- the table -----------------------------------------------------------------------------------
+# The legal moves: phase -> event type -> the phase the move leads to. Where the state after the
+# move decides more (every acknowledgement in, no active worker left, the epoch over), a rule
+# takes it on from there (`RULES`).
+TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
+    IDLE: {
+        ResetRequested: RUNNING,
+        WorkerDied: FAILED,
+        Interrupted: IDLE,
+        CloseRequested: CLOSED,
+    },
+    RESUMING: {
+        # Only after an interrupted iter(): a batch is asked for, or the reset starts over.
+        NextRequested: RESUMING,
+        ResetRequested: RESUMING,
+        Interrupted: RESUMING,
+        WorkerResumed: RESUMING,
+        **{answer: RESUMING for answer in _ANSWERS},  # echoes only
+        **{failure: FAILED for failure in _FAILURES},
+        CloseRequested: CLOSED,
+    },
+    RUNNING: {
+        NextRequested: RUNNING,
+        IndexDrawn: RUNNING,
+        SamplerExhausted: DRAINING,
+        SamplerFailed: FAILED,
+        **{answer: RUNNING for answer in _ANSWERS},
+        **{failure: FAILED for failure in _FAILURES},
+        Interrupted: RUNNING,
+        ResetRequested: RESUMING,
+        CloseRequested: CLOSED,
+    },
+    DRAINING: {
+        NextRequested: DRAINING,
+        # Drawn while every worker ran dry: the index has nowhere to go, and is dropped.
+        IndexDrawn: DRAINING,
+        SamplerExhausted: DRAINING,
+        SamplerFailed: FAILED,
+        **{answer: DRAINING for answer in _ANSWERS},
+        **{failure: FAILED for failure in _FAILURES},
+        Interrupted: DRAINING,
+        ResetRequested: RESUMING,
+        CloseRequested: CLOSED,
+    },
+    FINISHED: {
+        NextRequested: FINISHED,
+        **{answer: FINISHED for answer in _ANSWERS},  # echoes only
+        WorkerDied: FAILED,  # a persistent worker's; the exit of one told to stop is an echo
+        ExecutorFailed: FAILED,  # stopping the workers at the end of the epoch failed
+        Interrupted: FINISHED,
+        ResetRequested: RESUMING,
+        CloseRequested: CLOSED,
+    },
+    FAILED: {
+        NextRequested: FAILED,
+        WorkerDied: FAILED,  # every worker was stopped: only echoes come
+        ExecutorFailed: FAILED,  # stopping the workers after the failure failed too
+        Interrupted: FAILED,
+        CloseRequested: CLOSED,
+    },
+    CLOSED: {
+        WorkerDied: CLOSED,  # echoes only
+        ExecutorFailed: CLOSED,  # stopping the workers on close failed: the close call raises it
+        Interrupted: CLOSED,
+        CloseRequested: CLOSED,
+    },
+}
+
+
+@attrs.frozen
+class Rule:
+    """A state-triggered transition: after any move, a state in `source` that meets `condition`
+    goes on to `target`. `_settle` applies the rules, in the order of `RULES`, after every move
+    that leaves a live phase.
+
+    `after` names the event types whose moves can meet the condition; the checkers and the
+    diagram read it, `_settle` does not.
+    """
+
+    name: str
+    source: Phase
+    target: Phase
+    condition: str
+    after: frozenset[type[Event]]
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "every acknowledgement in",
+        RESUMING,
+        RUNNING,
+        "every persistent worker acknowledged the new epoch: tasks may flow",
+        frozenset({WorkerResumed}),
+    ),
+    Rule(
+        "no active worker left",
+        RUNNING,
+        DRAINING,
+        "every worker ran dry (or a checkpoint resumed them all dry): nothing more is sent",
+        frozenset({WorkerExhausted, ResetRequested}),
+    ),
+    Rule(
+        "the epoch over",
+        DRAINING,
+        FINISHED,
+        "a consumer waits, every task is resolved and no index is on its way",
+        frozenset({NextRequested, IndexDrawn, SamplerExhausted, WorkerExhausted}),
+    ),
+)
+
+ECHOES: Mapping[Phase, frozenset[type[Event]]] = {
+    IDLE: frozenset(),
+    RESUMING: frozenset({*_ANSWERS, WorkerResumed}),
+    RUNNING: frozenset(_ANSWERS),
+    DRAINING: frozenset(_ANSWERS),
+    FINISHED: frozenset({*_ANSWERS, WorkerDied}),
+    FAILED: frozenset({WorkerDied}),
+    CLOSED: frozenset({WorkerDied}),
+}
+"""Per phase, the event types that may answer what the scheduler no longer waits for: a task of
+an earlier epoch, the resume of an abandoned reset, a worker told to stop. They are dropped, and
+the phase stays whatever the table says the move would do."""
+
+
+def _edges() -> dict[Phase, dict[type[Event], frozenset[Phase]]]:
+    edges: dict[Phase, dict[type[Event], frozenset[Phase]]] = {}
+    for phase, moves in TRANSITIONS.items():
+        edges[phase] = {}
+        for event, target in moves.items():
+            reached = {target}
+            for rule in RULES:  # in chain order: each may take on from the one before
+                if rule.source in reached and event in rule.after:
+                    reached.add(rule.target)
+            if event in ECHOES[phase]:
+                reached.add(phase)
+            edges[phase][event] = frozenset(reached)
+    return edges
+
+
+EDGES: Mapping[Phase, Mapping[type[Event], frozenset[Phase]]] = _edges()
+"""Derived, never edited: phase -> event type -> every phase a step may end in (the move's, the
+rules' after it, and the phase itself for an echo). The models check each step they see
+against it, and docs/state-machine.md's diagram draws it."""
