@@ -28,13 +28,14 @@ import statistics
 import struct
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from statecore import (
     Deliver,
@@ -83,6 +84,9 @@ STRAGGLER_FACTOR = 3.0
 """A batch is a straggler when it took more than this many times the median batch."""
 
 StepFunction = Callable[[State, Event], Transition]
+
+Column = NDArray[Any]
+"""A column of numbers as the figures read it (numpy: one thread, and little to call)."""
 
 # The trace's own tables are columns holding numbers and None, which the garbage collector
 # leaves out of its walks. A table of lists, one per batch, with the timings' tuples in them,
@@ -144,29 +148,53 @@ numbers: a number comes back after 134 million iterators, long after the batches
 iterator that had it were forgotten."""
 
 
+_GROWN_BY = 1024
+"""Rows the columns filled on an answer grow by at a time, NaN (not yet) until then."""
+_NANS = array("d", [math.nan]) * _GROWN_BY
+
+
 class _Tasks:
-    """A loader's tasks as columns: per field, key -> value (a task's key: `TASK_BITS`). A
-    task's epoch is not kept: it is the number of epochs begun when it was sent."""
+    """A loader's tasks as columns of numbers, one row a task in the order sent, and the
+    consumer's waits. A task's row is found by its key (`TASK_BITS`) in `row`; a moment that
+    did not (yet) come is NaN. A task's epoch is not kept: it is the number of epochs begun
+    when it was sent.
+
+    Columns of numbers, not dicts by key: dicts that forgot as many keys as a long run does
+    took a third of a second to read at the limit, and each float in them was an object of
+    its own (the tracer held 1.4 kB a batch at the limit)."""
 
     def __init__(self) -> None:
-        self.worker: dict[int, int] = {}
+        self.row: dict[int, int] = {}
+        """Each kept task's row by key, counted from the first task traced: its place in the
+        columns is that less `first`."""
+        self.first = 0
+        """Rows forgotten."""
+        self.key = array("q")
+        self.worker = array("q")
+        self.sent = array("d")
+        """When each task was sent, in the order of sending: its length is the tasks kept."""
+        self.started = array("d")
+        self.finished = array("d")
+        self.arrived = array("d")
+        self.handed = array("d")
+        self.cpu = array("d")
+        self.slowest_took = array("d")
+        """A task's slowest sample's seconds, as its worker reported it (a worker reports one).
+        These six are filled as answers come, and grow `_GROWN_BY` rows at a time: they may
+        be longer than `sent`, and what lies beyond it is no task's yet."""
+        self.filled = (
+            self.started,
+            self.finished,
+            self.arrived,
+            self.handed,
+            self.cpu,
+            self.slowest_took,
+        )
         self.index: dict[int, Any] = {}
-        """The sampler's index of each task, as it gave it, when not packed."""
+        """The sampler's index of each task, by key, as it gave it, when not packed."""
         self.packed: dict[int, bytes] = {}
         """A batch sampler's list of ints, packed (see `_Packer`)."""
-        self.sent: OrderedDict[int, float] = OrderedDict()
-        """In the order of sending, with the oldest found at once however many were forgotten
-        before it. A dict finds its first key by walking the slots its deleted keys left, so
-        forgetting the oldest batch of a dict cost a walk over every batch forgotten before:
-        past the limit, a batch of the inline benchmark cost ten times more."""
-        self.started: dict[int, float] = {}
-        self.finished: dict[int, float] = {}
-        self.arrived: dict[int, float] = {}
-        self.handed: dict[int, float] = {}
-        self.cpu: dict[int, float] = {}
         self.slowest_index: dict[int, Any] = {}
-        self.slowest_took: dict[int, float] = {}
-        """A task's slowest sample, as its worker reported it (a worker reports one)."""
         self.failed: set[int] = set()
         self.asked = array("d")
         self.got = array("d")
@@ -175,19 +203,28 @@ class _Tasks:
         got its answer, and the key of the task it got (the task number all ones: the end of
         an epoch). What of each wait was spent holding a ready batch back is worked out when
         the trace is read (`waits`)."""
-        self.others: tuple[dict[int, Any], ...] = tuple(
-            getattr(self, field)
-            for field in (*_FIELDS, "slowest_index", "slowest_took")
-            if field != "sent"
-        )
-        """The columns but `sent`: what goes with a task forgotten."""
 
-    def forget_oldest(self) -> None:
-        """Forget the oldest batch kept (there must be one)."""
-        key, _ = self.sent.popitem(last=False)
-        for column in self.others:
-            column.pop(key, None)
-        self.failed.discard(key)
+    def grow(self) -> None:
+        """Room for `_GROWN_BY` more tasks in the columns filled as answers come."""
+        for column in self.filled:
+            column.extend(_NANS)
+
+    def forget_oldest(self, count: int) -> None:
+        """Forget the `count` oldest batches kept (at most as many as are kept)."""
+        keys = self.key[:count]
+        row = self.row
+        for key in keys:
+            del row[key]
+        for table in (self.index, self.packed, self.slowest_index):
+            if table:
+                pop = table.pop
+                for key in keys:
+                    pop(key, None)
+        if self.failed:
+            self.failed.difference_update(keys)
+        for column in (self.key, self.worker, self.sent, *self.filled):
+            del column[:count]
+        self.first += count
 
     def forget_waits(self, count: int) -> None:
         """Forget the `count` oldest waits."""
@@ -199,21 +236,56 @@ class _Tasks:
         """The consumer's waits, each with the time during which another batch of its driver
         and its epoch had arrived and was not handed over yet (`Wait.held`): a sweep in order
         of time over the answers' arrivals, each driver's kept apart, with the batches handed
-        over meanwhile struck off. In the order the consumer asked, as `Trace.waits`."""
-        arrived = self.arrived
-        times = list(arrived.values())
-        arrivals = list(zip(times, arrived, strict=True))
-        # Answers are kept as they arrive, so in order of time already (ties aside, which the
-        # sweep takes in one go): sorted only where the clock went back.
-        if not all(map(operator.le, times, itertools.islice(times, 1, None))):
-            arrivals.sort()
+        over meanwhile struck off. In the order the consumer asked, as `Trace.waits`.
+
+        An answer handed over by the end of the wait during which it arrived holds nothing
+        back, then or later (later waits end later): the sweep takes only the others, found a
+        column at a time, and begins with the first wait one of them arrived in. Where every
+        answer is handed over as it comes (in the calling thread, say), no wait held any."""
+        asked, got = _numbers(self.asked), _numbers(self.got)
+        held = got - np.maximum(asked, got)  # nothing held: 0, unless the clock went back
+        tasks = (_numbers(self.waited_for) & _TASK).tolist()
+        task_of = [None if task == _TASK else task for task in tasks]
+        count = len(got)
+        kept = len(self.sent)
+        arrived, handed = _numbers(self.arrived, kept), _numbers(self.handed, kept)
+        came = ~np.isnan(arrived)
+        if count > 1 and not bool(np.all(got[1:] >= got[:-1])):
+            # The clock went back: every answer goes through the sweep, from the first wait.
+            rows, first = np.flatnonzero(came).tolist(), 0
+        else:
+            # The wait during which each answer arrived: the first to end at or after it.
+            seen_by = np.searchsorted(got, np.nan_to_num(arrived, nan=math.inf))
+            holding = came & (seen_by < count)
+            if count:
+                holding &= ~(handed <= got[np.minimum(seen_by, count - 1)])
+            rows = np.flatnonzero(holding).tolist()
+            first = int(seen_by[rows].min()) if rows else count
+        held_for = held.tolist()
+        if rows:
+            self._sweep(rows, first, asked.tolist(), got.tolist(), held_for, epoch_starts)
+        return _Waits(asked.tolist(), got.tolist(), task_of, held_for).in_order_asked()
+
+    def _sweep(
+        self,
+        rows: list[int],
+        first: int,
+        asked: list[float],
+        got: list[float],
+        held_for: list[float],
+        epoch_starts: list[float],
+    ) -> None:
+        """`held_for` of each wait from the `first` on, with the answers of `rows`."""
+        arrived, handed, sent, keys = self.arrived, self.handed, self.sent, self.key
+        # Answers are kept as they arrive, so mostly in order of time already: sorted cheaply.
+        arrivals = sorted((arrived[row], keys[row], row) for row in rows)
         count, next_arrival = len(arrivals), 0
-        ready: dict[int, list[tuple[float, int]]] = {}  # per driver, (arrived, key): a heap
-        push, pop, handed_at, epoch_of = heapq.heappush, heapq.heappop, self.handed.get, self._epoch
-        held_for: list[float] = []
-        task_of: list[int | None] = []
-        for asked, got, key in zip(self.asked, self.got, self.waited_for, strict=True):
-            while next_arrival < count and arrivals[next_arrival][0] <= got:
+        ready: dict[int, list[tuple[float, int, int]]] = {}  # per driver: a heap
+        push, pop, bisect_right = heapq.heappush, heapq.heappop, bisect.bisect_right
+        waited_for = self.waited_for
+        for number in range(first, len(got)):
+            at, until, key = asked[number], got[number], waited_for[number]
+            while next_arrival < count and arrivals[next_arrival][0] <= until:
                 arrival = arrivals[next_arrival]
                 heap = ready.get(arrival[1] >> TASK_BITS)
                 if heap is None:
@@ -221,142 +293,124 @@ class _Tasks:
                 push(heap, arrival)
                 next_arrival += 1
             heap = ready.get(key >> TASK_BITS) or []
-            while heap:
-                other = heap[0][1]
-                handed = handed_at(other)
-                # Gone for good: handed over by now (the batch this wait got, among them), or
-                # of an epoch before this wait's, abandoned; the waits come in order of time.
-                if (handed is not None and handed <= got) or epoch_of(
-                    other, epoch_starts
-                ) < bisect.bisect_right(epoch_starts, asked):
-                    pop(heap)
-                    continue
-                break
-            since = heap[0][0] if heap else got
-            task = key & _TASK
-            held_for.append(got - (asked if asked > since else since))
-            task_of.append(None if task == _TASK else task)
-        waits = _Waits(list(self.asked), list(self.got), task_of, held_for)
-        return waits.in_order_asked()
-
-    def _epoch(self, key: int, epoch_starts: list[float]) -> int:
-        return bisect.bisect_right(epoch_starts, self.sent[key]) if key in self.sent else 0
+            if heap:
+                epoch = bisect_right(epoch_starts, at)
+                while heap:
+                    other = heap[0][2]
+                    # Gone for good: handed over by now (the batch this wait got, among them),
+                    # or of an epoch before this wait's, abandoned; the waits come in order.
+                    if handed[other] <= until or bisect_right(epoch_starts, sent[other]) < epoch:
+                        pop(heap)
+                        continue
+                    break
+            since = heap[0][0] if heap else until
+            held_for[number] = until - (at if at > since else since)
 
     def batches(self, epoch_starts: list[float], epochs_before: int) -> _Batches:
         """The batches kept, as columns; `epochs_before`: epochs begun before the first of
-        `epoch_starts`. Each column is read in one pass in C where it can: `stats()` reads
-        the tracer's limit of batches, and a loop over them in Python took twice the time.
-        The indices and the slowest samples, the dearest to read, are read only for the
-        batches asked for (`_Batches.record`, `_Batches.records`), while these tables stay
-        as they are: read them at once."""
-        keys = list(self.sent)
-        sent = list(self.sent.values())
+        `epoch_starts`. The columns are copied out whole, as tensors; the indices and the
+        slowest samples, dear to read, are read only for the batches asked for
+        (`_Batches.record`, `_Batches.records`), while these tables stay as they are: read
+        them at once."""
+        kept = len(self.sent)
+        keys = _numbers(self.key)
+        sent = _numbers(self.sent)
         if epoch_starts:
-            epoch = [epochs_before + bisect.bisect_right(epoch_starts, at) for at in sent]
+            starts = np.array(epoch_starts, dtype=np.float64)
+            epoch = epochs_before + np.searchsorted(starts, sent, side="right")
         else:
-            epoch = [epochs_before] * len(keys)
-        failed = [key in self.failed for key in keys] if self.failed else [False] * len(keys)
-        task = [key & _TASK for key in keys]
-        worker = _column(self.worker, keys)
-        started = _column(self.started, keys)
-        finished = _column(self.finished, keys)
-        arrived = _column(self.arrived, keys)
-        handed = _column(self.handed, keys)
-        cpu = _column(self.cpu, keys)
-        took = self.slowest_took
-        # A worker reports a slowest sample with each batch it times: mostly, every batch has one.
-        sampled: Sequence[int]
-        if len(took) == len(keys):
-            sampled, took_sampled = range(len(keys)), _column(took, keys)
-        else:
-            sampled = [row for row, key in enumerate(keys) if key in took] if took else []
-            took_sampled = [took[keys[row]] for row in sampled]
-        packed, given, sample_of = self.packed, self.index, self.slowest_index
+            epoch = np.full(kept, epochs_before, dtype=np.int64)
+        failed = self.failed
+        flags = (
+            np.array([key in failed for key in keys.tolist()], dtype=np.bool_)
+            if failed
+            else np.zeros(kept, dtype=np.bool_)
+        )
+        took = _numbers(self.slowest_took, kept)
+        sampled = np.flatnonzero(~np.isnan(took))
+        packed, given, sample_of, took_of = self.packed, self.index, self.slowest_index, took
+        key_of = self.key[:kept]
 
-        def index(row: int) -> Any:
-            key = keys[row]
+        def index(key: int) -> Any:
             bytes_ = packed.get(key)
             return given[key] if bytes_ is None else array("q", bytes_).tolist()
 
-        def slowest(key: int, whole: Any) -> tuple[tuple[Any, float], ...]:
-            seconds = took.get(key)
-            if seconds is None:
+        def slowest(key: int, seconds: float, whole: Any) -> tuple[tuple[Any, float], ...]:
+            if seconds != seconds:
                 return ()
             sample = sample_of[key]
             return (((whole if sample is WHOLE_BATCH else sample), seconds),)
 
-        def record(row: int) -> BatchRecord:
-            whole = index(row)
-            return BatchRecord(
-                task[row],
-                worker[row],
-                epoch[row],
-                whole,
-                sent[row],
-                started[row],
-                finished[row],
-                arrived[row],
-                handed[row],
-                cpu[row],
-                slowest(keys[row], whole),
-                failed[row],
-            )
-
         def sample_index(number: int) -> Any:
-            row = sampled[number]
-            sample = sample_of[keys[row]]
-            return index(row) if sample is WHOLE_BATCH else sample
+            key = key_of[int(sampled[number])]
+            sample = sample_of[key]
+            return index(key) if sample is WHOLE_BATCH else sample
 
-        def records() -> list[BatchRecord]:
-            indices = [
-                given[key] if bytes_ is None else array("q", bytes_).tolist()
-                for key, bytes_ in zip(keys, map(packed.get, keys), strict=True)
-            ]
+        columns = _Batches(
+            task=keys & _TASK,
+            worker=_numbers(self.worker),
+            epoch=epoch,
+            sent=sent,
+            started=_numbers(self.started, kept),
+            finished=_numbers(self.finished, kept),
+            arrived=_numbers(self.arrived, kept),
+            handed=_numbers(self.handed, kept),
+            cpu=_numbers(self.cpu, kept),
+            failed=flags,
+            sample_row=sampled,
+            sample_took=took[sampled],
+            sample_index=sample_index,
+            records=lambda rows: records(rows),
+        )
+
+        def records(rows: Sequence[int] | None) -> list[BatchRecord]:
+            chosen = None if rows is None else np.array(rows, dtype=np.int64)
+
+            def of(column: Column) -> list[Any]:
+                values: list[Any] = (column if chosen is None else column[chosen]).tolist()
+                return values
+
+            keys_ = key_of.tolist() if rows is None else [key_of[row] for row in rows]
+            indices = list(map(index, keys_))
             return list(
                 map(
                     BatchRecord,
-                    task,
-                    worker,
-                    epoch,
+                    of(columns.task),
+                    of(columns.worker),
+                    of(columns.epoch),
                     indices,
-                    sent,
-                    started,
-                    finished,
-                    arrived,
-                    handed,
-                    cpu,
-                    map(slowest, keys, indices),
-                    failed,
+                    of(columns.sent),
+                    *(
+                        _nullable(of(column))
+                        for column in (
+                            columns.started,
+                            columns.finished,
+                            columns.arrived,
+                            columns.handed,
+                            columns.cpu,
+                        )
+                    ),
+                    map(slowest, keys_, of(took_of), indices),
+                    of(columns.failed),
                 )
             )
 
-        return _Batches(
-            task=task,
-            worker=worker,
-            epoch=epoch,
-            sent=sent,
-            started=started,
-            finished=finished,
-            arrived=arrived,
-            handed=handed,
-            cpu=cpu,
-            failed=failed,
-            sample_row=sampled,
-            sample_took=took_sampled,
-            sample_index=sample_index,
-            record=record,
-            records=records,
-        )
+        return columns
 
 
-def _column(column: dict[int, Any], keys: list[int]) -> list[Any]:
-    """`column`'s value for each of `keys`, None where it has none. Where it holds those keys
-    in that order (a loader that hands its batches over in the order it sent them), its values
-    are read as they lie: a look-up a key, in a dict that forgot as many keys as a long run
-    does, took six times as long."""
-    if len(column) == len(keys) and list(column) == keys:
-        return list(column.values())
-    return list(map(column.get, keys))
+def _numbers(column: array[Any], length: int | None = None) -> Column:
+    """The first `length` entries of `column` (all of them by default), copied into a tensor:
+    a tensor over the column's own memory would stop it growing while it lived."""
+    kind = np.float64 if column.typecode == "d" else np.int64
+    part = column[:length] if length is not None else column[:]
+    if not part:
+        return np.empty(0, dtype=kind)
+    return np.frombuffer(part, dtype=kind)
+
+
+def _nullable(values: list[float]) -> list[float | None]:
+    """`values`, with None for NaN (a moment that did not come)."""
+    return [None if value != value else value for value in values]
 
 
 _collected: list[Tracer] | None = None
@@ -480,69 +534,106 @@ class _Waits:
 
 @attrs.frozen
 class _Batches:
-    """Batches as columns, one entry a batch, from which `LoaderStats` works out the figures:
-    read from a trace's records (`of`), or from a tracer's tables (`_Tasks.batches`), where a
-    record costs more than all the figures, and the few records the figures name are made
-    alone (`record`)."""
+    """Batches as columns (tensors), one entry a batch, NaN for a moment that did not come,
+    from which `LoaderStats` works out the figures: read from a trace's records (`of`), or
+    from a tracer's tables (`_Tasks.batches`), where a record costs more than all the figures,
+    and only the records the figures name are made (`records`)."""
 
-    task: list[int]
-    worker: list[int]
-    epoch: list[int]
-    sent: list[float]
-    started: list[float | None]
-    finished: list[float | None]
-    arrived: list[float | None]
-    handed: list[float | None]
-    cpu: list[float | None]
-    failed: list[bool]
-    sample_row: Sequence[int]
+    task: Column
+    worker: Column
+    epoch: Column
+    sent: Column
+    started: Column
+    finished: Column
+    arrived: Column
+    handed: Column
+    cpu: Column
+    failed: Column
+    sample_row: Column
     """The slowest samples of all batches, one entry a sample: the row of its batch..."""
-    sample_took: list[float]
+    sample_took: Column
     """... its seconds ..."""
     sample_index: Callable[[int], Any]
     """... and its dataset index, by the sample's number."""
-    record: Callable[[int], BatchRecord]
-    """A row's record."""
-    records: Callable[[], list[BatchRecord]]
-    """Every row's record."""
+    records: Callable[[Sequence[int] | None], list[BatchRecord]]
+    """The records of these rows, or of every row (None)."""
 
     @classmethod
     def of(cls, batches: Sequence[BatchRecord]) -> _Batches:
         samples = [(row, index, took) for row, b in enumerate(batches) for index, took in b.slowest]
         indices = [index for _, index, _ in samples]
+
+        def times(values: Iterable[float | None]) -> Column:
+            return np.array(
+                [math.nan if value is None else value for value in values], dtype=np.float64
+            )
+
+        def records(rows: Sequence[int] | None) -> list[BatchRecord]:
+            return list(batches) if rows is None else [batches[row] for row in rows]
+
         return cls(
-            task=[b.task for b in batches],
-            worker=[b.worker for b in batches],
-            epoch=[b.epoch for b in batches],
-            sent=[b.sent for b in batches],
-            started=[b.started for b in batches],
-            finished=[b.finished for b in batches],
-            arrived=[b.arrived for b in batches],
-            handed=[b.handed for b in batches],
-            cpu=[b.cpu for b in batches],
-            failed=[b.failed for b in batches],
-            sample_row=[row for row, _, _ in samples],
-            sample_took=[took for _, _, took in samples],
+            task=np.array([b.task for b in batches], dtype=np.int64),
+            worker=np.array([b.worker for b in batches], dtype=np.int64),
+            epoch=np.array([b.epoch for b in batches], dtype=np.int64),
+            sent=times(b.sent for b in batches),
+            started=times(b.started for b in batches),
+            finished=times(b.finished for b in batches),
+            arrived=times(b.arrived for b in batches),
+            handed=times(b.handed for b in batches),
+            cpu=times(b.cpu for b in batches),
+            failed=np.array([b.failed for b in batches], dtype=np.bool_),
+            sample_row=np.array([row for row, _, _ in samples], dtype=np.int64),
+            sample_took=times(took for _, _, took in samples),
             sample_index=indices.__getitem__,
-            record=batches.__getitem__,
-            records=lambda: list(batches),
+            records=records,
         )
+
+
+def _least(column: Column) -> float:
+    """The least of the moments in `column` that came; infinity if none did."""
+    came = column[~np.isnan(column)]
+    return float(came.min()) if len(came) else math.inf
+
+
+def _most(column: Column) -> float:
+    """The greatest of the moments in `column` that came; minus infinity if none did."""
+    came = column[~np.isnan(column)]
+    return float(came.max()) if len(came) else -math.inf
 
 
 def _span(marks: Sequence[Mark], batches: _Batches, waits: _Waits) -> tuple[float, float]:
     """The first moment traced (the first `iter()`, or the oldest moment kept) and the last."""
     first = min(
         min((mark.time for mark in marks), default=math.inf),
-        min(batches.sent, default=math.inf),
+        _least(batches.sent),
         min(waits.asked, default=math.inf),
     )
     last = max(
         max((mark.time for mark in marks), default=-math.inf),
         max(waits.got, default=-math.inf),
-        max((at for at in batches.handed if at is not None), default=-math.inf),
-        max((at for at in batches.finished if at is not None), default=-math.inf),
+        _most(batches.handed),
+        _most(batches.finished),
     )
     return (first if first < math.inf else 0.0), (last if last > -math.inf else 0.0)
+
+
+def _median(values: Column) -> float | None:
+    """The median of `values` as `statistics.median` gives it (the mean of the middle two of
+    an even count), None for none."""
+    count = len(values)
+    if not count:
+        return None
+    ordered = np.sort(values)
+    middle = count // 2
+    if count % 2:
+        return float(ordered[middle])
+    return (float(ordered[middle - 1]) + float(ordered[middle])) / 2
+
+
+def _slowest_first(rows: Column, seconds: Column) -> list[int]:
+    """`rows`, by their `seconds`, the slowest first (ties in the order given)."""
+    order = np.argsort(-seconds, kind="stable")
+    return rows[order].tolist()  # type: ignore[no-any-return]
 
 
 @attrs.frozen
@@ -646,59 +737,60 @@ class LoaderStats:
     @classmethod
     def _of(cls, trace: Trace, batches: _Batches, waits: _Waits) -> LoaderStats:
         """The figures of `batches` and `waits`, which are `trace`'s (its own `batches` and
-        `waits` are not read: `Tracer.stats` gives none, and the columns)."""
+        `waits` are not read: `Tracer.stats` gives none, and the columns). A trace can hold
+        the tracer's limit of batches: each figure is worked out a column at a time."""
         start, end = _span(trace.marks, batches, waits)
         seconds = max(0.0, end - start)
-        # Each batch a worker finished, with how long it took, worked out once: a trace can
-        # hold the tracer's limit of batches.
-        # How long a worker took over each batch it finished, worked out once, a column at a
-        # time: a trace can hold the tracer's limit of batches.
-        durations = [
-            None if started is None or finished is None else finished - started
-            for started, finished in zip(batches.started, batches.finished, strict=True)
-        ]
-        done = [row for row, took in enumerate(durations) if took is not None]
-        took_done = [took for took in durations if took is not None]
-        median = statistics.median(took_done) if done else None
-        loading = [0.0] * trace.num_workers
-        worker_of, cpu_of = batches.worker, batches.cpu
-        if trace.num_workers:
-            for worker, took in zip(map(worker_of.__getitem__, done), took_done, strict=True):
-                if 0 <= worker < trace.num_workers:
-                    loading[worker] += took
+        # How long a worker took over each batch it finished (NaN: not finished).
+        took = batches.finished - batches.started
+        done = ~np.isnan(took)
+        took_done = took[done]
+        median = _median(took_done)
+        workers = trace.num_workers
+        loading = [0.0] * workers
+        if workers:
+            worker_done = batches.worker[done]
+            inside = (worker_done >= 0) & (worker_done < workers)
+            loading = np.bincount(
+                worker_done[inside], took_done[inside], minlength=workers
+            ).tolist()
         # Over the batches whose CPU time was read (a worker reads it for only some fast ones).
-        cpu = wall = 0.0
-        for spent, took in zip(map(cpu_of.__getitem__, done), took_done, strict=True):
-            if spent is not None:
-                cpu += spent
-                wall += took
+        cpu_done = batches.cpu[done]
+        read = ~np.isnan(cpu_done)
+        cpu, wall = float(cpu_done[read].sum()), float(took_done[read].sum())
         busy = [mine / seconds if seconds > 0 else 0.0 for mine in loading]
         took_of = batches.sample_took
-        slowest = heapq.nlargest(5, range(len(took_of)), key=took_of.__getitem__)
         samples = []
+        slowest = _slowest_first(np.arange(len(took_of)), took_of)[:5]
         for number in slowest:
-            row = batches.sample_row[number]
-            index = batches.sample_index(number)
+            row = int(batches.sample_row[number])
             samples.append(
-                (index, took_of[number], worker_of[row], batches.task[row], batches.epoch[row])
+                (
+                    batches.sample_index(number),
+                    float(took_of[number]),
+                    int(batches.worker[row]),
+                    int(batches.task[row]),
+                    int(batches.epoch[row]),
+                )
             )
         stragglers: tuple[BatchRecord, ...] = ()
         if median is not None and median > 0:
-            bound = STRAGGLER_FACTOR * median
-            slow = [(row, took) for row, took in zip(done, took_done, strict=True) if took > bound]
-            slow.sort(key=lambda pair: -pair[1])
-            stragglers = tuple(batches.record(row) for row, _ in slow)
+            slow = np.flatnonzero(done & (took > STRAGGLER_FACTOR * median))
+            stragglers = tuple(batches.records(_slowest_first(slow, took[slow])))
         starts = [mark.time for mark in trace.marks if mark.kind == "epoch start"]
-        handed = sorted(at for at in batches.handed if at is not None) if starts else []
-        startup = []
-        for number, began in enumerate(starts):
-            until = starts[number + 1] if number + 1 < len(starts) else math.inf
-            first = bisect.bisect_left(handed, began)
-            if first < len(handed) and handed[first] < until:
-                startup.append(handed[first] - began)
+        startup: list[float] = []
+        if starts:
+            handed = np.sort(batches.handed[~np.isnan(batches.handed)])
+            began = np.array(starts, dtype=np.float64)
+            until = np.append(began[1:], math.inf)
+            first = np.searchsorted(handed, began)
+            if len(handed):
+                at = handed[np.minimum(first, len(handed) - 1)]
+                came = (first < len(handed)) & (at < until)
+                startup = (at - began)[came].tolist()
         return cls(
             batches=len(batches.task) + trace.dropped,
-            failed=sum(batches.failed),
+            failed=int(batches.failed.sum()),
             epochs=len(starts) + trace.epochs_dropped,
             seconds=seconds,
             waited=sum(map(operator.sub, waits.got, waits.asked)),
@@ -874,7 +966,10 @@ def _idle_behind_order(trace: Trace, batches: _Batches, waits: _Waits) -> float:
     worker's batch (see `LoaderStats.idle_behind_order`)."""
     if trace.num_workers < 2:
         return 0.0  # no other worker's batch to wait for
-    owner = dict(zip(zip(batches.epoch, batches.task, strict=True), batches.worker, strict=True))
+    worker_of = batches.worker.tolist()
+    owner = dict(
+        zip(zip(batches.epoch.tolist(), batches.task.tolist(), strict=True), worker_of, strict=True)
+    )
     starts = sorted(m.time for m in trace.marks if m.kind == "epoch start")
     before = trace.epochs_dropped
     # Each wait for a batch, with the worker that batch was loaded by (its epoch: the number
@@ -884,10 +979,12 @@ def _idle_behind_order(trace: Trace, batches: _Batches, waits: _Waits) -> float:
         for asked, got, task in zip(waits.asked, waits.got, waits.task, strict=True)
         if task is not None
     ]
-    started, finished = batches.started, batches.finished
-    arrived, handed = batches.arrived, batches.handed
+    started, finished, arrived, handed = (
+        _nullable(column.tolist())
+        for column in (batches.started, batches.finished, batches.arrived, batches.handed)
+    )
     loaded: dict[int, list[int]] = {}
-    for row, worker in enumerate(batches.worker):
+    for row, worker in enumerate(worker_of):
         if started[row] is not None:
             loaded.setdefault(worker, []).append(row)
     total = 0.0
@@ -979,12 +1076,13 @@ class Tracer:
         offset = (self.drivers % DRIVERS) << TASK_BITS
         end = offset | _TASK
         self.drivers += 1
-        worker_of, index_of, packed_of = tasks.worker, tasks.index, tasks.packed
-        sent_at = tasks.sent
+        row_of, index_of, packed_of = tasks.row, tasks.index, tasks.packed
+        key_column, worker_column, sent_at = tasks.key, tasks.worker, tasks.sent
         packing = _Packer()
         started_at, finished_at, arrived_at = tasks.started, tasks.finished, tasks.arrived
         handed_at, cpu_of = tasks.handed, tasks.cpu
         slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
+        grow = tasks.grow
         asked_at, got_at, waited_for = tasks.asked.append, tasks.got.append, tasks.waited_for.append
         marks = self.marks
         check = self._check
@@ -1002,13 +1100,17 @@ class Tracer:
                 pass
             elif kind is TaskCompleted or kind is TaskFailed:
                 task = event.task + offset  # type: ignore[attr-defined]
-                if task in sent_at:
-                    arrived_at[task] = now
+                row = row_of.get(task)
+                if row is not None:
+                    row -= tasks.first
+                    arrived_at[row] = now
                     timing = event.timing  # type: ignore[attr-defined]
                     if timing is not None:
-                        started_at[task], finished_at[task], cpu_of[task], slowest, ready = timing
+                        started_at[row], finished_at[row], cpu, slowest, ready = timing
+                        if cpu is not None:
+                            cpu_of[row] = cpu
                         if slowest:
-                            slowest_index[task], slowest_took[task] = slowest[0]
+                            slowest_index[task], slowest_took[row] = slowest[0]
                         if ready is not None:
                             worker = event.worker  # type: ignore[attr-defined]
                             marks.append(Mark(ready, "worker ready", worker))
@@ -1032,8 +1134,13 @@ class Tracer:
                 if ckind is SendTask:
                     number = command.task  # type: ignore[attr-defined]
                     task = number + offset
-                    worker_of[task] = command.worker  # type: ignore[attr-defined]
-                    sent_at[task] = now
+                    row = len(sent_at)
+                    row_of[task] = row + tasks.first
+                    key_column.append(task)
+                    worker_column.append(command.worker)  # type: ignore[attr-defined]
+                    sent_at.append(now)
+                    if row >= len(arrived_at):
+                        grow()
                     index = command.index  # type: ignore[attr-defined]
                     packed = packing.pack(index) if type(index) is list else None
                     if packed is None:
@@ -1052,8 +1159,10 @@ class Tracer:
                     else:
                         task = None
                         marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
-                    if task is not None and task in sent_at:
-                        handed_at[task] = now
+                    if task is not None:
+                        row = row_of.get(task)
+                        if row is not None:
+                            handed_at[row - tasks.first] = now
                     if asked is not None:
                         asked_at(asked)
                         got_at(now)
@@ -1080,32 +1189,33 @@ class Tracer:
     def _forget_beyond(self, limit: int, slack: int) -> None:
         """Forget all that came before the last `limit` batches, the last `limit` waits or the
         last `limit` marks, whichever began latest, so that the trace is one stretch of the
-        run, the latest. Waits and marks go only once more than `slack` of them are due:
-        forgetting them moves the rest of their column, so that with a slack of a quarter of
-        the limit each wait or mark traced costs at most five moves, however long the run."""
+        run, the latest. Each kind goes only once more than `slack` of it is due: forgetting
+        moves the rest of its column, so that with a slack of a quarter of the limit each
+        batch, wait or mark traced costs at most five moves, however long the run."""
         tasks, marks = self.tasks, self.marks
         sent, got = tasks.sent, tasks.got
-        over = len(sent) > limit or len(got) > limit + slack or len(marks) > limit + slack
+        kept = len(sent)
+        over = kept > limit + slack or len(got) > limit + slack or len(marks) > limit + slack
         if slack and not over:
             return  # a read (no slack) goes on: what is older than the batches kept goes
-        forgotten = max(0, len(sent) - limit)
-        for _ in range(forgotten):
-            tasks.forget_oldest()
+        forgotten = max(0, kept - limit)
         # The moment before which all goes: the oldest of each kind that the limit leaves,
         # and once batches were forgotten, the oldest batch kept.
-        cut = next(iter(sent.values())) if sent and (forgotten or self.dropped) else -math.inf
+        cut = sent[forgotten] if kept > forgotten and (forgotten or self.dropped) else -math.inf
         waits_over = len(got) - limit
         if waits_over > 0:
             cut = max(cut, tasks.asked[waits_over])
         marks_over = len(marks) - limit
         if marks_over > 0:
             cut = max(cut, marks[marks_over].time)
-        while sent and next(iter(sent.values())) < cut:
-            tasks.forget_oldest()
+        while forgotten < kept and sent[forgotten] < cut:
             forgotten += 1
-        self.dropped += forgotten
-        # Each forgotten batch, and the look at the one left; the searches, a few steps each.
+        # Each batch looked at, and the look at the one left; the searches, a few steps each.
         self.forget_work += forgotten + 1 + 2 * (len(got) + len(marks)).bit_length()
+        if forgotten > slack:
+            tasks.forget_oldest(forgotten)
+            self.dropped += forgotten
+            self.forget_work += forgotten + kept
         # By count too: a clock that did not move gives the same moment to many.
         waits = max(waits_over, bisect.bisect_left(got, cut))
         if waits > slack:
@@ -1135,7 +1245,7 @@ class Tracer:
         with _collector_paused():
             batches, waits = self._read()
             return attrs.evolve(
-                self._settings(), batches=tuple(batches.records()), waits=waits.waits()
+                self._settings(), batches=tuple(batches.records(None)), waits=waits.waits()
             )
 
     def stats(self) -> LoaderStats:
