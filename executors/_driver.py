@@ -69,7 +69,7 @@ from statecore import (
     progress,
     step,
 )
-from statecore.executors._flight import FlightRecorder
+from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._protocol import Executor, capabilities_of
 from statecore.executors._quick import index_drawn
 from statecore.executors._remote import RemoteError
@@ -93,9 +93,9 @@ class Driver:
     transition as well, a traced loader one that watches it. With `flight`, a flight recorder
     wraps it: the last events are kept, and an internal error, an executor reporting the
     impossible or a timeout writes them to a file that the error names
-    (`statecore.executors._flight`, docs/flight-recorder.md). By default it records unless the
-    scheduler is lazy, that is loads in the calling thread: there a batch costs so little that
-    the recorder would add 3 to 4% to it, and no timeout can happen.
+    (`statecore.executors._observe.flight`, docs/flight-recorder.md). By default it records
+    unless the scheduler is lazy, that is loads in the calling thread: there a batch costs so
+    little that the recorder would add 3 to 4% to it, and no timeout can happen.
     """
 
     def __init__(

@@ -38,6 +38,8 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
+from statecore.executors._observe.trace import LoaderStats, Trace
+from statecore.executors._observe.tracer import Tracer, collecting, tracing_from_environment
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import (
     Capabilities,
@@ -47,13 +49,6 @@ from statecore.executors._protocol import (
     capabilities_of,
 )
 from statecore.executors._registry import resolve_executor
-from statecore.executors._trace import (
-    LoaderStats,
-    Trace,
-    Tracer,
-    collecting,
-    tracing_from_environment,
-)
 from statecore.executors._worker import WorkerSetup, has_state
 
 __all__ = ["DataLoader", "EpochOverWarning"]

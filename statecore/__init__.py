@@ -151,7 +151,8 @@ _RENAMED = {"PullIndex": "DrawIndex"}
 
 def __getattr__(name: str) -> Any:
     # The loader needs torch; load it only when asked, so the core stays importable without it.
-    if name in ("DataLoader", "get_worker_info"):
+    # `Trace` and `LoaderStats` are what its `trace_record()` and `stats()` return.
+    if name in ("DataLoader", "get_worker_info", "Trace", "LoaderStats"):
         from statecore import executors
 
         return getattr(executors, name)

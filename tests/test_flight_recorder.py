@@ -39,15 +39,10 @@ from statecore import (
     initial_state,
     step,
 )
-from statecore.executors import DataLoader, Driver, _flight
-from statecore.executors._flight import (
-    DIR_VARIABLE,
-    MAX_FILES,
-    FlightRecorder,
-    decode,
-    encode,
-    strip_state,
-)
+from statecore.executors import DataLoader, Driver
+from statecore.executors._observe import flight
+from statecore.executors._observe.flight import DIR_VARIABLE, MAX_FILES, FlightRecorder, strip_state
+from statecore.executors._observe.flightfile import decode, encode
 from statecore.models.explorer import default_scenarios, explore
 from statecore.tools.replay import replay_file
 from statecore.tools.step_bench import record_trace
@@ -60,7 +55,7 @@ def flight_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The folder the files go to in this test; the per-process count of files starts over."""
     folder = tmp_path / "flight"
     monkeypatch.setenv(DIR_VARIABLE, str(folder))
-    monkeypatch.setattr(_flight, "_files_written", 0)
+    monkeypatch.setattr(flight, "_files_written", 0)
     return folder
 
 
@@ -293,7 +288,7 @@ def test_a_file_that_cannot_be_written_leaves_the_error_as_it_was(
     blocker = tmp_path / "a file"
     blocker.write_text("")
     monkeypatch.setenv(DIR_VARIABLE, str(blocker / "flight"))
-    monkeypatch.setattr(_flight, "_files_written", 0)
+    monkeypatch.setattr(flight, "_files_written", 0)
     driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
     driver.start_epoch()
     with pytest.raises(InternalError) as caught:
@@ -307,7 +302,7 @@ def test_a_file_that_cannot_be_written_leaves_the_error_as_it_was(
 def test_a_process_writes_a_bounded_number_of_files(
     flight_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_flight, "_files_written", MAX_FILES)
+    monkeypatch.setattr(flight, "_files_written", MAX_FILES)
     driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
     driver.start_epoch()
     with pytest.raises(InternalError, match=f"already wrote \\(or tried to write\\) {MAX_FILES}"):

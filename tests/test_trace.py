@@ -25,16 +25,10 @@ import pytest
 from torch.utils.data import Dataset, get_worker_info
 
 import statecore
+from statecore.executors import LoaderStats, Trace
+from statecore.executors._observe.trace import BatchRecord, Mark, Wait
+from statecore.executors._observe.tracer import TRACE_VARIABLE, Tracer
 from statecore.executors._timing import WHOLE_BATCH
-from statecore.executors._trace import (
-    TRACE_VARIABLE,
-    BatchRecord,
-    LoaderStats,
-    Mark,
-    Trace,
-    Tracer,
-    Wait,
-)
 from statecore.tools.timeline import draw_timeline
 
 STRAGGLER = 37
