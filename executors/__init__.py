@@ -16,7 +16,7 @@ from statecore.executors._lazy import lazy_names
 if TYPE_CHECKING:
     from statecore.executors._driver import Driver, failure_exception
     from statecore.executors._loader import DataLoader
-    from statecore.executors._observe.trace import LoaderStats, Trace
+    from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
     from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
     from statecore.executors._protocol import (
         Capabilities,
@@ -40,6 +40,7 @@ _WHERE = {
     "Executor": "_protocol",
     "ExecutorFactory": "_protocol",
     "Launch": "_protocol",
+    "LoaderCounters": "_observe.trace",
     "LoaderStats": "_observe.trace",
     "Pinned": "_pinned",
     "PinnedExecutor": "_pinned",
@@ -70,6 +71,7 @@ __all__ = [
     "Executor",
     "ExecutorFactory",
     "Launch",
+    "LoaderCounters",
     "LoaderStats",
     "Pinned",
     "PinnedExecutor",

@@ -38,7 +38,7 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
-from statecore.executors._observe.trace import LoaderStats, Trace
+from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
 from statecore.executors._observe.tracer import Tracer, collecting, tracing_from_environment
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import (
@@ -221,11 +221,29 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return self._tracer
 
     def stats(self) -> LoaderStats:
-        """The traced figures: how long the training loop waited on loading, how busy each
-        worker was, the slowest samples by index; `.verdict()` says it in words, with what
-        to try. The loader must be traced (`trace=True` or STATECORE_TRACE=1)."""
+        """What the loader did, traced or not (as trio's `statistics()`): `counters` holds
+        what the scheduler of its latest iterator knows now (batches handed over this epoch,
+        tasks in flight per worker, whether the training loop waits), read from its state at
+        no cost. A traced loader (`trace=True` or STATECORE_TRACE=1) adds the figures: how
+        long the training loop waited on loading, how busy each worker was, the slowest
+        samples by index; `.verdict()` says it in words, with what to try."""
+        iterator = self._latest() if self._latest is not None else None
+        driver = iterator._driver if iterator is not None else None
+        if driver is not None:
+            counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
+        else:
+            counters = self._trail.counters or LoaderCounters.of(None, self.num_workers)
+        if self._tracer is None:
+            return LoaderStats.counted(
+                counters,
+                self.num_workers,
+                self.in_order,
+                self.persistent_workers,
+                _executor_name(self),
+                traced=self.trace,
+            )
         # From the tracer's tables: the records of a trace at the limit took most of the time.
-        return self._traced().stats()
+        return attrs.evolve(self._tracer.stats(), counters=counters)
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
@@ -490,6 +508,9 @@ class _Trail:
     """
 
     left: _Position | None = None
+    counters: LoaderCounters | None = None
+    """The scheduler's counters as the iterator was shut down, for `DataLoader.stats()` (not
+    its state, which may hold batches)."""
 
 
 class _Iterator(_BaseDataLoaderIter):
@@ -769,6 +790,7 @@ class _Iterator(_BaseDataLoaderIter):
         finally:
             # The workers stop even when a stateful sampler's state_dict() raised.
             self._driver = None
+            self._trail.counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
             if driver.state.phase is not Phase.CLOSED:
                 driver.close()
 

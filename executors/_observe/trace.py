@@ -26,11 +26,14 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
+from statecore import Phase, State, WorkerStatus
+
 __all__ = [
     "STRAGGLER_FACTOR",
     "BatchColumns",
     "BatchRecord",
     "Column",
+    "LoaderCounters",
     "LoaderStats",
     "Mark",
     "Trace",
@@ -336,6 +339,46 @@ class LoaderStats:
     dropped: int = 0
     """Batches the tracer forgot (see `Trace.dropped`): they count in `batches` and `epochs`,
     and in no other figure, each of which is over what was kept."""
+    traced: bool = True
+    """Whether the figures above come from a trace. `DataLoader.stats()` answers for an
+    untraced loader too: its figures are then those of nothing traced (no batch, no second,
+    no worker busy) and only `counters` says what happened."""
+    counters: LoaderCounters | None = None
+    """What the scheduler of the loader's latest iterator knows now, traced or not; None in
+    the figures of a `Trace` alone (`Trace.stats()`), which has no scheduler."""
+
+    @classmethod
+    def counted(
+        cls,
+        counters: LoaderCounters,
+        num_workers: int,
+        in_order: bool,
+        persistent_workers: bool,
+        executor: str,
+        traced: bool = False,
+    ) -> LoaderStats:
+        """The statistics of a loader with nothing traced: its counters and its settings."""
+        return cls(
+            batches=0,
+            failed=0,
+            epochs=0,
+            seconds=0.0,
+            waited=0.0,
+            waited_for_order=0.0,
+            idle_behind_order=0.0,
+            startup_waits=(),
+            busy=(),
+            median_batch=None,
+            cpu_share=None,
+            slowest=(),
+            stragglers=(),
+            num_workers=num_workers,
+            in_order=in_order,
+            persistent_workers=persistent_workers,
+            executor=executor,
+            traced=traced,
+            counters=counters,
+        )
 
     @property
     def waiting_share(self) -> float:
@@ -491,6 +534,16 @@ class LoaderStats:
             f"{workers} ({self.executor}), in_order={self.in_order}, "
             f"persistent_workers={self.persistent_workers}."
         )
+        if not self.traced:
+            lines = [f"Not traced; {setting}"]
+            if self.counters is not None:
+                lines.append(self.counters.describe())
+            lines.append(
+                "For where the time goes (the training loop's waits, the workers' busy time, "
+                "the slowest samples), trace the loader: trace=True, or STATECORE_TRACE=1 in "
+                "the environment."
+            )
+            return "\n".join(lines)
         run = f"{self.batches} batches in {self.epochs} epoch{'s' if self.epochs != 1 else ''}"
         if self.dropped:
             kept = self.batches - self.dropped
@@ -543,6 +596,77 @@ class LoaderStats:
         elif self.seconds > 0 and self.waiting_share >= 0.05:
             lines.append("Nothing in the trace points to a loader setting that would help.")
         return "\n".join(lines)
+
+
+@attrs.frozen
+class LoaderCounters:
+    """What the scheduler of a loader's latest iterator knows now, read from its state: cheap
+    (nothing is recorded to count them), and there whether or not the loader is traced
+    (`DataLoader.stats().counters`). They are the epoch's, as the scheduler keeps them."""
+
+    epoch: int
+    """Epochs the latest iterator began (with persistent workers, one iterator serves every
+    epoch; without, each `iter()` makes a new one); 0 before the first `iter()`."""
+    phase: Phase | None
+    """Where its scheduler stands (`statecore.Phase`); None before the first `iter()`."""
+    handed_over: int
+    """Batches (and workers' errors) handed to the consumer this epoch."""
+    skipped: int
+    """Tasks of this epoch skipped (an iterable dataset's worker ran dry before them)."""
+    in_flight: int
+    """Tasks sent to a worker and not answered yet."""
+    buffered: int
+    """Tasks answered and not handed over yet (in order, held behind an earlier one)."""
+    tasks_per_worker: tuple[int, ...]
+    """Per worker, tasks of this epoch given to it and not handed over yet (in flight or
+    buffered)."""
+    workers: tuple[WorkerStatus, ...]
+    """Per worker, what the scheduler believes of it (active, exhausted, resuming...)."""
+    waiting: bool
+    """Whether the consumer waits for the scheduler now (in `next()`, or in `iter()`)."""
+
+    @classmethod
+    def of(cls, state: State | None, num_workers: int) -> LoaderCounters:
+        """The counters of a scheduler in `state`; None: a loader not iterated yet."""
+        if state is None:
+            return cls(
+                epoch=0,
+                phase=None,
+                handed_over=0,
+                skipped=0,
+                in_flight=0,
+                buffered=0,
+                tasks_per_worker=(0,) * num_workers,
+                workers=(WorkerStatus.ACTIVE,) * num_workers,
+                waiting=False,
+            )
+        stats = state.stats()
+        return cls(
+            epoch=stats.epoch,
+            phase=stats.phase,
+            handed_over=stats.delivered,
+            skipped=stats.skipped,
+            in_flight=stats.in_flight,
+            buffered=stats.buffered,
+            tasks_per_worker=stats.loads,
+            workers=stats.workers,
+            waiting=state.waiting or state.life.resetting,
+        )
+
+    def describe(self) -> str:
+        """The counters in a sentence."""
+        if self.phase is None:
+            return "Not iterated yet."
+        each = ", ".join(
+            f"worker {worker} {tasks}" for worker, tasks in enumerate(self.tasks_per_worker)
+        )
+        per_worker = f" (tasks per worker: {each})" if each else ""
+        waits = "waits for a batch now" if self.waiting else "is not waiting for a batch now"
+        return (
+            f"Epoch {self.epoch}, {self.phase.name.lower()}: {self.handed_over} handed over, "
+            f"{self.in_flight} in flight, {self.buffered} answered and not handed over yet"
+            f"{per_worker}; the training loop {waits}."
+        )
 
 
 Interval = tuple[float, float]
