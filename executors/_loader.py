@@ -25,7 +25,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, can_restart, step
+from statecore import Config, Phase, Progress, can_restart
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -38,6 +38,8 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
+from statecore.executors._observe.flight import FlightRecorder
+from statecore.executors._observe.seam import Observer
 from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
 from statecore.executors._observe.tracer import Tracer, collecting, tracing_from_environment
 from statecore.executors._pinned import Pinned
@@ -342,6 +344,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
 
 
+def observers(config: Config, tracer: Tracer | None) -> tuple[Observer, ...]:
+    """What watches an iterator's driver: a flight recorder unless the scheduler loads in the
+    calling thread (there a batch costs so little that the recorder would add 3 to 4% to it,
+    and no timeout can happen), and the loader's tracer when it is traced."""
+    watching = [] if config.lazy else [FlightRecorder(config).observer()]
+    if tracer is not None:
+        watching.append(tracer.observer())
+    return tuple(watching)
+
+
 def _executor_name(loader: DataLoader[Any]) -> str:
     """The executor's name as a user would give it, for the trace."""
     executor = loader.executor
@@ -613,10 +625,14 @@ class _Iterator(_BaseDataLoaderIter):
         executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
         tracer = loader._tracer_for(workers, config.persistent_workers)
-        traced = step if tracer is None else tracer.wrap(step)
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
         self._driver = Driver(
-            config, executor, _drawer(self), self._timeout, step=traced, marked=marked
+            config,
+            executor,
+            _drawer(self),
+            self._timeout,
+            observers=observers(config, tracer),
+            marked=marked,
         )
         _LIVE.add(self)
         self._reset(loader, first_iter=True)

@@ -244,7 +244,8 @@ def test_the_models_import_no_tool() -> None:
 OBSERVE = "statecore.executors._observe"
 RECORDERS = {f"{OBSERVE}.tracer", f"{OBSERVE}.flight"}
 """The observability wing's recorders, on the hot path of every step; the wing's other modules
-are readers (a trace's figures, the Chrome export, the flight file and its replay)."""
+(the readers: a trace's figures, the Chrome export, the flight file and its replay; and the
+seam, which the driver imports) import none of them."""
 
 
 def test_the_observability_wings_readers_import_no_recorder() -> None:

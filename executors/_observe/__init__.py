@@ -9,7 +9,9 @@ One module per kind, and the recorders import the readers, never the reverse
   something breaks);
 - readers, pure: `trace` (`Trace`, `LoaderStats`, the verdict and what to try), `chrome` (a
   trace in Chrome's trace event format) and `flightfile` (the flight file's format and its
-  replay through `step`).
+  replay through `step`);
+- the seam, `seam`: the hooks (`Observer`) through which the loader attaches the recorders
+  to a driver, which tells each of them of every transition once (`observed`).
 
 docs/profiling.md and docs/flight-recorder.md say what each gives and what it costs.
 """

@@ -75,12 +75,12 @@ from statecore.executors._observe.flightfile import (
     Recorded,
     Recording,
     Replayed,
-    StepFunction,
     describe,
     replay,
     shortened,
     to_json,
 )
+from statecore.executors._observe.seam import Observer, StepFunction, observed
 
 __all__ = [
     "DIR_VARIABLE",
@@ -195,14 +195,16 @@ class FlightRecorder:
         self.notes: dict[object, str] = {}
         """What was said of an error already written out, by the key the caller gave."""
 
-    def wrap(self, step: StepFunction) -> StepFunction:
-        """`step`, recording every event it is given; its own errors name the file written."""
+    def observer(self) -> Observer:
+        """The recorder's hooks at a driver's seam (`observed`): every event the driver's
+        `step` is told of is recorded; an error of the core's or the executor's that `step`
+        raises, and one the driver raises, names the file written."""
         record = self.ring.append
         every = self.every
         rare = self._rare
 
         # Runs on every step of every loader: the common events first, and nothing more.
-        def recorded(state: State, event: Event) -> Transition:
+        def recorded(state: State, event: Event, _: Transition | None = None) -> None:
             kind = type(event)
             if kind is NextRequested:
                 record(event)
@@ -221,13 +223,16 @@ class FlightRecorder:
                 record((task, event.worker))  # type: ignore[attr-defined]
             else:
                 rare(state, event)
-            try:
-                return step(state, event)
-            except BaseException as error:
-                self._raised(state, error)
-                raise
 
-        return recorded
+        def refused(state: State, event: Event, error: BaseException) -> None:
+            recorded(state, event)
+            self._raised(state, error)
+
+        return Observer(recorded, refused, self.attach, self)
+
+    def wrap(self, step: StepFunction) -> StepFunction:
+        """`step`, recording every event it is given, through the seam as a driver's is."""
+        return observed(step, [self.observer()])
 
     def _rare(self, state: State, event: Event) -> None:
         kind = type(event)

@@ -15,7 +15,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -28,10 +28,10 @@ from statecore import (
     Resolved,
     State,
     StatecoreError,
-    Transition,
     step,
     violations,
 )
+from statecore.executors._observe.seam import StepFunction
 from statecore.executors._remote import RemoteError
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "Recorded",
     "Recording",
     "Replayed",
-    "StepFunction",
     "decode",
     "describe",
     "encode",
@@ -59,8 +58,6 @@ FORMAT = "statecore-flight"
 VERSION = 1
 TEXT_LIMIT = 200
 """Characters kept of an index's repr, or of an error's message."""
-
-StepFunction = Callable[[State, Event], Transition]
 
 
 @attrs.frozen

@@ -57,6 +57,7 @@ from statecore import (
     WorkerDied,
     WorkerResumed,
 )
+from statecore.executors._observe.seam import Observer, StepFunction, observed
 from statecore.executors._observe.trace import (
     BatchColumns,
     BatchRecord,
@@ -90,8 +91,6 @@ have each traced loader write its trace, timeline and verdict there when the pro
 DEFAULT_LIMIT = 200_000
 """Batches a tracer keeps, and waits, and marks; past that it forgets the oldest (a long run's
 first epochs), all that came before the stretch it keeps (`Tracer._forget_beyond`)."""
-
-StepFunction = Callable[[State, Event], Transition]
 
 LIMIT_CHECKED_EVERY = 1024
 """Tasks a driver sends between two looks at the tracer's limit: between them it may keep up
@@ -476,7 +475,11 @@ class Tracer:
         self.epoch = 0
 
     def wrap(self, step: StepFunction) -> StepFunction:
-        """`step`, watched: the step function for one driver (one loader iterator)."""
+        """`step`, watched through the seam as a driver's is (`observer`)."""
+        return observed(step, [self.observer()])
+
+    def observer(self) -> Observer:
+        """The tracer's hooks at the seam of one driver (one loader iterator)."""
         clock = self.clock
         tasks = self.tasks
         offset = (self.drivers % DRIVERS) << TASK_BITS
@@ -492,15 +495,17 @@ class Tracer:
         asked_at, got_at, waited_for = tasks.asked.append, tasks.got.append, tasks.waited_for.append
         marks = self.marks
         check = self._check
+        # When the consumer's wait began, from its request (`next()` or `iter()`) to its
+        # outcome. Not the scheduler's `waiting`: an `iter()` ends without an outcome, and the
+        # wait for the epoch's first batch counts from it (the scheduler stops waiting there).
         asked: float | None = None
 
         # Every step of a traced loader runs this, in the main process, between the loader's
         # own work: what is asked most comes first, and everything that can wait until the
         # trace is read (which batches were ready while the loop waited) does.
-        def traced(state: State, event: Event) -> Transition:
+        def traced(state: State, event: Event, transition: Transition) -> None:
             nonlocal asked
             now = clock()
-            transition = step(state, event)
             kind = type(event)
             if kind is IndexDrawn:
                 pass
@@ -526,6 +531,8 @@ class Tracer:
                 if asked is None:
                     asked = now
             elif kind is ResetRequested:
+                # The loader's epochs, counted over all its iterators: a scheduler counts only
+                # its own (each iter() without persistent workers makes a new one, at epoch 1).
                 self.epoch += 1
                 marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
                 if asked is None:
@@ -578,9 +585,8 @@ class Tracer:
                         check()
                 elif ckind is ResumeWorker:
                     marks.append(Mark(now, "resume sent", command.worker))  # type: ignore[attr-defined]
-            return transition
 
-        return traced
+        return Observer(traced, owner=self)
 
     @property
     def kept(self) -> int:
