@@ -16,6 +16,7 @@ from statecore.executors._lazy import lazy_names
 if TYPE_CHECKING:
     from statecore.executors._driver import Driver, failure_exception
     from statecore.executors._loader import DataLoader
+    from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
     from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
     from statecore.executors._protocol import (
         Capabilities,
@@ -40,11 +41,14 @@ _WHERE = {
     "Executor": "_protocol",
     "ExecutorFactory": "_protocol",
     "Launch": "_protocol",
+    "LoaderCounters": "_observe.trace",
+    "LoaderStats": "_observe.trace",
     "Pinned": "_pinned",
     "PinnedExecutor": "_pinned",
     "RayOptions": "_ray",
     "RayUnavailableError": "_ray",
     "RemoteError": "_remote",
+    "Trace": "_observe.trace",
     "WorkerRuntime": "_worker",
     "WorkerSetup": "_worker",
     "as_worker": "_startup",
@@ -68,11 +72,14 @@ __all__ = [
     "Executor",
     "ExecutorFactory",
     "Launch",
+    "LoaderCounters",
+    "LoaderStats",
     "Pinned",
     "PinnedExecutor",
     "RayOptions",
     "RayUnavailableError",
     "RemoteError",
+    "Trace",
     "WorkerRuntime",
     "WorkerSetup",
     "as_worker",

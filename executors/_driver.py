@@ -70,7 +70,7 @@ from statecore import (
     progress,
     step,
 )
-from statecore.executors._flight import FlightRecorder
+from statecore.executors._observe.seam import Observer, observed
 from statecore.executors._protocol import Executor, capabilities_of
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
@@ -90,12 +90,10 @@ class Driver:
     """Runs one scheduler over one executor, for one loader iterator.
 
     `step` is the scheduler's transition function; the models pass one that checks every
-    transition as well, a traced loader one that watches it. With `flight`, a flight recorder
-    wraps it: the last events are kept, and an internal error, an executor reporting the
-    impossible or a timeout writes them to a file that the error names
-    (`statecore.executors._flight`, docs/flight-recorder.md). By default it records unless the
-    scheduler is lazy, that is loads in the calling thread: there a batch costs so little that
-    the recorder would add 3 to 4% to it, and no timeout can happen.
+    transition as well. `observers` watch it through one seam (`executors._observe.seam`):
+    each is told of every transition once, and of an internal error or a timeout the driver
+    is about to raise. The loader attaches them (its flight recorder, its tracer); the driver
+    builds none.
     """
 
     def __init__(
@@ -106,7 +104,7 @@ class Driver:
         timeout: float,
         step: StepFunction = step,
         *,
-        flight: bool | None = None,
+        observers: Iterable[Observer] = (),
         marked: bool = False,
     ) -> None:
         """`marked`: the workers' answers carry marks though the dataset is map-style (its
@@ -114,10 +112,8 @@ class Driver:
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
-        if flight is None:
-            flight = not config.lazy
-        self.flight = FlightRecorder(config) if flight else None
-        self.step = step if self.flight is None else self.flight.wrap(step)
+        self.observers = tuple(observers)
+        self.step = observed(step, self.observers)
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
@@ -260,11 +256,12 @@ class Driver:
         if self.marks is not None and type(outcome.failure) is TaskFailure:  # type: ignore[attr-defined]
             self._received(outcome.failure.task)  # type: ignore[attr-defined]
         error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
-        if type(error) is LoaderTimeoutError and self.flight is not None:
-            # torch's message, which logs match, stays as it is: the file is named in a note.
-            # Sticky: a timeout raised again names the same file.
+        if type(error) is LoaderTimeoutError:
+            # torch's message, which logs match, stays as it is: a recorder's file is named in
+            # a note. Sticky: a timeout raised again names the same file.
             failure = outcome.failure  # type: ignore[attr-defined]
-            self.flight.attach(error, self.state, key=failure, as_note=True)
+            for observer in self.observers:
+                observer.raising(error, self.state, key=failure, as_note=True)
         del outcome
         try:
             raise error
@@ -273,8 +270,8 @@ class Driver:
 
     def _recorded(self, error: InternalError) -> InternalError:
         """`error`, naming the flight recorder's file of the events that led to it."""
-        if self.flight is not None:
-            self.flight.attach(error, self.state)
+        for observer in self.observers:
+            observer.raising(error, self.state)
         return error
 
     def _answered(self, answer: TaskCompleted | TaskFailed) -> None:

@@ -25,7 +25,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, can_restart, step
+from statecore import Config, Phase, Progress, can_restart
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -38,6 +38,10 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
+from statecore.executors._observe.flight import FlightRecorder
+from statecore.executors._observe.seam import Observer
+from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
+from statecore.executors._observe.tracer import Tracer, collecting, tracing_from_environment
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import (
     Capabilities,
@@ -47,13 +51,6 @@ from statecore.executors._protocol import (
     capabilities_of,
 )
 from statecore.executors._registry import resolve_executor
-from statecore.executors._trace import (
-    LoaderStats,
-    Trace,
-    Tracer,
-    collecting,
-    tracing_from_environment,
-)
 from statecore.executors._worker import Mark, WorkerSetup, has_state
 
 __all__ = ["DataLoader", "EpochOverWarning"]
@@ -226,11 +223,29 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return self._tracer
 
     def stats(self) -> LoaderStats:
-        """The traced figures: how long the training loop waited on loading, how busy each
-        worker was, the slowest samples by index; `.verdict()` says it in words, with what
-        to try. The loader must be traced (`trace=True` or STATECORE_TRACE=1)."""
+        """What the loader did, traced or not (as trio's `statistics()`): `counters` holds
+        what the scheduler of its latest iterator knows now (batches handed over this epoch,
+        tasks in flight per worker, whether the training loop waits), read from its state at
+        no cost. A traced loader (`trace=True` or STATECORE_TRACE=1) adds the figures: how
+        long the training loop waited on loading, how busy each worker was, the slowest
+        samples by index; `.verdict()` says it in words, with what to try."""
+        iterator = self._latest() if self._latest is not None else None
+        driver = iterator._driver if iterator is not None else None
+        if driver is not None:
+            counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
+        else:
+            counters = self._trail.counters or LoaderCounters.of(None, self.num_workers)
+        if self._tracer is None:
+            return LoaderStats.counted(
+                counters,
+                self.num_workers,
+                self.in_order,
+                self.persistent_workers,
+                _executor_name(self),
+                traced=self.trace,
+            )
         # From the tracer's tables: the records of a trace at the limit took most of the time.
-        return self._traced().stats()
+        return attrs.evolve(self._tracer.stats(), counters=counters)
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
@@ -327,6 +342,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             num_workers=self.num_workers,
             generator=self.generator,
         )
+
+
+def observers(config: Config, tracer: Tracer | None) -> tuple[Observer, ...]:
+    """What watches an iterator's driver: a flight recorder unless the scheduler loads in the
+    calling thread (there a batch costs so little that the recorder would add 3 to 4% to it,
+    and no timeout can happen), and the loader's tracer when it is traced."""
+    watching = [] if config.lazy else [FlightRecorder(config).observer()]
+    if tracer is not None:
+        watching.append(tracer.observer())
+    return tuple(watching)
 
 
 def _executor_name(loader: DataLoader[Any]) -> str:
@@ -540,6 +565,9 @@ class _Trail:
     """
 
     left: _Position | None = None
+    counters: LoaderCounters | None = None
+    """The scheduler's counters as the iterator was shut down, for `DataLoader.stats()` (not
+    its state, which may hold batches)."""
 
 
 class _Iterator(_BaseDataLoaderIter):
@@ -659,10 +687,14 @@ class _Iterator(_BaseDataLoaderIter):
         executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
         tracer = loader._tracer_for(workers, config.persistent_workers)
-        traced = step if tracer is None else tracer.wrap(step)
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
         self._driver = Driver(
-            config, executor, _drawer(self), self._timeout, step=traced, marked=marked
+            config,
+            executor,
+            _drawer(self),
+            self._timeout,
+            observers=observers(config, tracer),
+            marked=marked,
         )
         _LIVE.add(self)
         self._reset(loader, first_iter=True)
@@ -849,6 +881,7 @@ class _Iterator(_BaseDataLoaderIter):
         finally:
             # The workers stop even when a stateful sampler's state_dict() raised.
             self._driver = None
+            self._trail.counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
             if driver.state.phase is not Phase.CLOSED:
                 driver.close()
 

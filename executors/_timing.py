@@ -5,7 +5,7 @@ finished on the worker's clock, the CPU time its thread spent on it, and its slo
 by dataset index. The clock is `time.perf_counter`, which on Linux reads CLOCK_MONOTONIC: one
 clock for every process of the machine, so the main process lines worker timings up with its
 own without any exchange. The scheduler passes timings by, as it does batches; the main
-process's tracer (`executors._trace`) collects them.
+process's tracer (`executors._observe.tracer`) collects them.
 
 This module runs in every worker process: it imports nothing beyond what a worker already has.
 """

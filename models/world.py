@@ -514,9 +514,7 @@ class _Sim:
         self.resumed: set[int] = set()
         # No flight recorder: each action gets a new driver with the world's state put in, so
         # a recording would start from a state it never saw.
-        driver = Driver(
-            self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step, flight=False
-        )
+        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)
         driver.state = self.core
         driver.todo = deque(self.todo)
         driver.handed = self.handed

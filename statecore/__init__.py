@@ -160,7 +160,9 @@ _RENAMED = {"PullIndex": "DrawIndex"}
 
 def __getattr__(name: str) -> Any:
     # The loader needs torch; load it only when asked, so the core stays importable without it.
-    if name in ("DataLoader", "get_worker_info"):
+    # `Trace`, `LoaderStats` and `LoaderCounters` are what its `trace_record()` and `stats()`
+    # return.
+    if name in ("DataLoader", "get_worker_info", "Trace", "LoaderStats", "LoaderCounters"):
         from statecore import executors
 
         return getattr(executors, name)

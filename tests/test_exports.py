@@ -119,6 +119,15 @@ def test_every_class_and_function_of_the_executors_surface_is_public_in_its_modu
     assert name in sys.modules[value.__module__].__all__
 
 
+@pytest.mark.parametrize("name", ["Trace", "LoaderStats", "LoaderCounters"])
+def test_what_the_loaders_trace_record_and_stats_return_is_exported_beside_the_loader(
+    name: str,
+) -> None:
+    # Returned by public methods, so importable wherever DataLoader is.
+    assert name in statecore.executors.__all__
+    assert getattr(statecore, name) is getattr(statecore.executors, name)
+
+
 # --- values --------------------------------------------------------------------------------------
 
 

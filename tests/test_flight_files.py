@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statecore import Config, WorkerDied, initial_state, step
-from statecore.executors._flight import FlightRecorder, to_json
+from statecore.executors._observe.flight import FlightRecorder
+from statecore.executors._observe.flightfile import to_json
 from statecore.tools.cli import main
 from statecore.tools.step_bench import record_trace
 

@@ -39,15 +39,11 @@ from statecore import (
     initial_state,
     step,
 )
-from statecore.executors import DataLoader, Driver, _flight
-from statecore.executors._flight import (
-    DIR_VARIABLE,
-    MAX_FILES,
-    FlightRecorder,
-    decode,
-    encode,
-    strip_state,
-)
+from statecore.executors import DataLoader, Driver
+from statecore.executors._loader import observers
+from statecore.executors._observe import flight
+from statecore.executors._observe.flight import DIR_VARIABLE, MAX_FILES, FlightRecorder, strip_state
+from statecore.executors._observe.flightfile import decode, encode
 from statecore.models.explorer import default_scenarios, explore
 from statecore.tools.replay import replay_file
 from statecore.tools.step_bench import record_trace
@@ -60,7 +56,7 @@ def flight_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The folder the files go to in this test; the per-process count of files starts over."""
     folder = tmp_path / "flight"
     monkeypatch.setenv(DIR_VARIABLE, str(folder))
-    monkeypatch.setattr(_flight, "_files_written", 0)
+    monkeypatch.setattr(flight, "_files_written", 0)
     return folder
 
 
@@ -111,6 +107,11 @@ def _drive(recorded: Callable[[State, Event], Transition], state: State, *events
     return state
 
 
+def recorded_driver(config: Config, executor: Any, draw: Any, timeout: float) -> Driver:
+    """A driver with a flight recorder attached, as a loader's is."""
+    return Driver(config, executor, draw, timeout, observers=[FlightRecorder(config).observer()])
+
+
 def _written(flight_dir: Path, batches: int = 3) -> Path:
     """A file written by a driver that loaded `batches` batches, then waited on an executor
     that owed nothing: an internal error."""
@@ -119,7 +120,7 @@ def _written(flight_dir: Path, batches: int = 3) -> Path:
     def answer(sent: list[SendTask]) -> Event | None:
         return None if next(polls, None) is None else _answer_in_turn(sent)
 
-    driver = Driver(Config(num_workers=1), Scripted(answer), _draw(10), timeout=0)
+    driver = recorded_driver(Config(num_workers=1), Scripted(answer), _draw(10), timeout=0)
     driver.start_epoch()
     for _ in range(batches):
         driver.next()
@@ -185,28 +186,44 @@ def test_a_driver_records_through_the_step_function_it_is_given() -> None:
         seen.append(event)
         return step(state, event)
 
-    driver = Driver(Config(num_workers=1), Scripted(_answer_in_turn), _draw(3), 0, step=traced)
+    recorder = FlightRecorder(Config(num_workers=1))
+    driver = Driver(
+        Config(num_workers=1),
+        Scripted(_answer_in_turn),
+        _draw(3),
+        0,
+        step=traced,
+        observers=[recorder.observer()],
+    )
     driver.start_epoch()
     assert [driver.next() for _ in range(3)] == [[0], [1], [2]]
-    assert driver.flight is not None
-    assert driver.flight.events() == len(seen) > 0
+    assert recorder.events() == len(seen) > 0
 
 
 def test_only_a_scheduler_that_loads_in_the_calling_thread_goes_without_a_recorder() -> None:
-    def driver(config: Config, **options: Any) -> Driver:
-        return Driver(config, Scripted(), _draw(1), 0, **options)
+    def recorders(config: Config) -> list[object]:
+        return [
+            watcher.owner
+            for watcher in observers(config, tracer=None)
+            if type(watcher.owner) is FlightRecorder
+        ]
 
-    assert driver(Config(num_workers=1)).flight is not None
-    assert driver(Config(num_workers=1, lazy=True)).flight is None
-    assert driver(Config(num_workers=1, lazy=True), flight=True).flight is not None
-    assert driver(Config(num_workers=1), flight=False).flight is None
+    assert len(recorders(Config(num_workers=1))) == 1
+    assert recorders(Config(num_workers=1, lazy=True)) == []
+
+
+def test_a_driver_builds_no_observer_of_its_own() -> None:
+    # The loader attaches them (`observers`); a driver given none calls `step` itself.
+    driver = Driver(Config(num_workers=1), Scripted(), _draw(1), 0)
+    assert driver.observers == ()
+    assert driver.step is step
 
 
 # --- when it writes, and what the error says -------------------------------------------------
 
 
 def test_an_internal_error_writes_the_file_and_names_it(flight_dir: Path) -> None:
-    driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
+    driver = recorded_driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
     driver.start_epoch()
     with pytest.raises(InternalError, match="the executor owes nothing") as caught:
         driver.next()
@@ -227,7 +244,9 @@ def test_an_internal_error_writes_the_file_and_names_it(flight_dir: Path) -> Non
 def test_an_executor_reporting_the_impossible_writes_the_file_and_names_it(
     flight_dir: Path,
 ) -> None:
-    driver = Driver(Config(num_workers=1), Scripted(lambda sent: TaskCompleted(99, 0)), _draw(4), 1)
+    driver = recorded_driver(
+        Config(num_workers=1), Scripted(lambda sent: TaskCompleted(99, 0)), _draw(4), 1
+    )
     driver.start_epoch()
     with pytest.raises(ExecutorError, match="task 99 is not awaiting an answer") as caught:
         driver.next()
@@ -276,7 +295,7 @@ def test_a_timeout_writes_the_file_and_names_it_under_torchs_message(flight_dir:
 
 
 def test_a_timeout_raised_again_names_the_same_file(flight_dir: Path) -> None:
-    driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=1.0)
+    driver = recorded_driver(Config(num_workers=1), Scripted(), _draw(4), timeout=1.0)
     driver.start_epoch()
     notes = []
     for _ in range(2):
@@ -293,8 +312,8 @@ def test_a_file_that_cannot_be_written_leaves_the_error_as_it_was(
     blocker = tmp_path / "a file"
     blocker.write_text("")
     monkeypatch.setenv(DIR_VARIABLE, str(blocker / "flight"))
-    monkeypatch.setattr(_flight, "_files_written", 0)
-    driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
+    monkeypatch.setattr(flight, "_files_written", 0)
+    driver = recorded_driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
     driver.start_epoch()
     with pytest.raises(InternalError) as caught:
         driver.next()
@@ -307,8 +326,8 @@ def test_a_file_that_cannot_be_written_leaves_the_error_as_it_was(
 def test_a_process_writes_a_bounded_number_of_files(
     flight_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_flight, "_files_written", MAX_FILES)
-    driver = Driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
+    monkeypatch.setattr(flight, "_files_written", MAX_FILES)
+    driver = recorded_driver(Config(num_workers=1), Scripted(), _draw(4), timeout=0)
     driver.start_epoch()
     with pytest.raises(InternalError, match=f"already wrote \\(or tried to write\\) {MAX_FILES}"):
         driver.next()

@@ -12,7 +12,9 @@ The rules:
 - the core imports no module of the executors, the models or the tools, save the two
   exceptions in `CORE_EXCEPTIONS`;
 - the executors import nothing from the models or the tools;
-- the models import nothing from the tools.
+- the models import nothing from the tools;
+- in the observability wing (`executors/_observe/`), the readers import no recorder: the
+  recorders (`RECORDERS`) import the readers, never the reverse.
 """
 
 from __future__ import annotations
@@ -237,6 +239,24 @@ def test_the_executors_import_no_model_or_tool() -> None:
 def test_the_models_import_no_tool() -> None:
     offending = _offending(MODELS, {TOOLS})
     assert offending == [], _message("models/ may import anything but tools/", offending)
+
+
+OBSERVE = "statecore.executors._observe"
+RECORDERS = {f"{OBSERVE}.tracer", f"{OBSERVE}.flight"}
+"""The observability wing's recorders, on the hot path of every step; the wing's other modules
+(the readers: a trace's figures, the Chrome export, the flight file and its replay; and the
+seam, which the driver imports) import none of them."""
+
+
+def test_the_observability_wings_readers_import_no_recorder() -> None:
+    wing = {name for name in MODULES if name.startswith(OBSERVE + ".")}
+    readers = wing - RECORDERS
+    assert wing >= RECORDERS, f"the recorders moved: {sorted(wing)}"
+    assert len(readers) >= 3, f"only {sorted(readers)} found as readers"
+    offending = [
+        str(found) for found in IMPORTS if found.importer in readers and found.imported in RECORDERS
+    ]
+    assert offending == [], _message("a reader of the wing imports no recorder", offending)
 
 
 def test_relative_imports_resolve_to_their_package() -> None:

@@ -25,16 +25,10 @@ import pytest
 from torch.utils.data import Dataset, get_worker_info
 
 import statecore
+from statecore.executors import LoaderStats, Trace
+from statecore.executors._observe.trace import BatchRecord, Mark, Wait
+from statecore.executors._observe.tracer import TRACE_VARIABLE, Tracer
 from statecore.executors._timing import WHOLE_BATCH
-from statecore.executors._trace import (
-    TRACE_VARIABLE,
-    BatchRecord,
-    LoaderStats,
-    Mark,
-    Trace,
-    Tracer,
-    Wait,
-)
 from statecore.tools.timeline import draw_timeline
 
 STRAGGLER = 37
@@ -209,7 +203,69 @@ def test_an_untraced_loader_says_how_to_trace_it() -> None:
     loader = statecore.DataLoader(OneStraggler(4), batch_size=2)
     assert loader.trace is False
     with pytest.raises(RuntimeError, match="trace=True, or set STATECORE_TRACE=1"):
-        loader.stats()
+        loader.trace_record()
+    assert "trace=True, or STATECORE_TRACE=1" in loader.stats().verdict()
+
+
+# --- stats() always answers: the scheduler's counters, traced or not ----------------------------
+
+
+def test_an_untraced_loaders_stats_count_what_its_scheduler_handed_over_so_far() -> None:
+    loader = statecore.DataLoader(list(range(8)), batch_size=2)
+    batches = iter(loader)
+    next(batches), next(batches), next(batches)
+    stats = loader.stats()
+    assert stats.traced is False
+    assert stats.counters is not None
+    assert (stats.counters.epoch, stats.counters.phase) == (1, statecore.Phase.RUNNING)
+    assert stats.counters.handed_over == 3
+    assert stats.counters.waiting is False
+    # Nothing traced: no figures, and the verdict says so and what to do.
+    assert (stats.batches, stats.seconds, stats.busy) == (0, 0.0, ())
+    assert stats.verdict().startswith("Not traced; no workers (inline)")
+    assert "3 handed over" in stats.verdict()
+
+
+def test_a_loader_not_iterated_yet_has_stats_that_say_so() -> None:
+    stats = statecore.DataLoader(list(range(8)), batch_size=2, num_workers=2).stats()
+    assert stats.counters is not None
+    assert (stats.counters.epoch, stats.counters.phase) == (0, None)
+    assert stats.counters.tasks_per_worker == (0, 0)
+    assert "Not iterated yet." in stats.verdict()
+
+
+@pytest.mark.timeout(120)
+def test_the_counters_of_a_finished_epoch_outlive_its_iterator() -> None:
+    loader = statecore.DataLoader(list(range(8)), batch_size=2, num_workers=2, executor="thread")
+    assert len(list(loader)) == 4
+    counters = loader.stats().counters
+    assert counters is not None
+    assert (counters.epoch, counters.handed_over, counters.in_flight) == (1, 4, 0)
+
+
+@pytest.mark.timeout(120)
+def test_the_counters_hold_each_workers_tasks_not_yet_handed_over() -> None:
+    loader = statecore.DataLoader(
+        list(range(16)), batch_size=2, num_workers=2, executor="thread", prefetch_factor=2
+    )
+    batches = iter(loader)
+    next(batches)
+    counters = loader.stats().counters
+    assert counters is not None
+    assert len(counters.tasks_per_worker) == 2
+    assert sum(counters.tasks_per_worker) == counters.in_flight + counters.buffered > 0
+    assert counters.workers == (statecore.WorkerStatus.ACTIVE,) * 2
+    del batches
+
+
+def test_a_traced_loaders_stats_carry_the_counters_beside_the_figures() -> None:
+    loader = statecore.DataLoader(list(range(8)), batch_size=2, trace=True)
+    assert len(list(loader)) == 4
+    stats = loader.stats()
+    assert stats.traced is True
+    assert stats.batches == 4
+    assert stats.counters is not None
+    assert stats.counters.handed_over == 4
 
 
 def test_the_environment_traces_loaders_made_without_trace(
@@ -858,8 +914,8 @@ def traced_epochs(limit: int, epochs: int, batches: int = 1) -> tuple[Any, Trace
 def test_many_short_epochs_keep_waits_marks_and_batches_within_the_limit() -> None:
     limit = 40
     _, tracer = traced_epochs(limit, 600)
-    # Between two reads, waits and marks may run a quarter of the limit over it.
-    assert tracer.kept <= limit
+    # Between two reads, batches, waits and marks may run a quarter of the limit over it.
+    assert tracer.kept <= limit + limit // 4
     assert len(tracer.marks) <= limit + limit // 4
     assert len(tracer.tasks.got) <= limit + limit // 4
     trace = tracer.trace()
@@ -957,4 +1013,4 @@ def test_a_tracers_figures_from_its_tables_are_those_of_its_traces_records() -> 
     stats = tracer.stats()
     assert stats.dropped > 0 and stats.stragglers and stats.slowest
     assert stats == LoaderStats.of(trace)
-    assert loader.stats() == stats
+    assert attrs.evolve(loader.stats(), counters=None) == stats

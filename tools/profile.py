@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from statecore.executors._trace import TRACE_VARIABLE, Tracer, collect, stop_collecting
+from statecore.executors._observe.tracer import (
+    TRACE_VARIABLE,
+    Tracer,
+    collect,
+    stop_collecting,
+)
 from statecore.tools.progress import Bar
 
 __all__ = ["DEFAULT_OUT", "profile", "write_outputs"]

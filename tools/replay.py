@@ -1,7 +1,8 @@
 """`python -m statecore replay FILE`: re-drive the scheduler through a flight recorder's file.
 
 A driver that meets an internal error, an executor reporting the impossible or a timeout writes
-its last scheduler events to a file (see `statecore.executors._flight`, docs/flight-recorder.md).
+its last scheduler events to a file (see `statecore.executors._observe.flight`,
+docs/flight-recorder.md).
 This rebuilds the recorded state, gives `step` each recorded event, checks every invariant after
 every step, and prints one line per step: the event, the commands `step` gave, and below it any
 broken invariant or any way the replay left the live run.
@@ -17,7 +18,7 @@ import sys
 from typing import Any, TextIO
 
 from statecore import State
-from statecore.executors._flight import FlightFileError, Replayed, from_json, replay
+from statecore.executors._observe.flightfile import FlightFileError, Replayed, from_json, replay
 
 __all__ = ["replay_file"]
 
@@ -116,7 +117,7 @@ def measure_cost(batches: int = 2000, rounds: int = 100, workers: int = 1) -> st
     import time
 
     from statecore import Config, initial_state, step
-    from statecore.executors._flight import FlightRecorder
+    from statecore.executors._observe.flight import FlightRecorder
     from statecore.tools.step_bench import PREFETCH, record_trace
 
     events = record_trace(batches, workers=workers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from statecore.executors._trace import Trace
+from statecore.executors import Trace
 
 __all__ = ["INSTALL_HINT", "MissingMatplotlib", "draw_timeline"]
 

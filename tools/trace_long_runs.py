@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 import statecore
-from statecore.executors._trace import DEFAULT_LIMIT, Tracer
+from statecore.executors._observe.tracer import DEFAULT_LIMIT, Tracer
 from statecore.tools.workloads import Indices
 
 __all__ = [
