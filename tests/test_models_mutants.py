@@ -1,4 +1,9 @@
-"""The checkers can fail: every deliberate bug is caught by the explorer and by Hypothesis."""
+"""The checkers can fail: every deliberate bug is caught by the explorer and by Hypothesis.
+
+The default tier explores each mutant's witness, the scenario it names; the exhaustive tier
+(`pytest -m exhaustive`) scans every default scenario for each mutant and runs the Hypothesis
+machine's full budget against it.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,22 @@ def test_there_are_at_least_five_deliberate_bugs() -> None:
     assert len({mutant.name for mutant in MUTANTS}) == len(MUTANTS)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_the_explorer_catches_each_mutant_in_its_witness(mutant: Mutant) -> None:
+    with mutant.applied():
+        report = explore(mutant.witness)
+    assert not report.ok, f"the explorer missed in {mutant.witness!r}: {mutant.description}"
+    assert report.violation
+
+
+def test_every_witness_is_a_default_scenario() -> None:
+    # So that the sweep below reaches each witness, and a witness never widens the bounds.
+    defaults = set(default_scenarios())
+    assert [m.name for m in MUTANTS if m.witness not in defaults] == []
+
+
+@pytest.mark.exhaustive
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_explorer_catches(mutant: Mutant) -> None:
@@ -42,6 +63,8 @@ def test_the_explorer_catches(mutant: Mutant) -> None:
         )
     assert caught is not None, f"the explorer missed: {mutant.description}"
     assert caught.violation
+    # The witness the default tier explores is the first scenario the scan meets.
+    assert caught.scenario == mutant.witness
 
 
 # Bugs whose only witness is an interleaving random runs rarely reach, with the reason. The
@@ -64,6 +87,7 @@ def test_every_mutant_the_machine_may_miss_is_a_mutant() -> None:
     assert RARE_FOR_THE_MACHINE.issubset(mutant.name for mutant in MUTANTS)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "mutant",
