@@ -36,7 +36,14 @@ from statecore.models.world import (
     check_checkpoint,
 )
 
-__all__ = ["Bounds", "Report", "default_scenarios", "explore", "explore_all"]
+__all__ = [
+    "Bounds",
+    "Report",
+    "default_scenarios",
+    "explore",
+    "explore_all",
+    "representative_scenarios",
+]
 
 
 @attrs.frozen
@@ -202,6 +209,25 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
         if workers == 1 and prefetch == 1 and not persistent:
             # Loading in the calling thread: one worker, reading the sampler only on demand.
             yield Scenario(attrs.evolve(config, lazy=True), dataset, interrupts=1)
+
+
+def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
+    """The default scenarios without the largest: out of order only with one worker, and three
+    workers only without persistence.
+
+    Out-of-order runs of several workers, and persistent runs of three, are where the worlds
+    multiply (one three-worker persistent scenario alone has more worlds than all of these
+    together); these keep every edge of the transition table that the default bounds reach,
+    every number of workers and prefetch, and every combination of dataset kind, order and
+    persistence, at about a seventh of the cost. The default test tier explores these; the
+    exhaustive tier and `python -m statecore check` explore them all.
+    """
+    for scenario in default_scenarios(bounds):
+        config = scenario.config
+        if (config.in_order or config.num_workers == 1) and (
+            config.num_workers <= 2 or not config.persistent_workers
+        ):
+            yield scenario
 
 
 def _short(dataset: MapSpec | IterableSpec) -> MapSpec | IterableSpec:

@@ -6,6 +6,11 @@ driver loop in `statecore.executors._driver`, for a plausible wrong version, the
 torch's hand-kept counters invite. `mutant.applied()` installs it for the duration of a `with`
 block; the tests then run the explorer and the Hypothesis machines, which drive the real driver
 over the core, and expect a violation.
+
+Each mutant names its `witness`: a scenario of the explorer's default bounds in which the
+explorer finds the bug within a second or two. The default test tier explores each mutant's
+witness; the exhaustive tier (`pytest -m exhaustive`) sweeps every default scenario and the
+Hypothesis machine's full budget, so a witness only saves time, never coverage.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from statecore import (
 )
 from statecore import progress as core_progress
 from statecore.executors._driver import Driver
+from statecore.models.reference import IterableSpec, MapSpec
+from statecore.models.world import Scenario
 
 __all__ = ["LOADER_MUTANTS", "MUTANTS", "LoaderMutant", "Mutant"]
 
@@ -50,6 +57,9 @@ class Mutant:
     name: str
     description: str
     replacements: Callable[[], dict[str, object]] = attrs.field(repr=False)
+    witness: Scenario = attrs.field(repr=False)
+    """A default scenario (`statecore.models.explorer.default_scenarios`) whose exploration
+    reports the bug: the first one a scan of the default scenarios in order meets."""
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -305,106 +315,161 @@ def _worker_marks_count_prefetched_batches() -> dict[str, object]:
     return {"Driver.wait": wait}
 
 
+# --- witnesses: default scenarios (see `default_scenarios`) that show each bug ------------------
+
+_SIX = MapSpec(6, frozenset({1}))
+"""The default bounds' map-style dataset: six batches, the second one raising."""
+_FAULTS: dict[str, Any] = {"interrupts": 1}
+"""What may go wrong in a default scenario: a death, a timeout, a close, an interrupt."""
+_FAILURES: dict[str, Any] = {
+    "deaths": 0,
+    "timeouts": False,
+    "sampler_failures": 1,
+    "executor_failures": 1,
+}
+"""...or instead the sampler raising and the executor breaking (one or two workers)."""
+
+
+def _config(workers: int, **flags: bool) -> Config:
+    return Config(num_workers=workers, prefetch_factor=1, **flags)
+
+
+_ONE_WORKER = Scenario(_config(1), _SIX, **_FAULTS)
+_ONE_WORKER_FAILING = Scenario(_config(1), _SIX, **_FAILURES)
+_TWO_ITERABLE = Scenario(
+    _config(2, iterable=True), IterableSpec((4, 0), frozenset({(0, 1)})), **_FAULTS
+)
+"""Two iterable workers, the second with an empty shard."""
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch-off-by-one",
         "a worker may hold prefetch_factor + 1 unresolved tasks",
         _prefetch_off_by_one,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "early-delivery",
         "with in_order=True, an answer is handed over as soon as it arrives",
         _early_delivery,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "dry-worker-gets-tasks",
         "a worker whose iterable ran dry is still given tasks",
         _dry_worker_gets_tasks,
+        witness=_TWO_ITERABLE,
     ),
     Mutant(
         "dispatch-before-resume",
         "tasks are sent once any persistent worker has acknowledged the new epoch",
         _dispatch_before_resume,
+        witness=Scenario(_config(2, persistent_workers=True), _SIX, epochs=2, **_FAULTS),
     ),
     Mutant(
         "death-loses-tasks",
         "a dead worker is written off silently and its tasks are lost",
         _death_loses_tasks,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "finishes-before-asked",
         "the epoch finishes, and stops workers that do not persist, with the last batch",
         _finishes_before_asked,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "interrupt-skips-the-batch",
         "an interrupted next() gives up the batch it waited for",
         _interrupt_skips_the_batch,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "abandoned-acknowledgements-count",
         "after an interrupted iter(), acknowledgements of the abandoned reset count for the new",
         _abandoned_acknowledgements_count,
+        witness=Scenario(
+            _config(1, persistent_workers=True),
+            MapSpec(2, frozenset({1})),
+            epochs=3,
+            deaths=0,
+            interrupts=1,
+        ),
     ),
     Mutant(
         "sampler-error-overtakes-the-batch",
         "the sampler's error is raised in the call that was handed a batch, which is lost",
         _sampler_error_overtakes_the_batch,
+        witness=_ONE_WORKER_FAILING,
     ),
     Mutant(
         "sampler-error-repeats",
         "after the sampler's error was raised, later requests raise it again instead of ending",
         _sampler_error_repeats,
+        witness=_ONE_WORKER_FAILING,
     ),
     Mutant(
         "sampler-error-passes-iter",
         "a sampler failing while iter() draws the first indices does not fail iter()",
         _sampler_error_passes_iter,
+        witness=Scenario(_config(1, persistent_workers=True), _SIX, epochs=2, **_FAILURES),
     ),
     Mutant(
         "executor-failure-forgotten",
         "after the executor broke, later requests end the epoch instead of raising",
         _executor_failure_forgotten,
+        witness=_ONE_WORKER_FAILING,
     ),
     Mutant(
         "driver-forgets-interrupts",
         "the driver does not tell the scheduler that a wait was interrupted",
         _driver_forgets_interrupts,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "driver-waits-only-in-next",
         "the driver's iter() returns without waiting for persistent workers to resume",
         _driver_waits_only_in_next,
+        witness=Scenario(_config(1, persistent_workers=True), _SIX, epochs=2, **_FAULTS),
     ),
     Mutant(
         "checkpoint-counts-buffered-batches",
         "a checkpoint counts batches buffered for the consumer as handed over: resumes drop them",
         _checkpoint_counts_buffered_batches,
+        witness=Scenario(_config(2), _SIX, **_FAULTS),
     ),
     Mutant(
         "checkpoint-forgets-early-deliveries",
         "out of order, a checkpoint forgets batches handed over early: resumes repeat them",
         _checkpoint_forgets_early_deliveries,
+        witness=Scenario(_config(2, in_order=False), _SIX, **_FAULTS),
     ),
     Mutant(
         "checkpoint-at-the-end-starts-the-epoch-over",
         "a checkpoint between epochs resumes the finished epoch again instead of the next",
         _checkpoint_at_the_end_starts_the_epoch_over,
+        witness=_ONE_WORKER,
     ),
     Mutant(
         "checkpoint-counts-what-the-consumer-never-got",
         "a checkpoint counts a batch an interrupt or an executor failure kept from the consumer",
         _checkpoint_counts_what_the_consumer_never_got,
+        witness=Scenario(_config(2), _SIX, **_FAILURES),
     ),
     Mutant(
         "iterable-resume-forgets-the-turn",
         "an iterable dataset's resumed epoch starts with worker 0's turn, not the next worker's",
         _iterable_resume_forgets_the_turn,
+        witness=Scenario(
+            _config(3, iterable=True), IterableSpec((3, 2, 0), frozenset({(0, 1)})), **_FAULTS
+        ),
     ),
     Mutant(
         "worker-marks-count-prefetched-batches",
         "a checkpoint keeps each iterable worker's latest state, past batches not yet handed over",
         _worker_marks_count_prefetched_batches,
+        witness=_TWO_ITERABLE,
     ),
 )
 

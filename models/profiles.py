@@ -2,6 +2,9 @@
 
 - `ci` (the default): derandomized, fixed example counts, no deadline. The same examples run
   every time, so a loaded two-core machine can neither flake nor time a test out.
+- `exhaustive`: derandomized like `ci`, with twice the examples: the
+  budget of the exhaustive test tier's machine runs (`pytest -m exhaustive`), which ask for it
+  by name.
 - `thorough`: many more, longer, random runs for a soak; select it with
   `STATECORE_HYPOTHESIS_PROFILE=thorough`.
 """
@@ -25,6 +28,11 @@ settings.register_profile(
     database=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "exhaustive",
+    settings.get_profile("ci"),
+    max_examples=300,
 )
 settings.register_profile(
     "thorough",

@@ -2,7 +2,8 @@
 
 No test here asserts on speed: the real runs are tiny, and only check that every figure is
 there, positive, and that no worker outlives its run. The arithmetic is checked on made-up
-timings.
+timings. The workloads themselves are tested in tests/test_bench_workloads.py, the memory
+readings in tests/test_bench_memory.py.
 """
 
 from __future__ import annotations
@@ -10,19 +11,13 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import os
-import pickle
-import subprocess
 import sys
 from pathlib import Path
-from subprocess import PIPE
 from typing import Any
 
 import attrs
 import multiprocess
 import pytest
-import torch
-import torch.utils.data
 from _side_by_side import WORKERS
 
 from statecore.tools import loader_bench, memory
@@ -43,13 +38,10 @@ from statecore.tools.loader_bench import (
 )
 from statecore.tools.memory import Peak
 from statecore.tools.workloads import (
-    WORKLOADS,
     Measurement,
     Timing,
     Unit,
     Workload,
-    is_straggler,
-    measure,
     select,
 )
 
@@ -119,30 +111,6 @@ def made_up_report() -> BenchReport:
         seconds=12.5,
         command="python -m statecore bench --made-up",
     )
-
-
-class FixedWork(torch.utils.data.Dataset[float]):
-    """Samples that report a fixed amount of work (0.25 s) without doing any."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> float:
-        return 0.25
-
-
-class SmallTensors(torch.utils.data.Dataset[torch.Tensor]):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.full((1000,), float(index))
 
 
 def recording(calls: list[tuple[str, int, Side]]) -> loader_bench.Measure:
@@ -256,73 +224,11 @@ def test_times_are_reported_lower_is_better_and_the_ratio_still_favours_the_fast
     assert Unit.MS.figure(Measurement(0.25, 1.0).throughput) == pytest.approx(250.0)
 
 
-def test_efficiency_is_the_ideal_over_the_elapsed_time_and_gb_per_s_counts_bytes() -> None:
-    assert Unit.EFFICIENCY.figure(Measurement(2.0, 1.5).throughput) == pytest.approx(75.0)
-    assert Unit.GB_PER_S.figure(Measurement(0.5, 2e9).throughput) == pytest.approx(4.0)
-
-
 def test_each_side_reports_its_median_and_range() -> None:
     made_up = made_up_report().results[1]
     assert made_up.figures(Side.TORCH) == pytest.approx((90.0, 80.0, 95.0 / 1.1))
     assert made_up.median(Side.TORCH) == pytest.approx(95.0 / 1.1)
     assert (made_up.low(Side.TORCH), made_up.high(Side.TORCH)) == pytest.approx((80.0, 90.0))
-
-
-@WORKERS
-def test_the_ideal_is_the_work_the_samples_measured_spread_over_the_workers() -> None:
-    fixed = Workload(
-        "fixed",
-        "samples that report 0.25 s of work",
-        FixedWork,
-        batch_size=3,
-        num_workers=2,
-        unit=Unit.EFFICIENCY,
-        timing=Timing.EPOCH,
-        batches=4,
-        quick_batches=4,
-    )
-    run = measure(fixed, torch.utils.data.DataLoader)
-    assert run.work == pytest.approx(4 * 3 * 0.25 / 2)
-
-
-def test_the_steady_state_counts_the_batches_and_bytes_after_the_first() -> None:
-    large = Workload(
-        "small-tensors",
-        "4 KB samples",
-        SmallTensors,
-        batch_size=2,
-        num_workers=0,
-        unit=Unit.GB_PER_S,
-        timing=Timing.STEADY,
-        batches=5,
-        quick_batches=5,
-    )
-    assert measure(large, torch.utils.data.DataLoader).work == 4 * 2 * 1000 * 4
-    per_batch = attrs.evolve(large, unit=Unit.US_PER_BATCH)
-    assert measure(per_batch, torch.utils.data.DataLoader).work == 4
-
-
-# --- workloads ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("spec", WORKLOADS, ids=lambda spec: spec.name)
-def test_every_dataset_is_defined_at_module_level_and_pickles(spec: Workload) -> None:
-    dataset = spec.dataset(8)
-    assert "<locals>" not in type(dataset).__qualname__
-    copy = pickle.loads(pickle.dumps(dataset))
-    assert type(copy) is type(dataset) and len(copy) == 8
-
-
-def test_stragglers_are_about_one_in_twenty_and_land_on_every_worker() -> None:
-    slow = [index for index in range(4000) if is_straggler(index, 20)]
-    assert 150 <= len(slow) <= 250
-    # batch size 4, 4 workers taking batches round robin: batch b goes to worker b % 4
-    assert {(index // 4) % 4 for index in slow} == {0, 1, 2, 3}
-
-
-def test_an_unknown_workload_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown workload.*nope.*choose from.*inline-b1"):
-        select(["inline-b1", "nope"])
 
 
 # --- real runs, tiny ----------------------------------------------------------------------------
@@ -346,49 +252,6 @@ def test_no_worker_outlives_its_run_persistent_ones_included() -> None:
     run_benchmark([workload("epoch2-persistent"), workload("io", 8)], rounds=1, peak=None)
     assert multiprocessing.active_children() == []
     assert multiprocess.active_children() == []
-
-
-@WORKERS
-@pytest.mark.skipif(not memory.AVAILABLE, reason="PSS is read from /proc (Linux)")
-def test_peak_memory_is_measured_for_every_loader_in_a_fresh_interpreter() -> None:
-    small = workload("epoch2-persistent", 4)
-    for side in small.sides:
-        peak = memory.measure_peak(small, side)
-        assert peak.side is side and peak.samples >= 1
-        assert 0 < peak.before <= peak.peak
-    assert multiprocessing.active_children() == [] and multiprocess.active_children() == []
-
-
-def test_the_tree_of_a_process_counts_its_children_and_theirs() -> None:
-    # a child that starts a grandchild, then both wait for their stdin to close; the child
-    # names the grandchild only once it says it is idle, so neither is still importing (and
-    # growing) between the measurements below
-    script = (
-        "import subprocess, sys; "
-        "grandchild = subprocess.Popen([sys.executable, '-c', "
-        "'import sys; print(flush=True); sys.stdin.read()'], "
-        "stdin=subprocess.PIPE, stdout=subprocess.PIPE); grandchild.stdout.readline(); "
-        "print(grandchild.pid, flush=True); sys.stdin.read(); grandchild.communicate(b'')"
-    )
-    child = subprocess.Popen([sys.executable, "-c", script], stdin=PIPE, stdout=PIPE)
-    try:
-        assert child.stdout is not None
-        grandchild = int(child.stdout.readline())
-        assert {child.pid, grandchild} <= set(memory.descendants(os.getpid()))
-        assert memory.pss(grandchild) > 0
-        # PSS splits shared pages among every process mapping them, so another test's process
-        # starting or ending moves these figures; the sum is taken on both sides of the tree's
-        # figure, and a reading is kept once the two sides agree
-        for _ in range(20):
-            before = memory.pss(child.pid) + memory.pss(grandchild)
-            tree = memory.tree_pss(child.pid)
-            after = memory.pss(child.pid) + memory.pss(grandchild)
-            if abs(before - after) < 1 << 16:
-                break
-        assert abs(tree - before) < 1 << 20  # idle: a page or so moves
-    finally:
-        child.communicate(b"")
-    assert memory.pss(child.pid) == 0 and memory.descendants(child.pid) == []
 
 
 def fake_peak(workload: Workload, side: Side) -> Peak:
@@ -424,25 +287,6 @@ def test_a_memory_run_that_fails_is_reported_and_the_timings_stand() -> None:
     assert only.ok and only.memory == ()
     assert only.memory_error == "torch raised MemoryRunFailed: MemoryError: out of memory"
     assert f"{'epoch2-persistent':20} FAILED: torch raised MemoryRunFailed" in report.table()
-
-
-def test_the_straggler_runs_keep_when_each_batch_arrived() -> None:
-    fixed = Workload(
-        "fixed",
-        "samples that report 0.25 s of work",
-        FixedWork,
-        batch_size=3,
-        num_workers=0,
-        unit=Unit.EFFICIENCY,
-        timing=Timing.EPOCH,
-        batches=4,
-        quick_batches=4,
-        timeline=True,
-    )
-    run = measure(fixed, torch.utils.data.DataLoader)
-    assert len(run.arrivals) == 4
-    assert list(run.arrivals) == sorted(run.arrivals) and run.arrivals[-1] == run.seconds
-    assert measure(attrs.evolve(fixed, timeline=False), torch.utils.data.DataLoader).arrivals == ()
 
 
 # --- output -------------------------------------------------------------------------------------

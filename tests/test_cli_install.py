@@ -170,3 +170,22 @@ def test_ci_runs_the_readme_line_in_a_fresh_environment_without_the_machines_pac
 
 def test_the_readme_line_ends_with_the_demo_so_ci_can_ask_for_the_quick_one() -> None:
     assert _readme_install_line().endswith("python -m statecore demo")
+
+
+def _readme_test_it() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Test it\n(.*?)^## ", text, re.S | re.M)
+    assert section is not None, "README.md has no 'Test it' section"
+    return section.group(1)
+
+
+def test_ci_runs_each_test_tier_the_readme_names_as_its_own_step() -> None:
+    blocks = re.findall(r"```sh\n(.*?)```", _readme_test_it(), re.S)
+    tiers = [blocks[0].strip().rsplit("&& ", 1)[-1], *(block.strip() for block in blocks[1:])]
+    assert tiers == ["pytest", "pytest -m exhaustive"]
+    steps = [line for line in _ci_script().splitlines() if line.startswith("pytest")]
+    assert len(steps) == len(tiers)
+    # In the README's order, each on a line of its own; options may follow (--durations).
+    for step, tier in zip(steps, tiers, strict=True):
+        assert shlex.split(step)[: len(shlex.split(tier))] == shlex.split(tier)
+        assert "--durations" in step

@@ -1,4 +1,8 @@
-"""The exhaustive explorer: it covers the default bounds cleanly and reports what it finds."""
+"""The exhaustive explorer: it covers the default bounds cleanly and reports what it finds.
+
+The default tier explores the representative scenarios; the exhaustive tier (`pytest -m
+exhaustive`) explores every default scenario, as `python -m statecore check` does.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,13 @@ from statecore import (
     WorkerExhausted,
     step,
 )
-from statecore.models.explorer import Report, default_scenarios, explore, explore_all
+from statecore.models.explorer import (
+    Report,
+    default_scenarios,
+    explore,
+    explore_all,
+    representative_scenarios,
+)
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import Checkpoint, Next, Scenario, Work
 
@@ -63,20 +73,42 @@ NOT_IN_THE_WORLD = {
 
 @pytest.fixture(scope="module")
 def reports() -> list[Report]:
+    return explore_all(representative_scenarios(), processes=2)
+
+
+@pytest.fixture(scope="module")
+def every_report() -> list[Report]:
     return explore_all(default_scenarios(), processes=2)
 
 
+def _table() -> set[tuple[Phase, type, Phase]]:
+    return {
+        (phase, event, target)
+        for phase, moves in EDGES.items()
+        for event, targets in moves.items()
+        for target in targets
+    }
+
+
 @pytest.mark.timeout(600)
-def test_default_bounds_have_no_violation(reports: list[Report]) -> None:
+def test_representative_bounds_have_no_violation(reports: list[Report]) -> None:
     failures = [report.describe() for report in reports if not report.ok]
     assert failures == []
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_default_bounds_have_no_violation(every_report: list[Report]) -> None:
+    failures = [report.describe() for report in every_report if not report.ok]
+    assert failures == []
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
 def test_default_bounds_reach_at_least_ten_thousand_distinct_states(
-    reports: list[Report],
+    every_report: list[Report],
 ) -> None:
-    states = frozenset().union(*(report.states for report in reports))
+    states = frozenset().union(*(report.states for report in every_report))
     assert len(states) >= 10_000
 
 
@@ -84,20 +116,25 @@ def test_default_bounds_reach_at_least_ten_thousand_distinct_states(
 def test_every_edge_of_the_table_is_explored_or_needs_a_racing_executor(
     reports: list[Report],
 ) -> None:
-    table = {
-        (phase, event, target)
-        for phase, moves in EDGES.items()
-        for event, targets in moves.items()
-        for target in targets
-    }
+    # The representative scenarios alone reach every edge the world can produce.
     seen = frozenset().union(*(report.edges for report in reports))
-    unexplained = table - seen - set(NOT_IN_THE_WORLD)
+    unexplained = _table() - seen - set(NOT_IN_THE_WORLD)
     assert unexplained == set()
-    assert seen <= table  # the world itself checks this on every step
+    assert seen <= _table()  # the world itself checks this on every step
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_the_default_bounds_reach_no_edge_the_representative_scenarios_miss(
+    reports: list[Report], every_report: list[Report]
+) -> None:
+    representative = frozenset().union(*(report.edges for report in reports))
+    every = frozenset().union(*(report.edges for report in every_report))
+    assert every - representative == set()
 
 
 @pytest.mark.timeout(600)
-def test_default_bounds_cover_both_dataset_kinds_orders_and_persistence(
+def test_representative_bounds_cover_both_dataset_kinds_orders_and_persistence(
     reports: list[Report],
 ) -> None:
     configs = {report.scenario.config for report in reports}
@@ -106,6 +143,13 @@ def test_default_bounds_cover_both_dataset_kinds_orders_and_persistence(
     assert {(c.iterable, c.in_order, c.persistent_workers) for c in configs} == {
         (i, o, p) for i in (False, True) for o in (False, True) for p in (False, True)
     }
+
+
+def test_the_representative_scenarios_are_default_scenarios() -> None:
+    every = list(default_scenarios())
+    representative = list(representative_scenarios())
+    assert set(representative) < set(every)
+    assert representative == [s for s in every if s in set(representative)]  # in their order
 
 
 def _small(in_order: bool = True) -> Scenario:

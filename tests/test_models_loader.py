@@ -15,6 +15,12 @@ def test_inline_and_thread_loaders_hand_the_uninterrupted_run() -> None:
     run_state_machine_as_test(loader_machine())
 
 
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_inline_and_thread_loaders_hold_under_the_exhaustive_budget() -> None:
+    run_state_machine_as_test(loader_machine(), settings=settings.get_profile("exhaustive"))
+
+
 @pytest.mark.timeout(300)
 def test_process_loaders_hand_the_uninterrupted_run_through_worker_deaths() -> None:
     run_state_machine_as_test(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
@@ -13,6 +14,12 @@ from statecore.models.world import Scenario
 
 # The real core, under the profile's example budget (derandomized in CI).
 TestSchedulerAgainstTheModels = scheduler_machine().TestCase
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_the_real_core_holds_under_the_exhaustive_budget() -> None:
+    run_state_machine_as_test(scheduler_machine(), settings=settings.get_profile("exhaustive"))
 
 
 def test_the_machine_runs_a_step_function_it_is_given() -> None:

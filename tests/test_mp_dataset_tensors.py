@@ -24,9 +24,9 @@ GONE_WITHIN = 20.0
 
 SPAWNED = [
     pytest.param("forkserver", 2),
-    pytest.param("forkserver", 4, marks=pytest.mark.slow),
-    pytest.param("spawn", 2, marks=pytest.mark.slow),
-    pytest.param("spawn", 4, marks=pytest.mark.slow),
+    pytest.param("forkserver", 4, marks=pytest.mark.exhaustive),
+    pytest.param("spawn", 2, marks=pytest.mark.exhaustive),
+    pytest.param("spawn", 4, marks=pytest.mark.exhaustive),
 ]
 
 
@@ -69,7 +69,9 @@ class Nested(Dataset):  # type: ignore[type-arg]
         return total, twice is self.tree["d"], shared, os.getpid()
 
 
-@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method", ["forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
+)
 def test_tensors_nested_in_a_dataset_reach_every_worker_intact(method: str) -> None:
     n = 12
     loader = statecore.DataLoader(
@@ -111,7 +113,9 @@ class Large(Dataset):  # type: ignore[type-arg]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
-@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method", ["forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
+)
 def test_a_large_dataset_tensor_is_shared_by_every_worker_not_copied(method: str) -> None:
     dataset = Large()
     loader = statecore.DataLoader(

@@ -194,7 +194,7 @@ def test_a_broken_exception_is_raised_in_its_turn_and_the_epoch_goes_on(shape: s
     assert_reported(error, type_name, 1, seen[1][1], FAILS_AT)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("shape", ["nothing-prints", "local-type"])
 def test_a_broken_exception_from_a_spawned_worker_is_raised_and_the_epoch_goes_on(
     shape: str,
@@ -282,7 +282,7 @@ MAIN_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.exhaustive)])
 def test_an_exception_type_defined_in_main_is_raised_and_the_epoch_goes_on(
     tmp_path: Path, method: str
 ) -> None:

@@ -115,7 +115,7 @@ def run_and_kill(tmp_path: Path, method: str, variant: str = "plain") -> tuple[s
 
 
 @pytest.mark.parametrize(
-    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)]
+    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
 )
 def test_workers_exit_when_their_loader_process_is_killed(tmp_path: Path, method: str) -> None:
     workers, helpers = run_and_kill(tmp_path, method)
@@ -125,7 +125,9 @@ def test_workers_exit_when_their_loader_process_is_killed(tmp_path: Path, method
         kill_all(workers | helpers)
 
 
-@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method", ["forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
+)
 def test_the_fork_server_and_resource_tracker_exit_when_the_loader_process_is_killed(
     tmp_path: Path, method: str
 ) -> None:

@@ -489,8 +489,8 @@ def test_large_tensor_comes_back_through_shared_memory_not_the_pipe(
     "method",
     [
         "fork",
-        pytest.param("spawn", marks=pytest.mark.slow),
-        pytest.param("forkserver", marks=pytest.mark.slow),
+        pytest.param("spawn", marks=pytest.mark.exhaustive),
+        pytest.param("forkserver", marks=pytest.mark.exhaustive),
     ],
 )
 def test_each_start_method_loads_a_small_dataset(method: str):

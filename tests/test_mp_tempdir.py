@@ -105,7 +105,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)]
+    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
 )
 def test_workers_leave_nothing_in_the_temporary_directory(tmp_path: Path, method: str) -> None:
     tmp = tmp_path / "tmp"

@@ -371,7 +371,9 @@ def test_persistent_workers_reuse_their_buffers_across_epochs():
     assert len(seen) <= 2 * IN_USE_PER_WORKER, sorted(seen)
 
 
-@pytest.mark.parametrize("method", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method", ["spawn", pytest.param("forkserver", marks=pytest.mark.exhaustive)]
+)
 def test_each_start_method_sends_large_batches_through_buffers(method: str):
     batches = list(loader(Filled(12), multiprocessing_context=method))
     for index, batch in enumerate(batches):
