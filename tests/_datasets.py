@@ -204,6 +204,15 @@ class Positioned:
         self.at = state["at"]
 
 
+class ItsOwnIterator(Positioned, IterableDataset):  # type: ignore[type-arg]
+    """An iterable dataset that is its own iterator (`iter()` returns it as it stands): its
+    position is its state, and a program that reuses the object finds it where the last run
+    left it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(list(range(n)))
+
+
 def share_of_range(n: int) -> list[int]:
     """This worker's items of range(n), dealt round by worker id; all of them in-process."""
     info = get_worker_info()
