@@ -734,15 +734,16 @@ class _Iterator(_BaseDataLoaderIter):
             start = resume.progress
             if resume.rng_epoch_start is not None:
                 record.rng = resume.rng_epoch_start
-            self._sampler_iter = self._positioned(loader, resume, sampler, source)
-            self._num_yielded = self._resumed_from = resume.num_yielded
             if self._in_process and self._dataset_kind != _ITER:
                 # The loader's own dataset, where it stood at the last batch handed over (or as
-                # the epoch before left it): now, once iter() has drawn its seeds and put torch's
-                # global generator where the checkpoint found it, so a state that is that
-                # generator's is not undone; and now rather than with the first batch, so that
-                # an epoch broken out of at once still leaves it for the next.
+                # the epoch before left it), before torch's global generator is put where the
+                # checkpoint found it: a state that is that generator's is then where the
+                # original's stood at the checkpoint, after its iter()'s draws. And now rather
+                # than with the first batch, so that an epoch broken out of at once still
+                # leaves it for the next.
                 _load_main_dataset(loader, _standing(resume))
+            self._sampler_iter = self._positioned(loader, resume, sampler, source)
+            self._num_yielded = self._resumed_from = resume.num_yielded
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)

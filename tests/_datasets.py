@@ -70,6 +70,26 @@ class RandomDraws(Dataset):  # type: ignore[type-arg]
         return [index, *_info_fields(), *_draws()]
 
 
+class GlobalDraws(Dataset):  # type: ignore[type-arg]
+    """Item i: [i, a draw from torch's global generator], whose state is the dataset's own
+    `state_dict()`: a main-process augmentation that keeps no generator of its own."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> list[int]:
+        return [index, int(torch.randint(1000, (1,)))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["rng"])
+
+
 class WorkerGeneratorDraws(Dataset):  # type: ignore[type-arg]
     """Item i: the index, the worker id, two draws from `torch.thread_safe_generator()` and one
     from `get_worker_info().rng.random_generator`, the way a transform written for torch's
