@@ -589,11 +589,13 @@ def loader_machine(
             self._next(interrupt=True)
 
         @precondition(
-            lambda self: self.iterator is not None
-            and not (
-                UNTIL_A_BROKEN_EPOCH_LEAVES_A_KNOWN_STATE
-                and self.setup.persistent
-                and self.setup.dataset == "stateful-map"
+            lambda self: (
+                self.iterator is not None
+                and not (
+                    UNTIL_A_BROKEN_EPOCH_LEAVES_A_KNOWN_STATE
+                    and self.setup.persistent
+                    and self.setup.dataset == "stateful-map"
+                )
             )
         )
         @rule()
