@@ -600,9 +600,7 @@ class _Iterator(_BaseDataLoaderIter):
         self._opening: Mark | None = None
         self._carries: tuple[Mark | None, ...] | None = None
         in_main = in_process and loader._dataset_kind != _ITER
-        if not has_state(loader.dataset):
-            pass  # nothing of an epoch lives on in a dataset without a state of its own
-        elif resume is None and in_process:
+        if resume is None and in_process:
             # The dataset is the loader's own object, which the previous iterator's epoch left
             # where it stands: nothing to bring there, only to record.
             self._carries = _carried_over(loader._position(), in_main)
@@ -718,7 +716,7 @@ class _Iterator(_BaseDataLoaderIter):
         if not first_iter:
             # A persistent iterator's workers go on into this epoch with their datasets.
             previous = self._position() if self._epoch is not None else None
-            carries = _carried_over(previous, False) if has_state(self._dataset) else None
+            carries = _carried_over(previous, False)
         record = EpochRecord(rng, seeded, carried=carries)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None

@@ -362,23 +362,6 @@ def test_a_state_counts_no_epochs_so_a_fresh_loader_gives_the_same_at_the_same_p
     assert roundtrip(loader.state_dict()) == fresh
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_dataset_without_a_state_of_its_own_carries_nothing_into_the_next_epoch(
-    workers: int,
-) -> None:
-    # Its iterator has a state, and each epoch makes a fresh one: nothing lives on to record.
-    options = {
-        "executor": "thread" if workers else "inline",
-        "num_workers": workers,
-        "persistent_workers": workers > 0,
-    }
-    loader = DataLoader(StatefulIterator(10), batch_size=2, **options)
-    run_to_end(iter(loader))
-    iterator = iter(loader)
-    take(iterator, 1)
-    assert "carried" not in loader.state_dict()
-
-
 def test_a_state_of_batches_that_draw_nothing_resumes_and_leaves_the_global_generator_alone() -> (
     None
 ):
