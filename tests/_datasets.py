@@ -388,6 +388,32 @@ class WorkerInfoProbe(IterableDataset):  # type: ignore[type-arg]
         ]
 
 
+class _Drawing(Positioned):
+    """A `Positioned` whose items each come with a draw from torch's global generator, whose
+    state is part of the iterator's."""
+
+    def __next__(self) -> list[int]:  # type: ignore[override]
+        return [super().__next__(), int(torch.randint(1000, (1,)))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        torch.set_rng_state(state["rng"])
+
+
+class DrawsAsItGoes(IterableDataset):  # type: ignore[type-arg]
+    """No state of its own; its iterator's state is its position and the worker's global
+    generator, whose stream a persistent worker carries from one epoch into the next."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _Drawing:
+        return _Drawing(share_of_range(self.n))
+
+
 class WorkerRngProbe(IterableDataset):  # type: ignore[type-arg]
     """Yields, once per worker, its WorkerInfo and what `torch.thread_safe_generator()` returns
     there. Load it with batch_size=None under threads: the objects themselves come back."""

@@ -18,6 +18,7 @@ import torch
 from _checkpoints import roundtrip, run_to_end, take
 from _datasets import (
     CountsEpochs,
+    DrawsAsItGoes,
     ItsOwnIterator,
     PerWorkerCounts,
     Positioned,
@@ -536,6 +537,25 @@ def test_a_resumed_epoch_of_persistent_workers_resumes_again_before_every_worker
     twice = loader(CountsEpochs(36), **options)
     twice.load_state_dict(second)
     assert run_to_end(iter(twice)) == after
+
+
+@WORKERS
+def test_persistent_workers_resumed_between_epochs_go_on_with_their_random_streams() -> None:
+    # The dataset has no state; its iterator's, restored at the last batch and run dry again,
+    # puts each worker's generator where the original's epoch left it.
+    def build() -> DataLoader[Any]:
+        generator = torch.Generator().manual_seed(4)
+        options = {"num_workers": 2, "persistent_workers": True, "generator": generator}
+        return loader(DrawsAsItGoes(10), executor="mp", **options)
+
+    uninterrupted = build()
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == epochs[1]
 
 
 def test_a_state_taken_before_the_first_batch_resumes_a_reused_dataset_from_the_epochs_start() -> (
