@@ -13,6 +13,7 @@ after epoch.
 from __future__ import annotations
 
 import atexit
+import copy
 import operator
 import warnings
 import weakref
@@ -548,6 +549,32 @@ def _carried_over(
     return _merged(previous.workers, previous.carried)
 
 
+def _opening_mark(dataset: Any) -> Mark | None:
+    """The mark of an iterable dataset that is its own iterator, as an epoch in the main
+    process opens (`iter()` called, no item read), or None.
+
+    Such a dataset is the loader's own object, and may stand anywhere as the epoch opens: the
+    program may reuse one that an earlier loader ran through. A resume from a state taken
+    before the epoch's first batch then starts where the original's epoch did, not wherever
+    the resumed loader's dataset object stands, as torchdata's does. Only for a dataset that
+    is its own iterator: its state is its position. Another dataset's state may describe its
+    previous iterator until the new one reads its first item (a generator function's body
+    does not run before), and a fresh iterator of it starts its epoch anyway.
+    """
+    if not isinstance(dataset, torch.utils.data.IterableDataset) or not has_state(dataset):
+        return None
+    if not callable(getattr(dataset, "__next__", None)):
+        return None
+    stateful: Any = dataset
+    try:
+        # A copy: the dataset may hand out the very dict it goes on updating. Its iterator's
+        # state, as a worker sends it (loaded after iter(), which may start it over).
+        return (0, {"iterator": copy.deepcopy(stateful.state_dict())})
+    except Exception:
+        # A state that cannot be taken yet: its batches' marks still carry it.
+        return None
+
+
 def _load_main_dataset(loader: DataLoader[Any], marks: tuple[Mark | None, ...] | None) -> None:
     """Put a map-style dataset loaded in the main process where worker 0's mark says."""
     mark = None if not marks else marks[0]
@@ -598,6 +625,7 @@ class _Iterator(_BaseDataLoaderIter):
         # which bring their datasets there; `_carries` is this epoch's record of it, so that a
         # state taken before a worker's first batch of the epoch still holds it.
         self._carried: tuple[Mark | None, ...] | None = None
+        self._opening: Mark | None = None
         self._carries: tuple[Mark | None, ...] | None = None
         in_main = in_process and loader._dataset_kind != _ITER
         if resume is None and in_process:
@@ -605,11 +633,11 @@ class _Iterator(_BaseDataLoaderIter):
             # where it stands: nothing to bring there, only to record.
             self._carries = _carried_over(loader._position(), in_main)
         elif resume is not None and (persistent or in_process):
-            self._carries = _standing(resume)
-            if resume.complete or in_main:
-                self._carried = self._carries
-            else:
-                self._carried = resume.carried
+            # Between epochs, the resumed epoch is the next: what the checkpoint's left in each
+            # dataset is carried into it. Mid-epoch, the checkpoint's own marks are of this
+            # epoch, and only what the epoch before left (`carried`) is carried.
+            self._carries = _standing(resume) if resume.complete else resume.carried
+            self._carried = self._carries
             if in_main and resume.complete:
                 # A map-style dataset in the main process is the loader's own: it is put where
                 # it stood before iter() draws its seeds, as the original's stood then (a state
@@ -686,6 +714,9 @@ class _Iterator(_BaseDataLoaderIter):
             factory = Pinned(factory, in_process=in_process)
         executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
+        # After start(): the dataset's iterator for the epoch is made, as torchdata's is made
+        # before it takes its first state.
+        self._opening = _opening_mark(self._dataset) if in_process and resume is None else None
         tracer = loader._tracer_for(workers, config.persistent_workers)
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
         self._driver = Driver(
@@ -729,19 +760,22 @@ class _Iterator(_BaseDataLoaderIter):
                 for w, mark in enumerate(resume.workers)
                 if mark is not None and w < self._workers
             }
+        elif first_iter and self._opening is not None:
+            marks = {0: self._opening}
         if resume is not None:
             start = resume.progress
             if resume.rng_epoch_start is not None:
                 record.rng = resume.rng_epoch_start
-            self._sampler_iter = self._positioned(loader, resume, sampler, source)
-            self._num_yielded = self._resumed_from = resume.num_yielded
             if self._in_process and self._dataset_kind != _ITER:
                 # The loader's own dataset, where it stood at the last batch handed over (or as
-                # the epoch before left it): now, once iter() has drawn its seeds and put torch's
-                # global generator where the checkpoint found it, so a state that is that
-                # generator's is not undone; and now rather than with the first batch, so that
-                # an epoch broken out of at once still leaves it for the next.
+                # the epoch before left it), before torch's global generator is put where the
+                # checkpoint found it: a state that is that generator's is then where the
+                # original's stood at the checkpoint, after its iter()'s draws. And now rather
+                # than with the first batch, so that an epoch broken out of at once still
+                # leaves it for the next.
                 _load_main_dataset(loader, _standing(resume))
+            self._sampler_iter = self._positioned(loader, resume, sampler, source)
+            self._num_yielded = self._resumed_from = resume.num_yielded
         if sampler is not None:
             first = resume.sampler if resume is not None else None
             record.log = SamplerLog(sampler, start.done if start is not None else 0, first)

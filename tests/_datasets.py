@@ -70,6 +70,26 @@ class RandomDraws(Dataset):  # type: ignore[type-arg]
         return [index, *_info_fields(), *_draws()]
 
 
+class GlobalDraws(Dataset):  # type: ignore[type-arg]
+    """Item i: [i, a draw from torch's global generator], whose state is the dataset's own
+    `state_dict()`: a main-process augmentation that keeps no generator of its own."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> list[int]:
+        return [index, int(torch.randint(1000, (1,)))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["rng"])
+
+
 class WorkerGeneratorDraws(Dataset):  # type: ignore[type-arg]
     """Item i: the index, the worker id, two draws from `torch.thread_safe_generator()` and one
     from `get_worker_info().rng.random_generator`, the way a transform written for torch's
@@ -202,6 +222,15 @@ class Positioned:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.at = state["at"]
+
+
+class ItsOwnIterator(Positioned, IterableDataset):  # type: ignore[type-arg]
+    """An iterable dataset that is its own iterator (`iter()` returns it as it stands): its
+    position is its state, and a program that reuses the object finds it where the last run
+    left it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(list(range(n)))
 
 
 def share_of_range(n: int) -> list[int]:
@@ -357,6 +386,32 @@ class WorkerInfoProbe(IterableDataset):  # type: ignore[type-arg]
             info.dataset is self,
             type(info).__module__ + "." + type(info).__qualname__,
         ]
+
+
+class _Drawing(Positioned):
+    """A `Positioned` whose items each come with a draw from torch's global generator, whose
+    state is part of the iterator's."""
+
+    def __next__(self) -> list[int]:  # type: ignore[override]
+        return [super().__next__(), int(torch.randint(1000, (1,)))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        torch.set_rng_state(state["rng"])
+
+
+class DrawsAsItGoes(IterableDataset):  # type: ignore[type-arg]
+    """No state of its own; its iterator's state is its position and the worker's global
+    generator, whose stream a persistent worker carries from one epoch into the next."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _Drawing:
+        return _Drawing(share_of_range(self.n))
 
 
 class WorkerRngProbe(IterableDataset):  # type: ignore[type-arg]

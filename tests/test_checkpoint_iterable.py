@@ -18,6 +18,8 @@ import torch
 from _checkpoints import roundtrip, run_to_end, take
 from _datasets import (
     CountsEpochs,
+    DrawsAsItGoes,
+    ItsOwnIterator,
     PerWorkerCounts,
     Positioned,
     Rewinding,
@@ -505,3 +507,68 @@ def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_
     fresh = loader(CountsEpochs(8), **options)
     fresh.load_state_dict(state)
     assert [run_to_end(iter(fresh)) for _ in range(2)] == [epochs[1][taken:], epochs[2]]
+
+
+@WORKERS
+@pytest.mark.parametrize("executor", ["thread", "mp"])
+def test_a_resumed_epoch_of_persistent_workers_resumes_again_before_every_worker_had_a_batch(
+    executor: str,
+) -> None:
+    # The first resume's positions are of this same epoch, not what an epoch before left: a
+    # worker without a batch since then goes on from its position, its part not run dry first
+    # (CountsEpochs would count an epoch more). Positions by fast-forward: its state does not
+    # hold them.
+    options = {
+        "executor": executor,
+        "num_workers": 3,
+        "persistent_workers": True,
+        "snapshot_every_n_steps": None,
+    }
+    original = loader(CountsEpochs(36), **options)
+    iterator = iter(original)
+    take(iterator, 7)
+    first = roundtrip(original.state_dict())
+    resumed = loader(CountsEpochs(36), **options)
+    resumed.load_state_dict(first)
+    again = iter(resumed)
+    take(again, 1)
+    second = roundtrip(resumed.state_dict())
+    after = run_to_end(again)
+    twice = loader(CountsEpochs(36), **options)
+    twice.load_state_dict(second)
+    assert run_to_end(iter(twice)) == after
+
+
+@WORKERS
+def test_persistent_workers_resumed_between_epochs_go_on_with_their_random_streams() -> None:
+    # The dataset has no state; its iterator's, restored at the last batch and run dry again,
+    # puts each worker's generator where the original's epoch left it.
+    def build() -> DataLoader[Any]:
+        generator = torch.Generator().manual_seed(4)
+        options = {"num_workers": 2, "persistent_workers": True, "generator": generator}
+        return loader(DrawsAsItGoes(10), executor="mp", **options)
+
+    uninterrupted = build()
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == epochs[1]
+
+
+def test_a_state_taken_before_the_first_batch_resumes_a_reused_dataset_from_the_epochs_start() -> (
+    None
+):
+    # In the main process the loader's dataset is the program's own object: one that is its
+    # own iterator stands wherever the last run left it, here at its end.
+    dataset = ItsOwnIterator(9)
+    original = loader(dataset, executor="inline")
+    iterator = iter(original)
+    state = roundtrip(original.state_dict())
+    after = run_to_end(iterator)
+    fresh = loader(dataset, executor="inline")
+    fresh.load_state_dict(state)
+    assert run_to_end(iter(fresh)) == after
+    assert after  # the whole epoch

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _checkpoints import roundtrip, run_to_end, take
-from _datasets import Augmented, Numbers
+from _datasets import Augmented, GlobalDraws, Numbers
 from _side_by_side import WORKERS
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
@@ -507,6 +507,31 @@ def test_a_resumed_epoch_in_the_main_process_broken_out_of_at_once_leaves_its_st
     resumed.load_state_dict(state)
     iter(resumed)  # the resumed epoch, broken out of before its first batch
     assert run_to_end(iter(resumed)) == following
+
+
+@pytest.mark.parametrize("taken", [0, 2])
+def test_a_main_process_dataset_whose_state_is_the_global_generator_resumes_its_draws(
+    taken: int,
+) -> None:
+    # Its state at the checkpoint is the generator's as the checkpoint found it (after
+    # iter()'s draws and the program's), not as the last batch, or the epoch before, left it.
+    def build() -> DataLoader[Any]:
+        return loader(GlobalDraws(8), executor="inline", shuffle=True, batch_size=2)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        original = build()
+        run_to_end(iter(original))
+        iterator = iter(original)
+        if take(iterator, taken):
+            torch.rand(5)  # the program draws between its last batch and its checkpoint
+        state = roundtrip(original.state_dict())
+        rng = torch.get_rng_state()
+        after = run_to_end(iterator)
+        resumed = build()
+        torch.set_rng_state(rng)  # restored beside the loader, as a framework does
+        resumed.load_state_dict(state)
+        assert run_to_end(iter(resumed)) == after
 
 
 def test_a_map_style_dataset_state_is_kept_as_of_the_last_batch_handed_over() -> None:
