@@ -70,7 +70,7 @@ from statecore import (
     step,
 )
 from statecore.executors._flight import FlightRecorder
-from statecore.executors._protocol import Executor, capabilities_of
+from statecore.executors._protocol import Executor, confirmer_of
 from statecore.executors._quick import index_drawn
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
@@ -121,8 +121,11 @@ class Driver:
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.todo: deque[Command] = deque()
-        self.confirms = capabilities_of(executor).confirms_answers
-        """Whether the executor keeps the answer it returned until told it was recorded."""
+        self.confirm = confirmer_of(executor)
+        """The executor's `confirm`, if it keeps each answer until told it was recorded."""
+        self.confirm_owed = False
+        """The state holds the answer the executor returned last, and the executor may not have
+        been told yet: an interrupt cut the driver's `confirm` call short."""
         self.handed: Command | None = None
         """An outcome given in a call that an interrupt then cut short: the next request's."""
         self.void: list[tuple[int, int]] = []
@@ -220,27 +223,33 @@ class Driver:
         return outcome
 
     def wait(self) -> Command | None:
-        """Poll the executor once, tell the scheduler, carry out what follows."""
-        executor = self.executor
+        """Poll the executor once, tell the scheduler, carry out what follows.
+
+        An executor that confirms answers returns an answer again until it is confirmed: one
+        whose return an interrupt cut short is fed now, and one recorded is never fed twice.
+        """
+        confirm = self.confirm
         try:
-            # An answer returned by a poll whose return an interrupt cut short: fed now.
-            event = executor.unconfirmed if self.confirms else None  # type: ignore[attr-defined]
-            if event is None:
-                event = self._poll()
+            if self.confirm_owed and confirm is not None:
+                confirm()
+                self.confirm_owed = False
+            event = self._poll()
             state, commands = self.step(self.state, event)
+            # No call until the last of these stores: an interrupt cannot come between the new
+            # state, the note that the executor is owed its confirmation, and the commands.
+            self.state = state
+            self.confirm_owed = confirm is not None
+            self.todo.extend(commands)
+            if confirm is not None:
+                confirm()
+                self.confirm_owed = False
+            if self.marks is not None and type(event) in _MARKED:
+                self._answered(event)  # type: ignore[arg-type]
         except BaseException as error:
             # Also an interrupt raised just as poll returned: it surfaces on entering step.
             if is_interrupt(error):
-                self._feed(_INTERRUPTED)
+                self._interrupted()
             raise
-        # No call until the last of these stores: an interrupt cannot come between the new
-        # state, the executor learning the answer was recorded, and the commands it brings.
-        self.state = state
-        if self.confirms:
-            executor.unconfirmed = None  # type: ignore[attr-defined]
-        self.todo.extend(commands)
-        if self.marks is not None and type(event) in _MARKED:
-            self._answered(event)  # type: ignore[arg-type]
         return self.carry_out()
 
     def hand_over(self, outcome: Command) -> Any:
@@ -300,6 +309,17 @@ class Driver:
     def _feed(self, event: Event) -> None:
         self.state, commands = self.step(self.state, event)
         self.todo.extend(commands)
+
+    def _interrupted(self) -> None:
+        """Tell the scheduler the call was cut short, which abandons the draw it asked for, if
+        any: begun or still to do (an interrupt that lands before the commands of the answer
+        just recorded are carried out), it is not carried out."""
+        self._feed(_INTERRUPTED)
+        todo = self.todo
+        if any(type(command) is DrawIndex for command in todo):
+            kept = [command for command in todo if type(command) is not DrawIndex]
+            todo.clear()
+            todo.extend(kept)
 
     def _poll(self) -> Event:
         try:
@@ -363,7 +383,7 @@ class Driver:
             if is_interrupt(error):
                 if outcome is not None:
                     self.handed = outcome
-                self._feed(_INTERRUPTED)
+                self._interrupted()
             raise
         return outcome
 

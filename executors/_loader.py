@@ -45,6 +45,7 @@ from statecore.executors._protocol import (
     ExecutorFactory,
     Launch,
     capabilities_of,
+    confirmer_of,
 )
 from statecore.executors._registry import resolve_executor
 from statecore.executors._trace import (
@@ -408,6 +409,7 @@ class _Checked:
                 f"has no {', '.join(missing)}. A factory takes a Launch and returns an object "
                 f"with the methods {', '.join(_EXECUTOR_METHODS)} (see docs/executors.md)"
             )
+        confirmer_of(executor)  # refuses one that declares confirms_answers with no confirm()
         return executor
 
 
