@@ -102,15 +102,17 @@ class Driver:
         self,
         config: Config,
         executor: Executor,
-        draw: Callable[[], Any],
+        draw: Callable[[State], Any],
         timeout: float,
         step: StepFunction = step,
         *,
         flight: bool | None = None,
         marked: bool = False,
     ) -> None:
-        """`marked`: the workers' answers carry marks though the dataset is map-style (its
-        state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
+        """`draw` draws the next index from the sampler (StopIteration at its end); it is given
+        the scheduler's state as the draw is asked (where the consumer stands, for a sampler's
+        checkpoint). `marked`: the workers' answers carry marks though the dataset is map-style
+        (its state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
@@ -389,7 +391,7 @@ class Driver:
 
     def _draw(self) -> None:
         try:
-            index = self.draw()
+            index = self.draw(self.state)
         except StopIteration:
             self._feed(_SAMPLER_EXHAUSTED)
         except BaseException as error:

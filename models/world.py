@@ -714,7 +714,7 @@ class _Sim:
 
     # --- the sampler, as the driver calls it ---------------------------------------------------
 
-    def draw(self) -> object:
+    def draw(self, state: State) -> object:
         if self.sampler_armed:
             self.sampler_armed = False
             raise _SamplerError("the sampler raised")

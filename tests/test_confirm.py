@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import default_collate
-from torch.utils.data.dataloader import _DatasetKind
+from _launch import launch
 
 import statecore
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, WorkerResumed
@@ -20,23 +19,13 @@ from statecore.executors._pinned import PinnedExecutor
 from statecore.executors._protocol import confirmer_of
 from statecore.executors._registry import lookup
 from statecore.executors._thread import ThreadExecutor
-from statecore.executors._worker import WorkerSetup
 from statecore.models.loader import Forwarding
 
 WAIT = 30.0
 
 
 def _launch(workers: int) -> Launch:
-    setup = WorkerSetup(
-        dataset=torch.arange(8),
-        dataset_kind=_DatasetKind.Map,
-        auto_collation=True,
-        collate_fn=default_collate,
-        drop_last=False,
-        base_seed=0,
-        num_workers=workers,
-    )
-    return Launch(setup, workers)
+    return launch(torch.arange(8), workers)
 
 
 def _inline() -> Executor:
