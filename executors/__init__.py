@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from statecore.executors._lazy import lazy_names
 
 if TYPE_CHECKING:
+    from statecore.executors._confirm import Confirming
     from statecore.executors._driver import Driver, failure_exception
     from statecore.executors._loader import DataLoader
     from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "ENTRY_POINT_GROUP": "_registry",
     "Capabilities": "_protocol",
+    "Confirming": "_confirm",
     "DataLoader": "_loader",
     "Declared": "_protocol",
     "Driver": "_driver",
@@ -66,6 +68,7 @@ _WHERE = {
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Capabilities",
+    "Confirming",
     "DataLoader",
     "Declared",
     "Driver",

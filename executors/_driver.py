@@ -25,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import attrs
 
 from statecore import (
     Cancelled,
@@ -71,11 +73,21 @@ from statecore import (
     step,
 )
 from statecore.executors._observe.seam import Observer, observed
-from statecore.executors._protocol import Executor, capabilities_of
+from statecore.executors._protocol import Executor, confirmer_of
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
+from statecore.executors._worker import Mark
 
-__all__ = ["Driver", "death_message", "failure_exception", "is_interrupt"]
+__all__ = [
+    "Driver",
+    "Ledger",
+    "DriverState",
+    "WorkerMarks",
+    "death_message",
+    "failure_exception",
+    "handed_task",
+    "is_interrupt",
+]
 
 _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
@@ -100,15 +112,17 @@ class Driver:
         self,
         config: Config,
         executor: Executor,
-        draw: Callable[[], Any],
+        draw: Callable[[State], Any],
         timeout: float,
         step: StepFunction = step,
         *,
         observers: Iterable[Observer] = (),
         marked: bool = False,
     ) -> None:
-        """`marked`: the workers' answers carry marks though the dataset is map-style (its
-        state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
+        """`draw` draws the next index from the sampler (StopIteration at its end); it is given
+        the scheduler's state as the draw is asked (where the consumer stands, for a sampler's
+        checkpoint). `marked`: the workers' answers carry marks though the dataset is map-style
+        (its state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
@@ -116,19 +130,17 @@ class Driver:
         self.step = observed(step, self.observers)
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
+        self.confirm = confirmer_of(executor)
+        """The executor's `confirm`, if it keeps each answer until told it was recorded."""
+        # The driver's state between calls; `snapshot` takes it as one value.
         self.todo: deque[Command] = deque()
-        self.confirms = capabilities_of(executor).confirms_answers
-        """Whether the executor keeps the answer it returned until told it was recorded."""
-        self.handed: Command | None = None
-        """An outcome given in a call that an interrupt then cut short: the next request's."""
-        self.void: list[tuple[int, int]] = []
-        """(task, worker) handed over in a call that raised the executor's failure instead."""
-        self.marks: dict[int, Any] | None = {} if config.iterable or marked else None
-        """An iterable (or stateful map-style) dataset's workers: the mark of each one's last
-        batch (or task error) the consumer received, which a checkpoint records (see
-        `WorkerRuntime` for marks)."""
-        self.answered: dict[int, tuple[int, Any]] = {}
-        """The marks of tasks answered this epoch and not yet received: task -> (worker, mark)."""
+        """Commands still to carry out: those an interrupt left for the next call."""
+        self.ledger = Ledger()
+        self.worker_marks = WorkerMarks() if config.iterable or marked else None
+        """None where the answers carry no marks (a map-style dataset without a state)."""
+        self.confirm_owed = False
+        """The state holds the answer the executor returned last, and the executor may not have
+        been told yet: an interrupt cut the driver's `confirm` call short."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
@@ -143,36 +155,44 @@ class Driver:
         `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`,
         and an iterable dataset's workers where `marks` (the checkpoint's) say.
         """
-        self.handed = None  # an outcome of the epoch being left behind
-        self.void = []
-        if self.marks is not None:
-            self.marks = dict(marks or {})
-            self.answered = {}
-        outcome = self.finish(self.request(ResetRequested(seed, resume)))
-        if outcome is not None:
-            try:
-                self.hand_over(outcome)
-            finally:
-                del outcome  # see `hand_over`
+        self.ledger = Ledger()  # an outcome of the epoch being left behind, and the void
+        if self.worker_marks is not None:
+            self.worker_marks = WorkerMarks.of(marks or {})
+        self.go_on(self.request(ResetRequested(seed, resume)), in_next=False)
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
-        outcome, self.handed = self.handed, None
-        if outcome is None and self.todo:
+        ledger = self.ledger
+        outcome = ledger.handed
+        if outcome is not None:
+            self.ledger = Ledger(None, ledger.void)
+        elif self.todo:
             # Left by an interrupt: carried out before anything new is asked.
             outcome = self.carry_out()
         if outcome is None:
-            outcome = self.request(_NEXT)
-            if outcome is None:
-                outcome = self.finish(outcome)
-            if type(outcome) is Deliver:
-                if self.marks is not None:
-                    self._received(outcome.task)
-                return outcome.payload
-            if outcome is None:
-                raise self._recorded(
-                    InternalError(f"the scheduler left a request unanswered in {self.state!r}")
-                )
+            return self.go_on(self.request(_NEXT))
+        try:
+            return self.hand_over(outcome)
+        finally:
+            del outcome  # see `hand_over`
+
+    def go_on(self, outcome: Command | None = None, *, in_next: bool = True) -> Any:
+        """The rest of a consumer's call, given the `outcome` it has so far (None: none yet):
+        wait for as long as the scheduler says the consumer waits, then hand the outcome over.
+
+        `in_next`: the call is `next()`, which must end with an outcome; `iter()` may end
+        without one (None). The models call this to go on with a call that waited.
+        """
+        if outcome is None:
+            outcome = self.finish(outcome)
+        if type(outcome) is Deliver and self.worker_marks is None:
+            return outcome.payload  # the common case, without `hand_over`'s call
+        if outcome is None:
+            if not in_next:
+                return None
+            raise self._recorded(
+                InternalError(f"the scheduler left a request unanswered in {self.state!r}")
+            )
         try:
             return self.hand_over(outcome)
         finally:
@@ -198,8 +218,30 @@ class Driver:
         not counted: an interrupt kept it for the next request, or the executor failed and
         its error took the batch's place.
         """
-        unreceived = [*self.void, *_tasks_of((self.handed, *self.todo))]
+        ledger = self.ledger
+        unreceived = [*ledger.void, *_tasks_of((ledger.handed, *self.todo))]
         return progress(self.state, unreceived)
+
+    @property
+    def marks(self) -> dict[int, Mark] | None:
+        """Each worker's mark that a checkpoint records (see `WorkerMarks`); None where the
+        answers carry no marks."""
+        worker_marks = self.worker_marks
+        return None if worker_marks is None else dict(worker_marks.received)
+
+    def snapshot(self) -> DriverState:
+        """The driver's state between calls, the scheduler's with it, as one value."""
+        return DriverState(
+            self.state, tuple(self.todo), self.ledger, self.worker_marks, self.confirm_owed
+        )
+
+    def restore(self, snapshot: DriverState) -> None:
+        """Put back a state `snapshot` took (of this driver, or of one over a like executor)."""
+        self.state = snapshot.state
+        self.todo = deque(snapshot.todo)
+        self.ledger = snapshot.ledger
+        self.worker_marks = snapshot.worker_marks
+        self.confirm_owed = snapshot.confirm_owed
 
     # --- the moves of a call -------------------------------------------------------------------
 
@@ -216,27 +258,36 @@ class Driver:
         return outcome
 
     def wait(self) -> Command | None:
-        """Poll the executor once, tell the scheduler, carry out what follows."""
-        executor = self.executor
+        """Poll the executor once, tell the scheduler, carry out what follows.
+
+        An executor that confirms answers returns an answer again until it is confirmed: one
+        whose return an interrupt cut short is fed now, and one recorded is never fed twice.
+        """
+        confirm = self.confirm
         try:
-            # An answer returned by a poll whose return an interrupt cut short: fed now.
-            event = executor.unconfirmed if self.confirms else None  # type: ignore[attr-defined]
-            if event is None:
-                event = self._poll()
+            if self.confirm_owed and confirm is not None:
+                confirm()
+                self.confirm_owed = False
+            event = self._poll()
             state, commands = self.step(self.state, event)
+            worker_marks = self.worker_marks
+            if worker_marks is not None and type(event) in _MARKED:
+                worker_marks = worker_marks.answer(event, state.life.base)  # type: ignore[arg-type]
+            # No call until the last of these stores: an interrupt cannot come between the new
+            # state, the answer's mark, the note that the executor is owed its confirmation,
+            # and the commands.
+            self.state = state
+            self.worker_marks = worker_marks
+            self.confirm_owed = confirm is not None
+            self.todo.extend(commands)
+            if confirm is not None:
+                confirm()
+                self.confirm_owed = False
         except BaseException as error:
             # Also an interrupt raised just as poll returned: it surfaces on entering step.
             if is_interrupt(error):
-                self._feed(_INTERRUPTED)
+                self._interrupted()
             raise
-        # No call until the last of these stores: an interrupt cannot come between the new
-        # state, the executor learning the answer was recorded, and the commands it brings.
-        self.state = state
-        if self.confirms:
-            executor.unconfirmed = None  # type: ignore[attr-defined]
-        self.todo.extend(commands)
-        if self.marks is not None and type(event) in _MARKED:
-            self._answered(event)  # type: ignore[arg-type]
         return self.carry_out()
 
     def hand_over(self, outcome: Command) -> Any:
@@ -247,14 +298,16 @@ class Driver:
         with its workers then lives on until the garbage collector runs. So this frame, and
         each caller's, lets go of the outcome before the exception leaves it.
         """
+        worker_marks = self.worker_marks
+        if worker_marks is not None:
+            handed = handed_task(outcome)
+            if handed is not None:
+                # The consumer gets the batch or error of the task: its mark is now its worker's.
+                self.worker_marks = worker_marks.receive(handed[0])
         if type(outcome) is Deliver:
-            if self.marks is not None:
-                self._received(outcome.task)
             return outcome.payload
         if type(outcome) is EndEpoch:
             raise StopIteration
-        if self.marks is not None and type(outcome.failure) is TaskFailure:  # type: ignore[attr-defined]
-            self._received(outcome.failure.task)  # type: ignore[attr-defined]
         error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
         if type(error) is LoaderTimeoutError:
             # torch's message, which logs match, stays as it is: a recorder's file is named in
@@ -274,29 +327,22 @@ class Driver:
             observer.raising(error, self.state)
         return error
 
-    def _answered(self, answer: TaskCompleted | TaskFailed) -> None:
-        """Keep the mark of an answer of this epoch (not a stale one) until it is received."""
-        if answer.task >= self.state.life.base:
-            self.answered[answer.task] = (answer.worker, answer.mark)
-
-    def _received(self, task: int) -> None:
-        """The consumer got `task`'s batch or error: its mark is now its worker's."""
-        answer = self.answered.pop(task, None)
-        if answer is None or answer[1] is None:
-            return
-        worker, (since, snapshot) = answer
-        if snapshot is ...:
-            # Workers send their dataset's state only every so many batches; in between, a mark
-            # counts the batches since the state it last sent, which this worker's last mark has.
-            previous = self.marks.get(worker)  # type: ignore[union-attr]
-            snapshot = None if previous is None else previous[1]
-        self.marks[worker] = (since, snapshot)  # type: ignore[index]
-
     # --- the loop ----------------------------------------------------------------------------
 
     def _feed(self, event: Event) -> None:
         self.state, commands = self.step(self.state, event)
         self.todo.extend(commands)
+
+    def _interrupted(self) -> None:
+        """Tell the scheduler the call was cut short, which abandons the draw it asked for, if
+        any: begun or still to do (an interrupt that lands before the commands of the answer
+        just recorded are carried out), it is not carried out."""
+        self._feed(_INTERRUPTED)
+        todo = self.todo
+        if any(type(command) is DrawIndex for command in todo):
+            kept = [command for command in todo if type(command) is not DrawIndex]
+            todo.clear()
+            todo.extend(kept)
 
     def _poll(self) -> Event:
         try:
@@ -351,7 +397,9 @@ class Driver:
                             raise
                         # What the scheduler answers replaces the rest of this run, and the
                         # outcome already picked up in it.
-                        self.void.extend(_tasks_of((outcome, *todo)))
+                        ledger = self.ledger
+                        void = (*ledger.void, *_tasks_of((outcome, *todo)))
+                        self.ledger = Ledger(ledger.handed, void)
                         todo.clear()
                         self._feed(ExecutorFailed(error))
                         continue
@@ -359,14 +407,14 @@ class Driver:
         except BaseException as error:
             if is_interrupt(error):
                 if outcome is not None:
-                    self.handed = outcome
-                self._feed(_INTERRUPTED)
+                    self.ledger = Ledger(outcome, self.ledger.void)
+                self._interrupted()
             raise
         return outcome
 
     def _draw(self) -> None:
         try:
-            index = self.draw()
+            index = self.draw(self.state)
         except StopIteration:
             self._feed(_SAMPLER_EXHAUSTED)
         except BaseException as error:
@@ -378,15 +426,100 @@ class Driver:
             self.todo.extend(commands)
 
 
+def handed_task(command: Command | None) -> tuple[int, int] | None:
+    """The (task, worker) whose batch or error `command` hands to the consumer, if it does."""
+    kind = type(command)
+    if kind is Deliver:
+        return command.task, command.worker  # type: ignore[union-attr]
+    if kind is RaiseError and type(command.failure) is TaskFailure:  # type: ignore[union-attr]
+        return command.failure.task, command.failure.worker  # type: ignore[union-attr]
+    return None
+
+
 def _tasks_of(commands: Iterable[Command | None]) -> list[tuple[int, int]]:
     """The (task, worker) whose batch or error these commands hand to the consumer."""
-    tasks = []
-    for command in commands:
-        if type(command) is Deliver:
-            tasks.append((command.task, command.worker))
-        elif type(command) is RaiseError and type(command.failure) is TaskFailure:
-            tasks.append((command.failure.task, command.failure.worker))
-    return tasks
+    return [handed for handed in map(handed_task, commands) if handed is not None]
+
+
+def _first(item: tuple[int, Any]) -> int:
+    return item[0]
+
+
+@attrs.frozen
+class Ledger:
+    """What the scheduler handed over that the consumer did not get, between calls. A value:
+    the driver replaces it, never changes it."""
+
+    handed: Command | None = None
+    """An outcome given in a call that an interrupt then cut short: the next request's."""
+    void: tuple[tuple[int, int], ...] = ()
+    """(task, worker) handed over in a call that raised the executor's failure instead."""
+
+
+@attrs.frozen
+class WorkerMarks:
+    """An iterable (or stateful map-style) dataset's workers: the mark of each one's last batch
+    (or task error) the consumer received, which a checkpoint records (see `WorkerRuntime` for
+    marks), and the marks of this epoch's answers not received yet. A value, as `Ledger` is;
+    its pairs are sorted, so that equal marks make equal values."""
+
+    received: tuple[tuple[int, Mark], ...] = ()
+    """(worker, mark), by worker."""
+    answered: tuple[tuple[int, tuple[int, Any]], ...] = ()
+    """(task, (worker, mark)), by task."""
+
+    @classmethod
+    def of(cls, marks: Mapping[int, Mark]) -> WorkerMarks:
+        """Each worker's mark as received (a checkpoint's), nothing answered."""
+        return cls(tuple(sorted(marks.items(), key=_first)))
+
+    def answer(self, answer: TaskCompleted | TaskFailed, base: int) -> WorkerMarks:
+        """With the mark of `answer`, kept until it is received, if it is of the epoch whose
+        first task is `base` (not a stale one)."""
+        task = answer.task
+        if task < base:
+            return self
+        kept = [item for item in self.answered if item[0] != task]
+        kept.append((task, (answer.worker, answer.mark)))
+        kept.sort(key=_first)
+        return WorkerMarks(self.received, tuple(kept))
+
+    def receive(self, task: int) -> WorkerMarks:
+        """The consumer got `task`'s batch or error: its mark is now its worker's."""
+        answered = self.answered
+        at = next((i for i, item in enumerate(answered) if item[0] == task), None)
+        if at is None:
+            return self
+        worker, mark = answered[at][1]
+        rest = answered[:at] + answered[at + 1 :]
+        if mark is None:
+            return WorkerMarks(self.received, rest)
+        since, snapshot = mark
+        received = dict(self.received)
+        if snapshot is ...:
+            # Workers send their dataset's state only every so many batches; in between, a mark
+            # counts the batches since the state it last sent, which this worker's last mark has.
+            previous = received.get(worker)
+            snapshot = None if previous is None else previous[1]
+        received[worker] = (since, snapshot)
+        return WorkerMarks(tuple(sorted(received.items(), key=_first)), rest)
+
+
+@attrs.frozen
+class DriverState:
+    """A driver's state between calls, with its scheduler's (`Driver.snapshot`)."""
+
+    state: State
+    todo: tuple[Command, ...] = ()
+    ledger: Ledger = Ledger()
+    worker_marks: WorkerMarks | None = None
+    confirm_owed: bool = False
+
+    @classmethod
+    def initial(cls, config: Config, marked: bool = False) -> DriverState:
+        """A new driver's (see `Driver`'s `marked`)."""
+        worker_marks = WorkerMarks() if config.iterable or marked else None
+        return cls(initial_state(config), worker_marks=worker_marks)
 
 
 def failure_exception(failure: Failure) -> BaseException:

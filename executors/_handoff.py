@@ -2,8 +2,8 @@
 
 A `queue.Queue.get()` returns the item it removed; Ctrl-C landing just as it returns drops the
 item with the return value. Here other threads append, and the poller only waits and reads:
-the answer stays in the list until the executor has recorded it as `unconfirmed` (see
-`_protocol`), and removes it then, with no call in between.
+the answer stays in the list until the executor has kept it until confirmed (see `_confirm`),
+and removes it then, with no call in between.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from collections import deque
 from typing import ClassVar
 
 from statecore import Event, ResumeWorker, SendTask
+from statecore.executors._confirm import Confirming
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._worker import WorkerRuntime
@@ -13,7 +14,7 @@ from statecore.executors._worker import WorkerRuntime
 __all__ = ["InlineExecutor"]
 
 
-class InlineExecutor:
+class InlineExecutor(Confirming):
     """One worker: the caller. A task is loaded when the driver polls for its answer.
 
     Loading at poll time rather than at dispatch keeps torch's single-process timing: a batch
@@ -28,8 +29,6 @@ class InlineExecutor:
         self.launch = launch
         self.queue: deque[SendTask | ResumeWorker] = deque()
         self.runtime: WorkerRuntime | None = None
-        self.unconfirmed: Event | None = None
-        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
 
     def start(self) -> None:
         # In the main process torch neither seeds nor sets worker info: neither does this seat.
@@ -42,15 +41,13 @@ class InlineExecutor:
         self.queue.append(command)
 
     def poll(self, timeout: float | None) -> Event | None:
+        if self._unconfirmed is not None:
+            return self._unconfirmed  # not confirmed yet: an interrupt cut the last poll short
         if not self.queue or self.runtime is None:
             return None
         # Taken off the queue only once answered: Ctrl-C inside the dataset leaves the task to
-        # be loaded again by the next request, where torch would skip that batch. Recorded,
-        # then removed, with no call in between (see _protocol).
-        event = self.runtime.answer(self.queue[0])
-        self.unconfirmed = event
-        del self.queue[0]
-        return event
+        # be loaded again by the next request, where torch would skip that batch.
+        return self._hand_out(self.runtime.answer(self.queue[0]), self.queue)
 
     def stop_worker(self, worker: int) -> None:
         self.queue.clear()
@@ -58,4 +55,4 @@ class InlineExecutor:
     def shutdown(self) -> None:
         self.queue.clear()
         self.runtime = None
-        self.unconfirmed = None
+        self.confirm()

@@ -26,7 +26,7 @@ import torch.utils.data
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from statecore import Config, Phase, Progress, can_restart
+from statecore import Config, Phase, Progress, State, can_restart
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -50,6 +50,7 @@ from statecore.executors._protocol import (
     ExecutorFactory,
     Launch,
     capabilities_of,
+    confirmer_of,
 )
 from statecore.executors._registry import resolve_executor
 from statecore.executors._worker import Mark, WorkerSetup, has_state
@@ -382,24 +383,23 @@ def _too_long(iterator: _Iterator, promised: int) -> str:
     return message
 
 
-def _drawer(iterator: _Iterator) -> Callable[[], Any]:
-    """`iterator._next_index` without a reference to the iterator.
+def _drawer(iterator: _Iterator) -> Callable[[State], Any]:
+    """`iterator._next_index` without a reference to the iterator, for the driver to call
+    with the scheduler's state (where the consumer stands, for the sampler's log).
 
     A bound method would close a cycle (iterator -> driver -> method -> iterator), and a cycle
     waits for the garbage collector: the workers of a dropped iterator would outlive it.
     """
     ref = weakref.ref(iterator)
 
-    def draw() -> Any:
+    def draw(state: State) -> Any:
         alive = ref()
         if alive is None:
             raise StopIteration
         index = next(alive._sampler_iter)  # what torch's _next_index does, one call fewer
         log = alive._log
         if log is not None:
-            driver = alive._driver
-            assert driver is not None
-            state = driver.state
+            # This run's draws before the window were all handed over.
             log.record(log.origin + state.rcvd_idx - state.life.base)
         return index
 
@@ -434,6 +434,7 @@ class _Checked:
                 f"has no {', '.join(missing)}. A factory takes a Launch and returns an object "
                 f"with the methods {', '.join(_EXECUTOR_METHODS)} (see docs/executors.md)"
             )
+        confirmer_of(executor)  # refuses one that declares confirms_answers with no confirm()
         return executor
 
 

@@ -45,6 +45,7 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
+from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import (
     Capabilities,
@@ -52,6 +53,7 @@ from statecore.executors._protocol import (
     ExecutorFactory,
     Launch,
     capabilities_of,
+    confirmer_of,
 )
 
 __all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
@@ -149,7 +151,7 @@ def default_pin() -> PinFunction | None:
     return functools.partial(torch_pin_memory, device=device)
 
 
-class PinnedExecutor:
+class PinnedExecutor(Confirming):
     """An executor that pins (and optionally moves) every batch another executor produces."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
@@ -169,9 +171,7 @@ class PinnedExecutor:
         self.copy = copy
         self.threaded = threaded
         self.answers: Handoff[Event | BaseException] = Handoff()
-        self.unconfirmed: Event | None = None
-        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
-        self.inner_confirms = capabilities_of(inner).confirms_answers
+        self.inner_confirm = confirmer_of(inner)
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
@@ -201,19 +201,18 @@ class PinnedExecutor:
         self.inner.stop_worker(worker)
 
     def poll(self, timeout: float | None) -> Event | None:
-        # An interrupt may land anywhere here: an answer stays where it was (the inner
-        # executor's `unconfirmed`, or our list) until it is recorded as ours, with no call in
-        # between (see _protocol); pinning or claiming it again is harmless.
+        # An interrupt may land anywhere here: an answer stays where it was (unconfirmed in the
+        # inner executor, or in our list) until it is kept as ours (see _confirm); pinning or
+        # claiming it again is harmless.
+        if self._unconfirmed is not None:
+            return self._unconfirmed  # not confirmed yet: an interrupt cut the last poll short
         if not self.threaded:
-            raw = self.inner.unconfirmed if self.inner_confirms else None  # type: ignore[attr-defined]
+            # The inner executor keeps its answer too, until ours is confirmed (`confirm`).
+            raw = self.inner.poll(timeout)
             if raw is None:
-                raw = self.inner.poll(timeout)
-                if raw is None:
-                    return None
+                return None
             event = self._claimed(self._pinned(raw))
-            self.unconfirmed = event
-            if self.inner_confirms:
-                self.inner.unconfirmed = None  # type: ignore[attr-defined]
+            self._unconfirmed = event
             return event
         if self.failed is not None:
             raise self.failed  # the stage is gone: nothing will ever answer again
@@ -224,10 +223,14 @@ class PinnedExecutor:
         if isinstance(answer, BaseException):
             self.failed = answer
             raise answer
-        claimed = self._claimed(answer)
-        self.unconfirmed = claimed
-        del answers.items[0]
-        return claimed
+        return self._hand_out(self._claimed(answer), answers.items)
+
+    def confirm(self) -> None:
+        # The inner executor's answer first: until ours is forgotten too, an interrupt here
+        # leaves the driver to confirm again, and the inner executor to forget nothing new.
+        if not self.threaded and self.inner_confirm is not None:
+            self.inner_confirm()
+        self._unconfirmed = None
 
     def shutdown(self) -> None:
         if self.closed:
@@ -246,7 +249,7 @@ class PinnedExecutor:
             self.thread = None
         self.inner.shutdown()
         self.answers.clear()
-        self.unconfirmed = None
+        self._unconfirmed = None
 
     # --- the stage ---------------------------------------------------------------------------
 
@@ -258,10 +261,10 @@ class PinnedExecutor:
         try:
             while not self.stopping.is_set():
                 asked = time.monotonic()
-                answer = self._pinned(self.inner.poll(STAGE_POLL_INTERVAL))
-                if self.inner_confirms:
-                    # Recorded as ours below; no interrupt reaches this thread.
-                    self.inner.unconfirmed = None  # type: ignore[attr-defined]
+                raw = self.inner.poll(STAGE_POLL_INTERVAL)
+                answer = None if raw is None else self._pinned(raw)
+                if self.inner_confirm is not None:
+                    self.inner_confirm()  # kept as ours below; no interrupt reaches this thread
                 if answer is not None:
                     self._answer(answer)
                 elif time.monotonic() - asked < STAGE_POLL_INTERVAL / 2:
@@ -275,7 +278,7 @@ class PinnedExecutor:
     def _answer(self, answer: Event | BaseException) -> None:
         self.answers.put(answer)
 
-    def _pinned(self, event: Event | None) -> Event | None:
+    def _pinned(self, event: Event) -> Event:
         """`event` with its batch pinned (and its copy launched); a pinning error as TaskFailed."""
         if type(event) is not TaskCompleted:
             return event
@@ -291,7 +294,7 @@ class PinnedExecutor:
             return TaskFailed(event.task, event.worker, error, event.mark, event.timing)
         return TaskCompleted(event.task, event.worker, batch, event.mark, event.timing)
 
-    def _claimed(self, event: Event | None) -> Event | None:
+    def _claimed(self, event: Event) -> Event:
         if self.copy is None or type(event) is not TaskCompleted:
             return event
         claimed = self.copy.claim(event.payload)

@@ -35,6 +35,7 @@ __all__ = [
     "ExecutorFactory",
     "Launch",
     "capabilities_of",
+    "confirmer_of",
 ]
 
 
@@ -88,12 +89,13 @@ class Capabilities:
     declaring this must start no worker from `poll` when that is set."""
 
     confirms_answers: bool = False
-    """The executor has an attribute `unconfirmed` (None at first), so that an interrupt loses
-    no answer. Ctrl-C may land just after `poll` took an answer from wherever it kept it, and
-    the answer is then dropped along with `poll`'s return value. So `poll` sets `unconfirmed`
-    to the answer it returns before it removes that answer from wherever it kept it, with no
-    call in between; the driver sets it back to None once it has recorded the answer, and after
-    an interrupt it records the answer it finds there on its next wait."""
+    """The executor keeps each answer until told it was recorded, so that an interrupt loses
+    none. Ctrl-C may land just after `poll` took an answer from wherever it kept it, and the
+    answer is then dropped along with `poll`'s return value. So `poll` keeps the answer it
+    returns before it removes that answer from wherever it kept it, with no call in between,
+    and returns it again from every later `poll` until its method `confirm()` is called; the
+    driver calls it once the scheduler's state holds the answer (again, if an interrupt cut that
+    call short). `statecore.executors._confirm.Confirming` is those steps."""
 
 
 def capabilities_of(declarer: object) -> Capabilities:
@@ -102,7 +104,8 @@ def capabilities_of(declarer: object) -> Capabilities:
     Its `capabilities` attribute, if that is a `Capabilities`. An object without one is read
     the way the protocol was written before `Capabilities` existed, so that plug-ins written
     then keep working: a true `in_process` or `poll_from_any_thread` attribute declares that
-    capability, and an attribute `unconfirmed` declares `confirms_answers`.
+    capability. (An attribute `unconfirmed` once declared `confirms_answers`, when the driver
+    wrote it; it declares nothing now, and such an executor works as one that does not confirm.)
     """
     declared = getattr(declarer, "capabilities", None)
     if isinstance(declared, Capabilities):
@@ -110,8 +113,24 @@ def capabilities_of(declarer: object) -> Capabilities:
     return Capabilities(
         in_process=bool(getattr(declarer, "in_process", False)),
         poll_from_any_thread=bool(getattr(declarer, "poll_from_any_thread", False)),
-        confirms_answers=hasattr(declarer, "unconfirmed"),
     )
+
+
+def confirmer_of(executor: Executor) -> Callable[[], None] | None:
+    """`executor.confirm` if the executor confirms answers (`Capabilities.confirms_answers`),
+    else None. Raises TypeError for an executor that declares it and has no `confirm`."""
+    if not capabilities_of(executor).confirms_answers:
+        return None
+    confirm: Callable[[], None] | None = getattr(executor, "confirm", None)
+    if not callable(confirm):
+        raise TypeError(
+            f"the executor {executor!r} declares confirms_answers but has no method confirm(): "
+            "its poll() returns the answer it returned last again until the driver calls "
+            "confirm() (the driver no longer reads and clears an attribute `unconfirmed`). "
+            "Subclass statecore.executors.Confirming, or declare confirms_answers=False; see "
+            "docs/executors.md"
+        )
+    return confirm
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ import attrs
 import torch
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed, WorkerDied
+from statecore.executors._confirm import Confirming
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._registry import NEEDS
 from statecore.executors._remote import RemoteError
@@ -306,7 +307,7 @@ class _Call:
     command: SendTask | ResumeWorker
 
 
-class RayExecutor:
+class RayExecutor(Confirming):
     """`launch.num_workers` Ray actors, answering in the order they were given work."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
@@ -326,8 +327,6 @@ class RayExecutor:
         self.gone: set[int] = set()
         """Workers stopped or reported dead: nothing more is read from them."""
         self.ready: list[Event] = []
-        self.unconfirmed: Event | None = None
-        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.signals_held = HeldSignals()
         self.closed = False
 
@@ -359,8 +358,10 @@ class RayExecutor:
         self.owed[worker].append(_Call(reference, command))
 
     def poll(self, timeout: float | None) -> Event | None:
+        if self._unconfirmed is not None:
+            return self._unconfirmed  # not confirmed yet: an interrupt cut the last poll short
         if self.ready:
-            return self._hand_over()
+            return self._hand_out(self.ready[0], self.ready)
         # Only the oldest call of each worker: an actor answers in order, so must we.
         oldest = {owed[0].reference: worker for worker, owed in enumerate(self.owed) if owed}
         if not oldest:
@@ -378,14 +379,7 @@ class RayExecutor:
                 self.owed[worker].clear()
             else:
                 self.owed[worker].popleft()
-        return self._hand_over()
-
-    def _hand_over(self) -> Event:
-        # Read, recorded, then removed, with no call in between (see _protocol).
-        event = self.ready[0]
-        self.unconfirmed = event
-        del self.ready[0]
-        return event
+        return self._hand_out(self.ready[0], self.ready)
 
     def _read(self, worker: int, call: _Call) -> Event:
         """The answer to `call`, now done: the actor's event, or the worker's death."""
@@ -485,7 +479,7 @@ class RayExecutor:
         self.placements = []
         self.owed = []
         self.ready.clear()
-        self.unconfirmed = None
+        self.confirm()
 
 
 @attrs.frozen

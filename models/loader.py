@@ -45,6 +45,7 @@ from torch.utils.data import (
 
 from statecore import DataLoader, Event, ResumeWorker, SendTask, WorkerDiedError
 from statecore.executors import Capabilities, Executor, Launch, capabilities_of
+from statecore.executors._protocol import confirmer_of
 from statecore.executors._registry import lookup
 
 __all__ = [
@@ -261,7 +262,7 @@ class _Factory:
 
 class Forwarding:
     """An executor that does what the executor it wraps does, and declares what it declares:
-    above all that an answer a poll returned stays `unconfirmed` until recorded, which an
+    above all that an answer a poll returned is given again until confirmed, which an
     interrupt must not lose. Subclasses change one move (the interrupting executors)."""
 
     def __init__(self, inner: Executor) -> None:
@@ -271,13 +272,11 @@ class Forwarding:
     def capabilities(self) -> Capabilities:
         return capabilities_of(self.inner)
 
-    @property
-    def unconfirmed(self) -> Event | None:
-        return self.inner.unconfirmed  # type: ignore[attr-defined, no-any-return]
-
-    @unconfirmed.setter
-    def unconfirmed(self, event: Event | None) -> None:
-        self.inner.unconfirmed = event  # type: ignore[attr-defined]
+    def confirm(self) -> None:
+        # Called only where the inner executor declares that it confirms answers.
+        confirm = confirmer_of(self.inner)
+        if confirm is not None:
+            confirm()
 
     def start(self) -> None:
         self.inner.start()

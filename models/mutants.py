@@ -307,9 +307,11 @@ def _worker_marks_count_prefetched_batches() -> dict[str, object]:
         # Keeps each worker's latest mark as it arrives, as a loader that saves its workers'
         # latest state would: the batches buffered behind the consumer are lost on resume.
         outcome = real(self)
-        if self.marks is not None:
-            for task in sorted(self.answered):
-                self._received(task)
+        marks = self.worker_marks
+        if marks is not None:
+            for task, _ in marks.answered:
+                marks = marks.receive(task)
+            self.worker_marks = marks
         return outcome
 
     return {"Driver.wait": wait}

@@ -29,7 +29,6 @@ waiting with nothing that could answer it.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,9 +36,7 @@ import attrs
 
 from statecore import (
     EDGES,
-    Command,
     Config,
-    Deliver,
     Event,
     ExecutorFailed,
     InternalError,
@@ -48,25 +45,22 @@ from statecore import (
     Phase,
     Progress,
     ProtocolError,
-    RaiseError,
     ResumeWorker,
     SamplerFailed,
     SendTask,
     State,
     TaskCompleted,
     TaskFailed,
-    TaskFailure,
     TimedOut,
     Transition,
     WorkerDied,
     WorkerDiedError,
     WorkerExhausted,
     WorkerResumed,
-    initial_state,
     violations,
 )
 from statecore import step as core_step
-from statecore.executors._driver import Driver
+from statecore.executors._driver import Driver, DriverState, handed_task
 from statecore.models.reference import (
     IterableSpec,
     MapSpec,
@@ -256,13 +250,8 @@ class World:
     """The driver's and scheduler's state together with everything around them. A value."""
 
     scenario: Scenario
-    core: State
-    todo: tuple[Command, ...]
-    handed: Command | None
-    void: tuple[tuple[int, int], ...]
-    marks: tuple[tuple[int, Any], ...] | None
-    answered: tuple[tuple[int, tuple[int, Any]], ...]
-    """The driver's own state between calls (see `Driver`), its dicts as sorted items."""
+    driven: DriverState
+    """The driver's state between calls, and the scheduler's (`Driver.snapshot`)."""
     epoch: int
     before: int
     """The loader's epochs before this scheduler's first: a scheduler counts its own epochs,
@@ -324,12 +313,7 @@ class World:
         n = scenario.config.num_workers
         world = cls(
             scenario=scenario,
-            core=initial_state(scenario.config),
-            todo=(),
-            handed=None,
-            void=(),
-            marks=() if scenario.config.iterable else None,
-            answered=(),
+            driven=DriverState.initial(scenario.config),
             epoch=1,
             before=0,
             drawn=0,
@@ -367,6 +351,11 @@ class World:
         sim = _Sim(world, step, on_edge)
         sim.call(sim.driver.start_epoch, iterating=True)
         return sim.freeze()
+
+    @property
+    def core(self) -> State:
+        """The scheduler's state."""
+        return self.driven.state
 
     def actions(self) -> Iterator[Action]:
         """Every action the environment may take now."""
@@ -515,30 +504,16 @@ class _Sim:
         # No flight recorder: each action gets a new driver with the world's state put in, so
         # a recording would start from a state it never saw.
         driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)
-        driver.state = self.core
-        driver.todo = deque(self.todo)
-        driver.handed = self.handed
-        driver.void = list(self.void)
-        driver.marks = None if self.marks is None else dict(self.marks)
-        driver.answered = dict(self.answered)
+        driver.restore(self.driven)
         self.driver = driver
 
     def freeze(self) -> World:
-        driver = self.driver
-        self.core, self.todo, self.handed = driver.state, tuple(driver.todo), driver.handed
-        self.void = tuple(driver.void)
-        self.marks = None if driver.marks is None else tuple(sorted(driver.marks.items()))
-        self.answered = tuple(sorted(driver.answered.items()))
+        self.driven = self.driver.snapshot()
         return World(**{name: getattr(self, name) for name in _FIELDS})
 
     # These annotations let mypy see the fields copied from World.
     scenario: Scenario
-    core: State
-    todo: tuple[Command, ...]
-    handed: Command | None
-    void: tuple[tuple[int, int], ...]
-    marks: tuple[tuple[int, Any], ...] | None
-    answered: tuple[tuple[int, tuple[int, Any]], ...]
+    driven: DriverState
     epoch: int
     before: int
     drawn: int
@@ -620,13 +595,10 @@ class _Sim:
                 self.skipped = self.skipped | {task}
                 self.dry = self.dry | {w}
         for command in transition.commands:
-            if type(command) is Deliver:
-                self.in_hand = (command.task, command.worker)
-            elif type(command) is RaiseError and type(command.failure) is TaskFailure:
-                self.in_hand = (command.failure.task, command.failure.worker)
-            else:
-                continue
-            self.handed_in_call = True
+            handed = handed_task(command)
+            if handed is not None:
+                self.in_hand = handed
+                self.handed_in_call = True
         return transition
 
     def _owe(self, kind: str) -> None:
@@ -712,7 +684,7 @@ class _Sim:
 
     # --- the sampler, as the driver calls it ---------------------------------------------------
 
-    def draw(self) -> object:
+    def draw(self, state: State) -> object:
         if self.sampler_armed:
             self.sampler_armed = False
             raise _SamplerError("the sampler raised")
@@ -790,14 +762,8 @@ class _Sim:
             raise self.violation
 
     def _go_on(self) -> Any:
-        """The rest of a call that waited: what `Driver.next` or `start_epoch` does after it."""
-        driver = self.driver
-        outcome = driver.finish(None)
-        if self.awaiting and outcome is None:
-            raise InternalError("the scheduler left a request unanswered")
-        if outcome is not None:
-            return driver.hand_over(outcome)
-        return None
+        """The rest of a call that waited, in `next()` or in `iter()`."""
+        return self.driver.go_on(in_next=self.awaiting)
 
     def _go_on_if_waiting(self) -> None:
         if (self.awaiting or self.resetting) and (self.outbox or self.poll_with or self.broken):
@@ -982,7 +948,7 @@ class _Sim:
             raise Violation(
                 f"the scheduler waits on after {'iter()' if iterating else 'next()'} was cut short"
             )
-        if self.driver.todo or after.window != before.window:
+        if self.driver.snapshot().todo or after.window != before.window:
             raise Violation("an interrupted wait changed what was owed")
 
     def _close(self) -> None:

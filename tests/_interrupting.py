@@ -54,7 +54,7 @@ def interrupt_main_once(main: int, polling: Any, marker: Path, signum: int) -> N
     """From a worker: signal the main process once it waits, the first time only.
 
     The worker then answers at once, so its answer may arrive in the very instant the signal
-    lands: the executors' hand-off (`unconfirmed`, see executors/_protocol.py) must lose nothing.
+    lands: the executors' hand-off (`confirm`, see executors/_confirm.py) must lose nothing.
     """
     if marker.exists():
         return

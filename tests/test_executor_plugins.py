@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import statecore
-from statecore import SendTask
+from statecore import Event, SendTask
 from statecore.executors import (
     ENTRY_POINT_GROUP,
     Capabilities,
@@ -27,6 +27,7 @@ from statecore.executors._mp import MultiprocessExecutor
 from statecore.executors._registry import BUILT_IN, loads_in_process
 from statecore.executors._thread.executor import ThreadExecutor
 from statecore.models.kit import check_executor, matrix
+from statecore.models.loader import Forwarding
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "executors.md"
 
@@ -133,10 +134,22 @@ def legacy_inline(launch: Launch) -> InlineExecutor:
 legacy_inline.in_process = True  # type: ignore[attr-defined]
 
 
-class Confirming:
-    """An executor as written before `Capabilities`: it has `unconfirmed`, and declares nothing."""
+class Unconfirmed(Forwarding):
+    """An executor as written before `Capabilities` and `confirm()`: it declares nothing, and
+    sets an attribute `unconfirmed` to the answer it returns, which the driver once read and
+    cleared."""
 
-    unconfirmed = None
+    capabilities = None  # type: ignore[assignment]  # declares nothing
+    in_process = True
+
+    def __init__(self, launch: Launch) -> None:
+        super().__init__(InlineExecutor(launch))
+        self.unconfirmed: Event | None = None
+
+    def poll(self, timeout: float | None) -> Event | None:
+        self.unconfirmed = self.inner.poll(timeout)
+        self.inner.confirm()  # type: ignore[attr-defined]
+        return self.unconfirmed
 
 
 def test_an_object_declaring_nothing_gets_the_defaults() -> None:
@@ -146,9 +159,16 @@ def test_an_object_declaring_nothing_gets_the_defaults() -> None:
 
 def test_attributes_of_plugins_written_before_capabilities_still_declare() -> None:
     assert capabilities_of(legacy_inline) == Capabilities(in_process=True)
-    assert capabilities_of(Confirming()) == Capabilities(confirms_answers=True)
     assert loads_in_process(legacy_inline)
     loader = statecore.DataLoader(torch.arange(5), batch_size=2, executor=legacy_inline)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
+
+
+def test_an_executor_written_for_the_attribute_unconfirmed_loads_as_one_that_does_not_confirm() -> (
+    None
+):
+    assert capabilities_of(Unconfirmed) == Capabilities(in_process=True)
+    loader = statecore.DataLoader(torch.arange(5), batch_size=2, executor=Unconfirmed)
     assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
 
 

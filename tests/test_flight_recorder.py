@@ -86,8 +86,9 @@ class Scripted:
         pass
 
 
-def _draw(n: int) -> Callable[[], Any]:
-    return iter(range(n)).__next__
+def _draw(n: int) -> Callable[[State], Any]:
+    indices = iter(range(n))
+    return lambda state: next(indices)
 
 
 def _answer_in_turn(sent: list[SendTask]) -> Event:

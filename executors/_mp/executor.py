@@ -55,6 +55,7 @@ from statecore import (
     TaskFailed,
     WorkerDied,
 )
+from statecore.executors._confirm import Confirming
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.leases import BufferReceiver
@@ -121,7 +122,7 @@ def preload_in_forkserver() -> None:
         forkserver.set_forkserver_preload([*preload, worker_module.__name__])
 
 
-class MultiprocessExecutor:
+class MultiprocessExecutor(Confirming):
     """Runs each worker in its own process; see the package docstring for what crosses."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
@@ -144,8 +145,6 @@ class MultiprocessExecutor:
         """Made when the first worker starts: a loader that starts none leaves no directory."""
         self.remove_tempdir: Any = None
         self.ready: list[Event] = []
-        self.unconfirmed: Event | None = None
-        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.signals_held = HeldSignals()
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
@@ -308,8 +307,10 @@ class MultiprocessExecutor:
         waiting to be read: starting one takes milliseconds (fork copies the page tables of
         the whole main process), which an answer already here should not wait for.
         """
+        if self._unconfirmed is not None:
+            return self._unconfirmed  # not confirmed yet: an interrupt cut the last poll short
         if self.ready:
-            return self._hand_over()
+            return self._hand_out(self.ready[0], self.ready)
         deadline = None
         while not self.ready:
             watched = self._watched()
@@ -333,15 +334,7 @@ class MultiprocessExecutor:
             with self.signals_held:
                 for handle in fired:
                     self._collect(*watched[handle])
-        return self._hand_over()
-
-    def _hand_over(self) -> Event:
-        # Read, recorded, then removed, with no call in between: an interrupt landing as this
-        # returns cannot lose the answer (see _protocol).
-        event = self.ready[0]
-        self.unconfirmed = event
-        del self.ready[0]
-        return event
+        return self._hand_out(self.ready[0], self.ready)
 
     def _watched(self) -> dict[Any, tuple[str, int]]:
         watched: dict[Any, tuple[str, int]] = {}
@@ -517,7 +510,7 @@ class MultiprocessExecutor:
         for reader in (*self.readers.values(), *self.task_readers.values()):
             reader.close()
         self.ready.clear()
-        self.unconfirmed = None
+        self.confirm()
         self.buffers.close()
         if self.remove_tempdir is not None:
             self.remove_tempdir()  # every worker is gone: the sockets in it are dead

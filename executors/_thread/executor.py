@@ -73,6 +73,7 @@ from typing import Any, ClassVar
 import torch.utils.data._utils.worker as torch_worker
 
 from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
+from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import Capabilities, Launch
 from statecore.executors._startup import Seat, start_worker
@@ -132,7 +133,7 @@ def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
     return f"while loading dataset index {command.index!r}"
 
 
-class ThreadExecutor:
+class ThreadExecutor(Confirming):
     """Runs each worker in its own thread of this process."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
@@ -140,8 +141,6 @@ class ThreadExecutor:
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
         self.results: Handoff[Event] = Handoff()
-        self.unconfirmed: Event | None = None
-        """The answer `poll` returned last, until the driver has recorded it (see _protocol)."""
         self.inboxes: list[queue.SimpleQueue[SendTask | ResumeWorker | None]] = []
         self.threads: list[threading.Thread] = []
         self.stopped: set[int] = set()
@@ -270,13 +269,12 @@ class ThreadExecutor:
         self.inboxes[command.worker].put(command)
 
     def poll(self, timeout: float | None) -> Event | None:
+        if self._unconfirmed is not None:
+            return self._unconfirmed  # not confirmed yet: an interrupt cut the last poll short
         results = self.results
         if not results.wait(timeout, self._running):
             return None
-        # Read, recorded, then removed, with no call in between (see _protocol).
-        event = results.items[0]
-        self.unconfirmed = event
-        del results.items[0]
+        event = self._hand_out(results.items[0], results.items)
         if self.reseeded is not None and not self.reseed_warned:
             self._warn_reseeded(*self.reseeded)
         return event

@@ -1,0 +1,154 @@
+"""The driver loop (executors/_driver.py): what it gives the sampler, and its own state between
+calls, taken and put back as one value."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _launch import launch
+
+from statecore import (
+    Config,
+    Deliver,
+    EndEpoch,
+    RaiseError,
+    State,
+    TaskCompleted,
+    TaskFailure,
+    Timeout,
+)
+from statecore.executors import Driver
+from statecore.executors._driver import WorkerMarks, handed_task
+from statecore.executors._inline import InlineExecutor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _epoch(driver: Driver) -> list[int]:
+    got = []
+    while True:
+        try:
+            got.append(int(driver.next()))
+        except StopIteration:
+            return got
+
+
+def _inline_driver(size: int, draw: Callable[[State], Any]) -> Driver:
+    executor = InlineExecutor(launch(torch.arange(size), 1))
+    executor.start()
+    return Driver(Config(num_workers=1, prefetch_factor=1, lazy=True), executor, draw, timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_the_sampler_is_given_the_state_each_draw_is_asked_in() -> None:
+    asked: list[State] = []
+    indices = iter([[2], [0], [1]])
+
+    def draw(state: State) -> Any:
+        asked.append(state)
+        return next(indices)
+
+    driver = _inline_driver(3, draw)
+    driver.start_epoch()
+    assert _epoch(driver) == [2, 0, 1]
+    # One state per draw, the last finding the sampler's end: each one asking for that draw.
+    assert len(asked) == 4
+    assert all(state.drawing_for is not None for state in asked)
+    driver.close()
+
+
+class _Interrupting(InlineExecutor):
+    """Ctrl-C lands in the next poll once `armed`."""
+
+    armed = False
+
+    def poll(self, timeout: float | None) -> Any:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().poll(timeout)
+
+
+@pytest.mark.timeout(60)
+def test_a_driver_restored_from_a_snapshot_goes_on_where_the_first_stood() -> None:
+    executor = _Interrupting(launch(torch.arange(4), 1))
+    executor.start()
+    indices = iter([[0], [1], [2], [3]])
+    first = Driver(
+        Config(num_workers=1, prefetch_factor=1), executor, lambda state: next(indices), 0
+    )
+    first.start_epoch()
+    assert int(first.next()) == 0
+    executor.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        first.next()
+    taken = first.snapshot()
+    assert taken == first.snapshot()  # a value: taking it changes nothing
+    second = Driver(
+        Config(num_workers=1, prefetch_factor=1), executor, lambda state: next(indices), 0
+    )
+    second.restore(taken)
+    assert second.snapshot() == taken
+    assert _epoch(second) == [1, 2, 3]
+
+
+def test_a_mark_becomes_its_workers_once_the_consumer_receives_its_task() -> None:
+    marks = WorkerMarks.of({1: (4, "state")})
+    marks = marks.answer(TaskCompleted(7, 0, None, (2, "zero")), base=5)
+    marks = marks.answer(TaskCompleted(8, 1, None, (5, ...)), base=5)  # no state sent: ...
+    assert marks.received == ((1, (4, "state")),)
+    marks = marks.receive(8)
+    # A mark without a state takes the worker's last one.
+    assert marks.received == ((1, (5, "state")),)
+    assert marks.receive(7).received == ((0, (2, "zero")), (1, (5, "state")))
+    assert marks.receive(7).answered == ()
+
+
+def test_an_answer_of_an_earlier_epoch_leaves_no_mark() -> None:
+    marks = WorkerMarks().answer(TaskCompleted(3, 0, None, (1, None)), base=4)
+    assert marks == WorkerMarks()
+    assert marks.receive(3) == WorkerMarks()
+
+
+def test_only_a_batch_or_a_tasks_error_hands_a_task_over() -> None:
+    failure = TaskFailure(task=5, worker=1, error="boom")
+    assert handed_task(Deliver(3, 0, None)) == (3, 0)
+    assert handed_task(RaiseError(failure)) == (5, 1)
+    assert handed_task(RaiseError(Timeout(1.0))) is None
+    assert handed_task(EndEpoch()) is None
+    assert handed_task(None) is None
+
+
+# What the models' world may use of the driver: the consumer's calls, the rest of a call that
+# waited, the state a checkpoint records, and the driver's state as one value.
+_DRIVER_SURFACE = {
+    "start_epoch",
+    "next",
+    "close",
+    "go_on",
+    "progress",
+    "marks",
+    "state",
+    "snapshot",
+    "restore",
+}
+
+
+def test_the_models_world_uses_the_driver_only_through_its_calls_and_snapshots() -> None:
+    tree = ast.parse((ROOT / "models" / "world.py").read_text())
+    used, written = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if name == "driver":
+                used.add(node.attr)
+                if isinstance(node.ctx, ast.Store | ast.Del):
+                    written.add(node.attr)
+    assert written == set()
+    assert used <= _DRIVER_SURFACE, used - _DRIVER_SURFACE
