@@ -28,7 +28,7 @@ from statecore import step as core_step
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import (
     Action,
-    Checkpoint,
+    Preempt,
     Scenario,
     StepFunction,
     Violation,
@@ -125,7 +125,7 @@ def explore(scenario: Scenario, step: StepFunction = core_step, checkpoints: boo
                         check_checkpoint(world, workers, step, seen)
                     except Violation as violation:
                         message = f"resumed from a checkpoint with {workers} workers: {violation}"
-                        return failed(world, message, Checkpoint(workers))
+                        return failed(world, message, Preempt(workers))
         moved = False
         for action in world.actions():
             moved = True

@@ -29,12 +29,12 @@ from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import (
     Action,
     Break,
-    Checkpoint,
     Close,
     Expire,
     Interrupt,
     Kill,
     Next,
+    Preempt,
     Restart,
     SamplerRaises,
     Scenario,
@@ -188,7 +188,7 @@ def scheduler_machine(
                 # The run may stop before the resumed epoch ends, leaving the resume unchecked:
                 # a copy goes on to the end first, without faults, as the explorer's does.
                 check_checkpoint(self.world, workers, step)
-            self._apply(Checkpoint(workers))
+            self._apply(Preempt(workers))
 
         @rule()
         def run_ends_when_nothing_can_happen(self) -> None:

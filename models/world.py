@@ -72,7 +72,7 @@ from statecore.models.reference import (
 
 __all__ = [
     "Action",
-    "Checkpoint",
+    "Preempt",
     "Blocked",
     "Break",
     "Close",
@@ -213,7 +213,7 @@ class Restart:
 
 
 @attrs.frozen
-class Checkpoint:
+class Preempt:
     """The program saves the loader's state, and goes on in a fresh loader loaded from it, with
     `workers` workers (an iterable dataset's: as many as before): a preempted job restarted
     elsewhere."""
@@ -231,9 +231,7 @@ class Saved:
     marks: tuple[tuple[int, Any] | None, ...] | None
 
 
-Action = (
-    Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart | Checkpoint
-)
+Action = Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart | Preempt
 
 _TASK = "task"
 _RESUME = "resume"
@@ -396,7 +394,7 @@ class World:
         self, action: Action, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
     ) -> World:
         """The world after `action`; raises `Violation` if the scheduler or driver misbehaves."""
-        if isinstance(action, Checkpoint):
+        if isinstance(action, Preempt):
             return self.resumed(self.checkpoint(), action.workers, step, on_edge)
         sim = _Sim(self, step, on_edge)
         sim.act(action)

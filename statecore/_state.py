@@ -59,7 +59,9 @@ class Phase(enum.Enum):
     """Every task of the epoch is resolved and the consumer was told the epoch ended.
     Persistent workers wait here for the next epoch."""
     FAILED = "failed"
-    """A worker died or a wait timed out. Sticky: shutdown was emitted, the failure is re-raised."""
+    """A failure ended the epoch: a worker died, a wait timed out, the sampler raised or the
+    executor itself failed. Sticky: shutdown was emitted, and every request re-raises the
+    failure (a sampler's once, as torch's spent sampler then gives the end)."""
     CLOSED = "closed"
     """Closed by the consumer. Sticky: everything but another close is refused."""
 

@@ -156,7 +156,7 @@ def test_the_ring_keeps_no_batch_alive() -> None:
     state = _drive(recorded, initial_state(config), ResetRequested(), IndexDrawn(0), IndexDrawn(1))
     first, second = Batch(), Batch()
     alive = weakref.ref(first), weakref.ref(second)
-    # Task 1 answers first and waits in the window, where the checkpoint taken before task 0's
+    # Task 1 answers first and waits in the window, where the keyframe taken before task 0's
     # answer finds it.
     state = _drive(recorded, state, TaskCompleted(1, 1, second), TaskCompleted(0, 0, first))
     handed = []

@@ -36,7 +36,7 @@ from statecore.models.explorer import (
     representative_scenarios,
 )
 from statecore.models.reference import IterableSpec, MapSpec
-from statecore.models.world import Checkpoint, Next, Scenario, Work
+from statecore.models.world import Next, Preempt, Scenario, Work
 
 # Edges of the table that the simulated world does not produce, and why. The world answers
 # DrawIndex at once, its workers answer first in, first out, and it starts the first epoch right
@@ -211,5 +211,5 @@ def test_scenarios_refuse_a_dataset_that_does_not_match_the_config() -> None:
 def test_a_violation_in_a_resumed_run_ends_its_trace_with_the_checkpoint() -> None:
     report = explore(_small(), step=_in_order_ignored)
     assert not report.ok
-    assert report.trace == (Checkpoint(workers=2),)
+    assert report.trace == (Preempt(workers=2),)
     assert "resumed from a checkpoint with 2 workers" in (report.violation or "")

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 import statecore
 from statecore.executors import LoaderStats, Trace
-from statecore.executors._observe.trace import BatchRecord, Mark, Wait
+from statecore.executors._observe.trace import BatchRecord, Moment, Wait
 from statecore.executors._observe.tracer import TRACE_VARIABLE, Tracer
 from statecore.executors._timing import WHOLE_BATCH
 from statecore.tools.timeline import draw_timeline
@@ -432,7 +432,7 @@ def made_up(
                 )
             )
         batches = tuple(made)
-    marks = tuple(Mark(t, "epoch start", None, f"epoch {n + 1}") for n, t in enumerate(epochs))
+    marks = tuple(Moment(t, "epoch start", None, f"epoch {n + 1}") for n, t in enumerate(epochs))
     return Trace(
         num_workers=2,
         in_order=in_order,

@@ -24,10 +24,10 @@ What the ring holds, and why it is cheap:
   as `repr` on every draw would cost more than the rest together; of a batch sampler's list
   only the first and last index and the length are kept.
 - The replay must start from a state, so the ring holds a stripped copy of the state now and
-  then, `Checkpoint`: before every `every`-th task's answer (`every` grows with the window,
+  then, `Keyframe`: before every `every`-th task's answer (`every` grows with the window,
   so the copying stays a small share) and at every epoch's start. The ring holds at least
-  eight such intervals' worth of events; the file starts at the oldest checkpoint left in
-  it, and the later checkpoints tell the replay whether it still follows the live run.
+  eight such intervals' worth of events; the file starts at the oldest keyframe left in
+  it, and the later keyframes tell the replay whether it still follows the live run.
 - The commands are not recorded: they follow from the state and the event. The file gets
   them by replaying the ring when it is written, in the process that ran the loader, and a
   later replay (maybe of another statecore version) compares its own with them.
@@ -88,7 +88,7 @@ __all__ = [
     "MAX_FILES",
     "MIN_EVERY",
     "WINDOWS_EVERY",
-    "Checkpoint",
+    "Keyframe",
     "FlightRecorder",
     "intervals",
     "strip_state",
@@ -101,18 +101,18 @@ MAX_FILES = 16
 fill the disk. Later errors say that nothing was written, and why."""
 
 MIN_EVERY = 128
-"""Tasks between two checkpoints, at least; more with a larger window (see `intervals`)."""
+"""Tasks between two keyframes, at least; more with a larger window (see `intervals`)."""
 WINDOWS_EVERY = 16
-"""Tasks between two checkpoints, in windows (workers x prefetch), at least."""
+"""Tasks between two keyframes, in windows (workers x prefetch), at least."""
 INTERVALS = 8
-"""The ring's size, in checkpoint intervals of three events a task (a draw, an answer, a
-request): the file (from the oldest checkpoint left) holds at least five intervals' events."""
+"""The ring's size, in keyframe intervals of three events a task (a draw, an answer, a
+request): the file (from the oldest keyframe left) holds at least five intervals' events."""
 
 
 def intervals(config: Config) -> tuple[int, int]:
-    """(tasks between checkpoints, events the ring holds) for a scheduler of `config`.
+    """(tasks between keyframes, events the ring holds) for a scheduler of `config`.
 
-    A checkpoint copies the window, up to workers x prefetch slots: one every `WINDOWS_EVERY`
+    A keyframe copies the window, up to workers x prefetch slots: one every `WINDOWS_EVERY`
     windows' worth of tasks costs a small share of a slot's copy per task, whatever the size.
     """
     every = max(MIN_EVERY, WINDOWS_EVERY * config.num_workers * config.prefetch_factor)
@@ -123,7 +123,7 @@ def intervals(config: Config) -> tuple[int, int]:
 
 
 @attrs.frozen
-class Checkpoint:
+class Keyframe:
     """A stripped copy of the live state, from before the event recorded next."""
 
     state: State
@@ -151,7 +151,7 @@ def strip_state(state: State) -> State:
 
 
 _READY = tuple(Ready(worker) for worker in range(256))
-"""Stripped answers, made once: a checkpoint then copies no slot (values, so sharing is safe)."""
+"""Stripped answers, made once: a keyframe then copies no slot (values, so sharing is safe)."""
 
 
 def _strip_slot(slot: Slot) -> Slot:
@@ -187,9 +187,9 @@ class FlightRecorder:
         self.ring: deque[object] = deque(maxlen=self.size)
         """Events (the common ones as they are, an answer as (task, worker), a batch sampler's
         draw as (first index, last index, length)), each
-        `Checkpoint` before the event it precedes, each `Raised` after the event it follows.
+        `Keyframe` before the event it precedes, each `Raised` after the event it follows.
 
-        The first checkpoint comes with the first `ResetRequested`, which is a loader's first
+        The first keyframe comes with the first `ResetRequested`, which is a loader's first
         event, not with `state`: the models give a driver the state of their world after
         building it, and the file of such a driver would start from the wrong one."""
         self.notes: dict[object, str] = {}
@@ -219,7 +219,7 @@ class FlightRecorder:
             elif kind is TaskCompleted:
                 task = event.task  # type: ignore[attr-defined]
                 if not task % every:
-                    record(Checkpoint(strip_state(state)))
+                    record(Keyframe(strip_state(state)))
                 record((task, event.worker))  # type: ignore[attr-defined]
             else:
                 rare(state, event)
@@ -240,8 +240,8 @@ class FlightRecorder:
         # An answer counts as TaskCompleted's do; an epoch's start is where a replay may well begin.
         task = event.task if kind is TaskFailed else None  # type: ignore[attr-defined]
         due = kind is ResetRequested or (task is not None and not task % self.every)
-        if due and not (ring and type(ring[-1]) is Checkpoint):
-            ring.append(Checkpoint(strip_state(state)))
+        if due and not (ring and type(ring[-1]) is Keyframe):
+            ring.append(Keyframe(strip_state(state)))
         ring.append(_stripped(event))
 
     def _raised(self, state: State, error: BaseException) -> None:
@@ -255,7 +255,7 @@ class FlightRecorder:
 
     def events(self) -> int:
         """Events held now."""
-        return sum(1 for record in self.ring if type(record) not in (Checkpoint, Raised))
+        return sum(1 for record in self.ring if type(record) not in (Keyframe, Raised))
 
     def attach(
         self, error: BaseException, state: State, key: object = None, as_note: bool = False
@@ -284,7 +284,7 @@ class FlightRecorder:
         global _files_written
         folder = os.environ.get(DIR_VARIABLE) or tempfile.gettempdir()
         events = self.events()
-        if not any(type(record) is Checkpoint for record in self.ring):
+        if not any(type(record) is Keyframe for record in self.ring):
             return (
                 f"flight recorder: the last {events} scheduler events were not written: none of "
                 "them comes after a state a replay could start from"
@@ -322,22 +322,22 @@ class FlightRecorder:
         return note
 
     def recording(self, state: State, reason: str) -> tuple[Recording, list[Replayed]]:
-        """What the file holds (the ring from its oldest checkpoint, the commands replayed),
+        """What the file holds (the ring from its oldest keyframe, the commands replayed),
         and the replay that gave the commands. `state` is the driver's now."""
         records = list(self.ring)
-        checkpoints = [i for i, r in enumerate(records) if type(r) is Checkpoint]
-        if not checkpoints:
+        keyframes = [i for i, r in enumerate(records) if type(r) is Keyframe]
+        if not keyframes:
             raise ValueError("the ring holds no state a replay could start from")
-        first = checkpoints[0]
-        dropped = sum(1 for r in records[:first] if type(r) not in (Checkpoint, Raised))
+        first = keyframes[0]
+        dropped = sum(1 for r in records[:first] if type(r) not in (Keyframe, Raised))
         start = records[first].state  # type: ignore[attr-defined]
         steps: list[Recorded] = []
         before: State | None = None
         for record in records[first + 1 :]:
-            if type(record) is Checkpoint:
+            if type(record) is Keyframe:
                 before = record.state
             elif type(record) is Raised:
-                if steps:  # the event it follows fell off the ring with its checkpoint
+                if steps:  # the event it follows fell off the ring with its keyframe
                     steps[-1] = attrs.evolve(steps[-1], raised=record)
             else:
                 steps.append(Recorded(_event_of(record), before=before))

@@ -107,7 +107,7 @@ class Recorded:
 
     event: Event
     before: State | None = None
-    """The live state before it, where the recorder took a checkpoint."""
+    """The live state before it, where the recorder took a keyframe."""
     raised: Raised | None = None
     """What its step raised: the driver then kept the state it had."""
     commands: tuple[Command, ...] | None = None
@@ -125,7 +125,7 @@ class Recording:
     version: str
     """statecore's version that wrote it."""
     dropped: int
-    """Events older than the oldest checkpoint the ring held: left out, as nothing replays them."""
+    """Events older than the oldest keyframe the ring held: left out, as nothing replays them."""
     start: State
     steps: tuple[Recorded, ...]
     end: State
@@ -151,7 +151,7 @@ class Replayed:
 def replay(recording: Recording, run: StepFunction = step) -> Iterator[Replayed]:
     """Drive `run` through the recorded events from the recorded start, checking as it goes.
 
-    Where the replay leaves the live run (a checkpoint, the commands or a raise differ) it
+    Where the replay leaves the live run (a keyframe, the commands or a raise differ) it
     says so and goes on from the live run's state where that is known, so one divergence does
     not hide the rest. The start's violations come first, as a step numbered 0 with no event.
     """

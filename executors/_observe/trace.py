@@ -35,7 +35,7 @@ __all__ = [
     "Column",
     "LoaderCounters",
     "LoaderStats",
-    "Mark",
+    "Moment",
     "Trace",
     "Wait",
     "WaitColumns",
@@ -91,7 +91,7 @@ class BatchRecord:
 
 
 @attrs.frozen
-class Mark:
+class Moment:
     """Something that happened at one moment: an epoch's start or end, a worker resumed or
     dead, a timeout."""
 
@@ -215,7 +215,9 @@ def _most(column: Column) -> float:
     return float(came.max()) if len(came) else -math.inf
 
 
-def _span(marks: Sequence[Mark], batches: BatchColumns, waits: WaitColumns) -> tuple[float, float]:
+def _span(
+    marks: Sequence[Moment], batches: BatchColumns, waits: WaitColumns
+) -> tuple[float, float]:
     """The first moment traced (the first `iter()`, or the oldest moment kept) and the last."""
     first = min(
         min((mark.time for mark in marks), default=math.inf),
@@ -260,7 +262,7 @@ class Trace:
     executor: str
     batches: tuple[BatchRecord, ...]
     waits: tuple[Wait, ...]
-    marks: tuple[Mark, ...]
+    marks: tuple[Moment, ...]
     dropped: int = 0
     """Batches forgotten. A tracer keeps the latest stretch of the run that holds at most its
     limit (`DEFAULT_LIMIT`) of batches, of waits and of marks, and forgets all before it."""

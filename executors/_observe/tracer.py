@@ -63,7 +63,7 @@ from statecore.executors._observe.trace import (
     BatchRecord,
     Column,
     LoaderStats,
-    Mark,
+    Moment,
     Trace,
     WaitColumns,
     collector_paused,
@@ -462,7 +462,7 @@ class Tracer:
         self.clock = clock
         self.tasks = _Tasks()
         """Every driver's tasks and waits, filled as they come."""
-        self.marks: list[Mark] = []
+        self.marks: list[Moment] = []
         self.drivers = 0
         """Drivers wrapped so far."""
         self.dropped = 0
@@ -524,7 +524,7 @@ class Tracer:
                             slowest_index[task], slowest_took[row] = slowest[0]
                         if ready is not None:
                             worker = event.worker  # type: ignore[attr-defined]
-                            marks.append(Mark(ready, "worker ready", worker))
+                            marks.append(Moment(ready, "worker ready", worker))
                     if kind is TaskFailed:
                         tasks.failed.add(task)
             elif kind is NextRequested:
@@ -534,7 +534,7 @@ class Tracer:
                 # The loader's epochs, counted over all its iterators: a scheduler counts only
                 # its own (each iter() without persistent workers makes a new one, at epoch 1).
                 self.epoch += 1
-                marks.append(Mark(now, "epoch start", None, f"epoch {self.epoch}"))
+                marks.append(Moment(now, "epoch start", None, f"epoch {self.epoch}"))
                 if asked is None:
                     asked = now
                 check()
@@ -571,7 +571,7 @@ class Tracer:
                             task += offset
                     else:
                         task = None
-                        marks.append(Mark(now, "epoch end", None, f"epoch {self.epoch}"))
+                        marks.append(Moment(now, "epoch end", None, f"epoch {self.epoch}"))
                     if task is not None:
                         row = row_of.get(task)
                         if row is not None:
@@ -584,7 +584,7 @@ class Tracer:
                     if task is None:
                         check()
                 elif ckind is ResumeWorker:
-                    marks.append(Mark(now, "resume sent", command.worker))  # type: ignore[attr-defined]
+                    marks.append(Moment(now, "resume sent", command.worker))  # type: ignore[attr-defined]
 
         return Observer(traced, owner=self)
 
@@ -646,11 +646,11 @@ class Tracer:
         kind = type(event)
         if kind is WorkerDied:
             detail = f"pid {event.pid}, exit code {event.exitcode}"  # type: ignore[attr-defined]
-            self.marks.append(Mark(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
+            self.marks.append(Moment(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
         elif kind is WorkerResumed:
-            self.marks.append(Mark(now, "worker resumed", event.worker))  # type: ignore[attr-defined]
+            self.marks.append(Moment(now, "worker resumed", event.worker))  # type: ignore[attr-defined]
         elif kind is TimedOut:
-            self.marks.append(Mark(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
+            self.marks.append(Moment(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
 
     def trace(self) -> Trace:
         """What was traced so far (cut to the limit exactly)."""
@@ -689,5 +689,5 @@ class Tracer:
         )
 
 
-def _moment(mark: Mark) -> float:
+def _moment(mark: Moment) -> float:
     return mark.time
