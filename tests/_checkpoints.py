@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,3 +27,16 @@ def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     buffer.seek(0)
     loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
     return loaded
+
+
+def resumed_between_epochs(build: Callable[[], Any]) -> tuple[list[Any], list[Any]]:
+    """(the uninterrupted run's second epoch, what a loader resumed from a state saved after a
+    first epoch's end gives): the loaders come from `build`, which must give equal ones."""
+    uninterrupted = build()
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
+    original = build()
+    run_to_end(iter(original))
+    state = roundtrip(original.state_dict())
+    resumed = build()
+    resumed.load_state_dict(state)
+    return epochs[1], run_to_end(iter(resumed))

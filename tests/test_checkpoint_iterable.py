@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _checkpoints import roundtrip, run_to_end, take
+from _checkpoints import resumed_between_epochs, roundtrip, run_to_end, take
 from _datasets import (
     CountsEpochs,
     DrawsAsItGoes,
@@ -548,14 +548,8 @@ def test_persistent_workers_resumed_between_epochs_go_on_with_their_random_strea
         options = {"num_workers": 2, "persistent_workers": True, "generator": generator}
         return loader(DrawsAsItGoes(10), executor="mp", **options)
 
-    uninterrupted = build()
-    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
-    original = build()
-    run_to_end(iter(original))
-    state = roundtrip(original.state_dict())
-    resumed = build()
-    resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == epochs[1]
+    second, resumed = resumed_between_epochs(build)
+    assert resumed == second
 
 
 def test_a_state_taken_before_the_first_batch_resumes_a_reused_dataset_from_the_epochs_start() -> (

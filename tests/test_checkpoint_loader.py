@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _checkpoints import roundtrip, run_to_end, take
+from _checkpoints import resumed_between_epochs, roundtrip, run_to_end, take
 from _datasets import Augmented, GlobalDraws, Numbers
 from _side_by_side import WORKERS
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
@@ -438,14 +438,8 @@ def test_a_map_style_state_between_epochs_goes_on_into_the_next_epoch_as_its_wor
         options = {"generator": seeded(), "num_workers": workers}
         return loader(Augmented(12), executor=executor, persistent_workers=True, **options)
 
-    uninterrupted = build()
-    epochs = [run_to_end(iter(uninterrupted)) for _ in range(2)]
-    original = build()
-    run_to_end(iter(original))
-    state = roundtrip(original.state_dict())
-    resumed = build()
-    resumed.load_state_dict(state)
-    assert run_to_end(iter(resumed)) == epochs[1]
+    second, resumed = resumed_between_epochs(build)
+    assert resumed == second
 
 
 LIVING_ON = [
