@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -48,9 +49,11 @@ from statecore import (
     LoaderCancelledError,
     LoaderTimeoutError,
     NextRequested,
+    Pending,
     Phase,
     Progress,
     RaiseError,
+    ReplaceWorker,
     ResetRequested,
     ResumeWorker,
     SamplerExhausted,
@@ -68,12 +71,22 @@ from statecore import (
     Transition,
     WorkerDeath,
     WorkerDiedError,
+    WorkerHang,
+    WorkerHungError,
+    WorkerStatus,
+    WorkerStuck,
     initial_state,
     progress,
     step,
 )
 from statecore.executors._observe.seam import Observer, observed
-from statecore.executors._protocol import Executor, confirmer_of
+from statecore.executors._protocol import (
+    Executor,
+    Replacing,
+    capabilities_of,
+    confirmer_of,
+    replacer_of,
+)
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals, is_interrupt
 from statecore.executors._worker import Mark
@@ -118,11 +131,14 @@ class Driver:
         *,
         observers: Iterable[Observer] = (),
         marked: bool = False,
+        worker_timeout: float = 0,
     ) -> None:
         """`draw` draws the next index from the sampler (StopIteration at its end); it is given
         the scheduler's state as the draw is asked (where the consumer stands, for a sampler's
         checkpoint). `marked`: the workers' answers carry marks though the dataset is map-style
-        (its state per worker, see `WorkerRuntime`); an iterable dataset's always do."""
+        (its state per worker, see `WorkerRuntime`); an iterable dataset's always do.
+        `worker_timeout`: seconds the consumer may wait for one task before its worker is
+        reported stuck (`WorkerStuck`); 0 never."""
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
@@ -132,6 +148,13 @@ class Driver:
         self.timeout: float | None = timeout if timeout > 0 else None
         self.confirm = confirmer_of(executor)
         """The executor's `confirm`, if it keeps each answer until told it was recorded."""
+        self.replacer: Replacing | None = replacer_of(executor)
+        """The executor, if it can replace a lost worker."""
+        self.worker_timeout: float | None = worker_timeout if worker_timeout > 0 else None
+        self.killable = capabilities_of(executor).kills_stuck_workers
+        self.watch: tuple[int, int, float] | None = None
+        """(task, incarnation, deadline): the task the consumer waits for and when its worker is
+        reported stuck. A clock, not a state: left out of `snapshot`."""
         # The driver's state between calls; `snapshot` takes it as one value.
         self.todo: deque[Command] = deque()
         """Commands still to carry out: those an interrupt left for the next call."""
@@ -346,6 +369,10 @@ class Driver:
 
     def _poll(self) -> Event:
         try:
+            if self.worker_timeout is not None:
+                watched = self._watched()
+                if watched is not None:
+                    return self._poll_watching(*watched)
             event = self.executor.poll(self.timeout)
         except Exception as error:
             if is_interrupt(error):
@@ -360,6 +387,57 @@ class Driver:
                 )
             event = TimedOut(self.timeout)
         return event
+
+    def _watched(self) -> tuple[int, int] | None:
+        """The task the waiting consumer waits for and the worker that holds it: the first
+        pending task of a running worker (in order, the next task due). None: nothing to
+        watch (no consumer waits, or the task waits for a replacement to start)."""
+        state = self.state
+        if not state.waiting:
+            return None
+        workers = state.life.workers
+        for i, slot in enumerate(state.window):
+            if type(slot) is Pending:
+                if workers[slot.worker] is not WorkerStatus.ACTIVE:
+                    return None
+                return state.rcvd_idx + i, slot.worker
+            if state.config.in_order:
+                return None  # an answer is due first; it is not held up
+        return None
+
+    def _poll_watching(self, task: int, worker: int) -> Event:
+        """Poll for as long as the loader's timeout allows, but report `worker` stuck once the
+        consumer has waited `worker_timeout` for `task` (counted from the first poll that
+        waited for it, across calls)."""
+        assert self.worker_timeout is not None
+        incarnation = self.state.life.incarnations[worker]
+        now = time.monotonic()
+        watch = self.watch
+        if watch is None or watch[:2] != (task, incarnation):
+            watch = self.watch = (task, incarnation, now + self.worker_timeout)
+        deadline = watch[2]
+        limit = None if self.timeout is None else now + self.timeout
+        while True:
+            until = deadline if limit is None else min(deadline, limit)
+            event = self.executor.poll(max(0.0, until - time.monotonic()))
+            if event is not None:
+                return event
+            now = time.monotonic()
+            if limit is not None and now >= limit:
+                assert self.timeout is not None
+                return TimedOut(self.timeout)
+            if now >= deadline:
+                self.watch = None
+                report = None if self.replacer is None else self.replacer.report(worker)
+                return WorkerStuck(
+                    worker,
+                    task,
+                    self.worker_timeout,
+                    incarnation,
+                    pid=None if report is None else report.pid,
+                    stack=None if report is None else report.stack,
+                    killable=self.killable and self.replacer is not None,
+                )
 
     def carry_out(self) -> Command | None:
         """Carry out every pending command; return the last telling what the consumer gets."""
@@ -384,6 +462,8 @@ class Driver:
                             executor.resume(command)  # type: ignore[arg-type]
                         elif kind is StopWorker:
                             executor.stop_worker(command.worker)  # type: ignore[attr-defined]
+                        elif kind is ReplaceWorker:
+                            self._replace(command)  # type: ignore[arg-type]
                         elif kind is Shutdown:
                             # Once begun, a shutdown finishes: an interrupt is raised after it.
                             with HeldSignals():
@@ -411,6 +491,14 @@ class Driver:
                 self._interrupted()
             raise
         return outcome
+
+    def _replace(self, command: ReplaceWorker) -> None:
+        if self.replacer is None:
+            raise InternalError(
+                f"the scheduler replaced a worker ({command!r}) on an executor that cannot"
+            )
+        marks = self.worker_marks
+        self.replacer.replace(command, None if marks is None else marks.latest(command.worker))
 
     def _draw(self) -> None:
         try:
@@ -484,6 +572,20 @@ class WorkerMarks:
         kept.sort(key=_first)
         return WorkerMarks(self.received, tuple(kept))
 
+    def latest(self, worker: int) -> Mark | None:
+        """Where `worker`'s dataset stands after its last answer the main process recorded,
+        received by the consumer or not: what a replacement of it is restored to."""
+        received = dict(self.received)
+        mark = received.get(worker)
+        for _, (answered_by, answered) in self.answered:
+            if answered_by != worker or answered is None:
+                continue
+            since, snapshot = answered
+            if snapshot is ...:
+                snapshot = None if mark is None else mark[1]
+            mark = (since, snapshot)
+        return mark
+
     def receive(self, task: int) -> WorkerMarks:
         """The consumer got `task`'s batch or error: its mark is now its worker's."""
         answered = self.answered
@@ -535,6 +637,8 @@ def failure_exception(failure: Failure) -> BaseException:
         return WorkerDiedError(
             death_message(failure), failure.worker, failure.pid, failure.exitcode
         )
+    if isinstance(failure, WorkerHang):
+        return WorkerHungError(failure.describe(), failure.worker, failure.pid, failure.stack)
     if isinstance(failure, Timeout):
         return LoaderTimeoutError(failure.describe())
     if isinstance(failure, Cancelled):
@@ -583,6 +687,12 @@ def death_message(death: WorkerDeath) -> str:
     if death.reason is not None:
         # The executor's own account (Ray's, say), which often names the cause outright.
         detail += f"The executor reported: {death.reason} "
+    if death.earlier:
+        told = "; ".join(loss.describe_alone() for loss in death.earlier)
+        detail += (
+            f"Its {len(death.earlier)} worker restart(s) (worker_restarts) were spent before "
+            f"it, on: {told}. "
+        )
     return (
         message + detail + "If this repeats, run with num_workers=0 to see the error in the "
         "main process."

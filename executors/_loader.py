@@ -53,6 +53,7 @@ from statecore.executors._protocol import (
     confirmer_of,
 )
 from statecore.executors._registry import resolve_executor
+from statecore.executors._restarts import RestartBudget
 from statecore.executors._worker import Mark, WorkerSetup, has_state
 
 __all__ = ["DataLoader", "EpochOverWarning"]
@@ -109,6 +110,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         executor: str | Callable[[Launch], Executor] | None = None,
         snapshot_every_n_steps: int | None = 1,
         trace: bool | None = None,
+        worker_restarts: int = 0,
+        worker_timeout: float = 0,
     ) -> None:
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
@@ -153,6 +156,25 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # Kept under its argument's name, as every argument is: frameworks rebuild a loader
         # from the attributes named like its arguments.
         self.trace = tracing_from_environment() if trace is None else bool(trace)
+        if (
+            isinstance(worker_restarts, bool)
+            or not isinstance(worker_restarts, int)
+            or worker_restarts < 0
+        ):
+            raise ValueError(
+                f"worker_restarts must be an integer of at least 0 (how many lost workers the "
+                f"loader replaces), got {worker_restarts!r}"
+            )
+        if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, (int, float)):
+            raise ValueError(f"worker_timeout must be a number of seconds, got {worker_timeout!r}")
+        if worker_timeout < 0:
+            raise ValueError(
+                f"worker_timeout should be a non-negative value (0: never), got {worker_timeout}"
+            )
+        self.worker_restarts = worker_restarts
+        self.worker_timeout = worker_timeout
+        self._restarts = RestartBudget(worker_restarts)
+        """The restarts this loader's iterators spent: `worker_restarts` is per loader."""
         self._tracer: Tracer | None = None
         self._resume: Resume | None = None
         self._latest: weakref.ref[_Iterator] | None = None
@@ -248,6 +270,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             )
         # From the tracer's tables: the records of a trace at the limit took most of the time.
         return attrs.evolve(self._tracer.stats(), counters=counters)
+
+    def _restarts_left(self) -> int:
+        budget = self.__dict__.get("_restarts")
+        if budget is None or budget.restarts != self.worker_restarts:
+            # Set after the loader was built (frameworks rebuild loaders from attributes).
+            budget = self._restarts = RestartBudget(self.worker_restarts)
+        return int(budget.left)
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
@@ -354,6 +383,18 @@ def observers(config: Config, tracer: Tracer | None) -> tuple[Observer, ...]:
     if tracer is not None:
         watching.append(tracer.observer())
     return tuple(watching)
+
+
+def _check_replacing(factory: Any, loader: DataLoader[Any]) -> None:
+    """Refuse restarts, or a stuck worker's replacement, on an executor that cannot."""
+    declared = capabilities_of(factory)
+    name = _executor_name(loader)
+    if loader.worker_restarts and not declared.replaces_workers:
+        raise ValueError(
+            f"worker_restarts={loader.worker_restarts} needs an executor that can replace a lost "
+            f"worker, and {name!r} cannot; use executor='mp' (processes) or 'thread', or leave "
+            "worker_restarts at 0"
+        )
 
 
 def _executor_name(loader: DataLoader[Any]) -> str:
@@ -669,6 +710,11 @@ class _Iterator(_BaseDataLoaderIter):
         self._drawless = self._dataset_kind != _ITER and draws_nothing(self._index_sampler)
         if in_process and self._timeout != 0:
             raise AssertionError("loading in the calling thread requires timeout == 0, as torch")
+        if in_process and loader.worker_timeout:
+            raise ValueError(
+                "worker_timeout needs workers: with num_workers=0 the batches are loaded in the "
+                "calling thread, which cannot be watched or replaced; set num_workers >= 1"
+            )
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
         # with range()'s TypeError: operator.index does both.
         workers = self._workers = 1 if in_process else operator.index(loader.num_workers)
@@ -701,6 +747,7 @@ class _Iterator(_BaseDataLoaderIter):
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             persistent_workers=self._persistent_workers and not in_process,
             lazy=in_process,
+            restarts=0 if in_process else loader._restarts_left(),
         )
         factory = loader.executor_factory
         if isinstance(factory, Pinned):
@@ -713,6 +760,8 @@ class _Iterator(_BaseDataLoaderIter):
         elif self._pin_memory:
             # torch's base iterator says whether to pin: an accelerator is there, and not MPS.
             factory = Pinned(factory, in_process=in_process)
+        if config.restarts or loader.worker_timeout:
+            _check_replacing(factory, loader)
         executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
         executor.start()
         # After start(): the dataset's iterator for the epoch is made, as torchdata's is made
@@ -725,8 +774,9 @@ class _Iterator(_BaseDataLoaderIter):
             executor,
             _drawer(self),
             self._timeout,
-            observers=observers(config, tracer),
+            observers=(*observers(config, tracer), loader._restarts.observer()),
             marked=marked,
+            worker_timeout=0 if in_process else loader.worker_timeout,
         )
         _LIVE.add(self)
         self._reset(loader, first_iter=True)

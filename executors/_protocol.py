@@ -10,7 +10,14 @@ What an executor promises, and the models assume:
   an iterable dataset whose worker has run dry, `WorkerExhausted`), until the worker is stopped;
 - a worker answers in the order it was given work, and answers a resume after every task sent
   before it (`WorkerResumed`);
-- a worker that ends without being stopped is reported once with `WorkerDied`.
+- a worker that ends without being stopped is reported once with `WorkerDied`;
+- every event of a worker names the incarnation that sent it (0 until its slot is replaced,
+  then the `ReplaceWorker` command's number), so that the scheduler drops late news of a
+  worker it has already replaced.
+
+An executor that declares `replaces_workers` also carries out `ReplaceWorker` (`replace`): it
+ends the lost incarnation if it still runs, starts a new one in the slot set up as the lost one
+was, and answers `WorkerStarted` before anything else of the new incarnation.
 
 This module holds the whole contract: the methods (`Executor`), what an executor is given to
 start (`Launch`, `ExecutorFactory`), and what it declares beyond its methods (`Capabilities`,
@@ -25,8 +32,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from statecore import Event, ResumeWorker, SendTask
-from statecore.executors._worker import WorkerSetup
+from statecore import Event, ReplaceWorker, ResumeWorker, SendTask
+from statecore.executors._worker import Mark, WorkerSetup
 
 __all__ = [
     "Capabilities",
@@ -34,8 +41,11 @@ __all__ = [
     "Executor",
     "ExecutorFactory",
     "Launch",
+    "Replacing",
+    "WorkerReport",
     "capabilities_of",
     "confirmer_of",
+    "replacer_of",
 ]
 
 
@@ -64,6 +74,33 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Release everything: join or terminate workers, close queues, free shared memory."""
+
+
+@attrs.frozen
+class WorkerReport:
+    """What an executor can tell of one worker it is asked about (one found stuck)."""
+
+    pid: int | None = None
+    """Its process id; None for a thread."""
+    stack: str | None = None
+    """Its Python stack now, innermost call last, as a traceback prints it; None if unknown."""
+
+
+@runtime_checkable
+class Replacing(Protocol):
+    """The methods of an executor that declares `Capabilities.replaces_workers`."""
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        """End `command.worker`'s current incarnation if it still runs (kill it: it may be
+        stuck) and start incarnation `command.incarnation` in its slot, set up as the lost one
+        was (worker id, seed, `worker_init_fn`, the epoch `command.epoch` and its seed), its
+        dataset restored to `mark` (the last answer the main process recorded from it; None:
+        where it stood as the epoch began). Answer `WorkerStarted`, or `WorkerDied` with the
+        new incarnation if it cannot start."""
+
+    def report(self, worker: int) -> WorkerReport:
+        """The pid and the current Python stack of `worker` (asked of one found stuck, before
+        the scheduler decides anything)."""
 
 
 @attrs.frozen
@@ -97,6 +134,14 @@ class Capabilities:
     driver calls it once the scheduler's state holds the answer (again, if an interrupt cut that
     call short). `statecore.executors._confirm.Confirming` is those steps."""
 
+    replaces_workers: bool = False
+    """The executor replaces a lost worker in its slot (`Replacing`): it may be given
+    `ReplaceWorker`, so a loader with `worker_restarts` may use it. Read from the factory."""
+
+    kills_stuck_workers: bool = False
+    """A worker stuck in a task can be ended (a process is killed; a thread cannot be), so a
+    stuck worker may be replaced rather than fail the loader. Read from the factory."""
+
 
 def capabilities_of(declarer: object) -> Capabilities:
     """What `declarer` (an executor factory, or an executor) declares.
@@ -114,6 +159,19 @@ def capabilities_of(declarer: object) -> Capabilities:
         in_process=bool(getattr(declarer, "in_process", False)),
         poll_from_any_thread=bool(getattr(declarer, "poll_from_any_thread", False)),
     )
+
+
+def replacer_of(executor: Executor) -> Replacing | None:
+    """`executor` as a `Replacing` if it declares `replaces_workers`, else None. Raises
+    TypeError for an executor that declares it and lacks the methods."""
+    if not capabilities_of(executor).replaces_workers:
+        return None
+    if not isinstance(executor, Replacing):
+        raise TypeError(
+            f"the executor {executor!r} declares replaces_workers but lacks replace(command, "
+            "mark) or report(worker); see docs/executors.md"
+        )
+    return executor
 
 
 def confirmer_of(executor: Executor) -> Callable[[], None] | None:

@@ -19,6 +19,7 @@ from statecore._commands import (
     DrawIndex,
     EndEpoch,
     RaiseError,
+    ReplaceWorker,
     ResumeWorker,
     SendTask,
     Shutdown,
@@ -34,6 +35,8 @@ from statecore._errors import (
     ProtocolError,
     StatecoreError,
     WorkerDiedError,
+    WorkerHungError,
+    WorkerRestartedWarning,
 )
 from statecore._events import (
     CloseRequested,
@@ -51,6 +54,8 @@ from statecore._events import (
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
 )
 from statecore._frameworks import REPLACERS as _REPLACERS
 from statecore._frameworks import build_before_a_census as _build_before_a_census
@@ -78,6 +83,8 @@ from statecore._state import (
     TaskFailure,
     Timeout,
     WorkerDeath,
+    WorkerHang,
+    WorkerLoss,
     WorkerStatus,
     initial_state,
 )
@@ -120,6 +127,7 @@ __all__ = [
     "DrawIndex",
     "RaiseError",
     "Ready",
+    "ReplaceWorker",
     "ResetRequested",
     "Resolved",
     "ResumeWorker",
@@ -144,8 +152,14 @@ __all__ = [
     "WorkerDied",
     "WorkerDiedError",
     "WorkerExhausted",
+    "WorkerHang",
+    "WorkerHungError",
+    "WorkerLoss",
+    "WorkerRestartedWarning",
     "WorkerResumed",
+    "WorkerStarted",
     "WorkerStatus",
+    "WorkerStuck",
     "can_restart",
     "initial_state",
     "policy_replaced",

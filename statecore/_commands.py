@@ -17,6 +17,7 @@ __all__ = [
     "EndEpoch",
     "DrawIndex",
     "RaiseError",
+    "ReplaceWorker",
     "ResumeWorker",
     "SendTask",
     "Shutdown",
@@ -92,6 +93,19 @@ class ResumeWorker(Command):
     worker: int
     epoch: int
     seed: int | None = None
+
+
+@attrs.frozen
+class ReplaceWorker(Command):
+    """End `worker`'s lost incarnation if it still runs (kill a stuck one) and start
+    incarnation `incarnation` in its slot, set up as the one it replaces: the same worker id,
+    seed and `worker_init_fn`, at epoch `epoch`, its dataset restored to where the last answer
+    the main process recorded from it left it. Answer `WorkerStarted`, or `WorkerDied` if it
+    cannot start. The tasks the lost worker held are sent to it again once it has started."""
+
+    worker: int
+    incarnation: int
+    epoch: int
 
 
 @attrs.frozen

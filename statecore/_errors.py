@@ -83,9 +83,34 @@ class WorkerDiedError(StatecoreError, RuntimeError):
         return (type(self), (self.args[0], self.worker, self.pid, self.exitcode))
 
 
+class WorkerHungError(StatecoreError, RuntimeError):
+    """A worker gave no answer within the loader's `worker_timeout` while the consumer waited,
+    and could not be replaced. The message shows where its Python stack was stuck."""
+
+    def __init__(
+        self,
+        message: str,
+        worker: int | None = None,
+        pid: int | None = None,
+        stack: str | None = None,
+    ) -> None:
+        self.worker = worker
+        self.pid = pid
+        self.stack = stack
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.worker, self.pid, self.stack))
+
+
 class LoaderTimeoutError(StatecoreError, RuntimeError):
     """No batch came within the loader's timeout."""
 
 
 class LoaderCancelledError(StatecoreError, RuntimeError):
     """The loader was closed while a consumer waited for a batch."""
+
+
+class WorkerRestartedWarning(UserWarning):
+    """A lost worker (dead, or stuck) was replaced and its batches sent again: the epoch goes
+    on, nothing lost or repeated (`DataLoader(worker_restarts=N)`)."""

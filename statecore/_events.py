@@ -8,7 +8,12 @@ impossible in the current state (see `statecore._errors`):
 - the driver, on the consumer's behalf: `IndexDrawn`, `SamplerExhausted`, `SamplerFailed`,
   `TimedOut`, `ExecutorFailed`;
 - the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
-  `WorkerResumed`, `WorkerDied`.
+  `WorkerResumed`, `WorkerDied`, `WorkerStarted`;
+- the driver, for a worker it found stuck: `WorkerStuck`.
+
+Every event of a worker names its incarnation: how many times its slot was replaced when the
+worker that sent it was started (0 for the first). An event of an earlier incarnation is late
+news of a worker already lost, and is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ __all__ = [
     "WorkerDied",
     "WorkerExhausted",
     "WorkerResumed",
+    "WorkerStarted",
+    "WorkerStuck",
 ]
 
 
@@ -145,20 +152,28 @@ class TaskCompleted(Event):
     timing: object = attrs.field(default=None, eq=False, repr=False)
     """What the worker measured of the task, for a traced loader (see `executors._timing`);
     None when nobody traces. The scheduler passes it by, as it does the payload."""
+    incarnation: int = 0
 
     @classmethod
     def fast(
-        cls, task: int, worker: int, payload: object, mark: object = None, timing: object = None
+        cls,
+        task: int,
+        worker: int,
+        payload: object,
+        mark: object = None,
+        timing: object = None,
+        incarnation: int = 0,
     ) -> TaskCompleted:
-        """`TaskCompleted(task, worker, payload, mark, timing)`, for the workers' hot path (one
-        per batch): the same value, built without attrs' frozen `__init__`, 0.34 against
-        0.47 us."""
+        """`TaskCompleted(task, worker, payload, mark, timing, incarnation)`, for the workers'
+        hot path (one per batch): the same value, built without attrs' frozen `__init__`, 0.34
+        against 0.47 us."""
         event: TaskCompleted = _new(cls)
         _task(event, task)
         _worker(event, worker)
         _payload(event, payload)
         _mark(event, mark)
         _timing(event, timing)
+        _incarnation(event, incarnation)
         return event
 
 
@@ -173,6 +188,7 @@ class TaskFailed(Event):
     """As `TaskCompleted.mark`: the task's error is handed over in its turn, as a batch is."""
     timing: object = attrs.field(default=None, eq=False, repr=False)
     """As `TaskCompleted.timing`."""
+    incarnation: int = 0
 
 
 @attrs.frozen
@@ -181,6 +197,7 @@ class WorkerExhausted(Event):
 
     task: int
     worker: int
+    incarnation: int = 0
 
 
 @attrs.frozen
@@ -193,6 +210,7 @@ class WorkerResumed(Event):
 
     worker: int
     epoch: int
+    incarnation: int = 0
 
 
 @attrs.frozen
@@ -207,6 +225,32 @@ class WorkerDied(Event):
     pid: int | None = None
     exitcode: int | None = None
     reason: str | None = None
+    incarnation: int = 0
+
+
+@attrs.frozen
+class WorkerStarted(Event):
+    """Incarnation `incarnation` of `worker`, started in answer to `ReplaceWorker`, is set up
+    and ready for the tasks it is owed."""
+
+    worker: int
+    incarnation: int
+
+
+@attrs.frozen
+class WorkerStuck(Event):
+    """The consumer waited `seconds` (the loader's `worker_timeout`) for `task`, and `worker`,
+    which holds it, gave no answer. Told by the driver, which asked the executor for the
+    worker's stack first: nothing is killed before the scheduler decides."""
+
+    worker: int
+    task: int
+    seconds: float
+    incarnation: int = 0
+    pid: int | None = None
+    stack: str | None = None
+    killable: bool = True
+    """Whether the executor can end the worker (a process can be killed, a thread cannot)."""
 
 
 # The slots' own setters, for the `fast` constructors: attrs' frozen `__init__` sets each field
@@ -218,6 +262,7 @@ _worker = TaskCompleted.__dict__["worker"].__set__
 _payload = TaskCompleted.__dict__["payload"].__set__
 _mark = TaskCompleted.__dict__["mark"].__set__
 _timing = TaskCompleted.__dict__["timing"].__set__
+_incarnation = TaskCompleted.__dict__["incarnation"].__set__
 
 CONSUMER_EVENTS: frozenset[type[Event]] = frozenset(
     {ResetRequested, NextRequested, Interrupted, CloseRequested}

@@ -24,9 +24,17 @@ def violations(state: State) -> list[str]:
         found.append(f"task counters out of order: base {life.base}, rcvd_idx {state.rcvd_idx}")
     if window and window[0] is RESOLVED:
         found.append("the window starts with a resolved task")
-    if len(state.loads) != n or len(life.workers) != n:
+    if len(state.loads) != n or len(life.workers) != n or len(life.incarnations) != n:
         found.append("per-worker tuples do not have one entry per worker")
         return found
+    if len(life.replaced) > config.restarts:
+        found.append(
+            f"{len(life.replaced)} lost workers replaced, over the {config.restarts} restarts"
+        )
+    if sum(life.incarnations) != len(life.replaced):
+        found.append(
+            f"incarnations {life.incarnations} do not count the {len(life.replaced)} replacements"
+        )
 
     counted = [0] * n
     for slot in window:
@@ -60,7 +68,8 @@ def violations(state: State) -> list[str]:
         ):
             found.append("a consumer waits although an answer is ready for it")
         resuming = WorkerStatus.RESUMING in life.workers
-        if not (state.outstanding or state.drawing_for is not None or resuming):
+        starting = WorkerStatus.STARTING in life.workers
+        if not (state.outstanding or state.drawing_for is not None or resuming or starting):
             found.append("a consumer waits but nothing is outstanding: it would wait forever")
 
     if life.resetting:
@@ -99,6 +108,10 @@ def violations(state: State) -> list[str]:
             )
     if life.left is not None and phase not in (Phase.FAILED, Phase.CLOSED):
         found.append(f"an abandoned epoch's progress is kept while {phase.value}")
-    if phase is Phase.RUNNING and WorkerStatus.ACTIVE not in life.workers:
-        found.append("running with no active worker: nothing could be sent")
+    if (
+        phase is Phase.RUNNING
+        and WorkerStatus.ACTIVE not in life.workers
+        and WorkerStatus.STARTING not in life.workers
+    ):
+        found.append("running with no active or starting worker: nothing could be sent")
     return found

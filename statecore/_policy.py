@@ -26,27 +26,37 @@ from statecore._state import (
     SamplerFailure,
     Slot,
     State,
+    WorkerHang,
+    WorkerLoss,
     WorkerStatus,
 )
 
 __all__ = ["DEFAULT_POLICY", "Policy", "policy_replaced"]
 
 ACTIVE = WorkerStatus.ACTIVE
+STARTING = WorkerStatus.STARTING
 
 
 def pick_worker(
     config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
 ) -> int | None:
-    """The worker the next task goes to, or None if it must wait for room."""
+    """The worker the next task goes to, or None if it must wait for room.
+
+    In order, a replacement still starting keeps its turn (its tasks wait for it in the
+    window), so every task goes to the slot it would have gone to had no worker been lost: an
+    iterable dataset's part stays with its slot, and the batches come in the same order.
+    """
     if config.in_order:
         # Take turns strictly: waiting for a busy worker keeps torch's assignment of tasks.
-        if workers[cursor] is ACTIVE:  # asked on nearly every step: the common case first
+        status = workers[cursor]
+        if status is ACTIVE or status is STARTING:  # nearly every step: the common case first
             return cursor if loads[cursor] < config.prefetch_factor else None
         limit = config.prefetch_factor
         n = config.num_workers
         for k in range(1, n):
             w = (cursor + k) % n
-            if workers[w] is ACTIVE:
+            status = workers[w]
+            if status is ACTIVE or status is STARTING:
                 return w if loads[w] < limit else None
         return None
     n = config.num_workers
@@ -89,8 +99,17 @@ def epoch_over(window: tuple[Slot, ...], drawing_for: int | None, waiting: bool)
 
 
 def death_is_fatal(workers: tuple[WorkerStatus, ...], worker: int) -> bool:
-    """Whether a worker's exit fails the loader: it does unless the worker was told to stop."""
+    """Whether a worker's exit is a loss (replaced, or failing the loader once no restart is
+    left): it is unless the worker was told to stop."""
     return workers[worker] is not WorkerStatus.STOPPED
+
+
+def may_replace(restarts: int, replaced: tuple[WorkerLoss, ...], loss: WorkerLoss) -> bool:
+    """Whether a lost worker is replaced: while fewer than `restarts` were, and only one that
+    can be ended (a stuck thread cannot be killed, so its slot cannot be given to another)."""
+    if type(loss) is WorkerHang and not loss.killable:
+        return False
+    return len(replaced) < restarts
 
 
 def sampler_error_now(waiting: bool, resetting: bool) -> bool:
@@ -145,6 +164,7 @@ class Policy:
     abandoned: Callable[[int, int], bool]
     epoch_over: Callable[[tuple[Slot, ...], int | None, bool], bool]
     death_is_fatal: Callable[[tuple[WorkerStatus, ...], int], bool]
+    may_replace: Callable[[int, tuple[WorkerLoss, ...], WorkerLoss], bool]
     sampler_error_now: Callable[[bool, bool], bool]
     failed_request: Callable[[Failure, bool], Command]
     interrupt: Callable[[State], State]
@@ -158,6 +178,7 @@ DEFAULT_POLICY = Policy(
     abandoned=abandoned,
     epoch_over=epoch_over,
     death_is_fatal=death_is_fatal,
+    may_replace=may_replace,
     sampler_error_now=sampler_error_now,
     failed_request=failed_request,
     interrupt=interrupt,

@@ -38,6 +38,8 @@ __all__ = [
     "TaskFailure",
     "Timeout",
     "WorkerDeath",
+    "WorkerHang",
+    "WorkerLoss",
     "WorkerStatus",
     "initial_state",
 ]
@@ -84,6 +86,10 @@ class WorkerStatus(enum.Enum):
     """Asked to start a new epoch and has not acknowledged yet."""
     STOPPED = "stopped"
     """Told to stop; it owes nothing and gets nothing."""
+    STARTING = "starting"
+    """A replacement for a lost worker (dead or stuck) is starting in its slot. It takes its
+    turn as the lost one did, but the tasks it is given, and those the lost one held, wait in
+    the window and are sent once it has started (`WorkerStarted`)."""
 
     __hash__ = object.__hash__
 
@@ -98,9 +104,12 @@ class WorkerStatus(enum.Enum):
 
 @attrs.frozen
 class Pending:
-    """Sent to `worker`; no answer yet."""
+    """Sent to `worker` (or held for it while it starts); no answer yet."""
 
     worker: int
+    # Kept only where a lost worker may be replaced, to send the task again; opaque to the
+    # scheduler, as a batch is, and not part of the state's value.
+    index: object = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -167,15 +176,21 @@ class TaskFailure:
 
 @attrs.frozen
 class WorkerDeath:
-    """A worker process ended without being told to. Fatal."""
+    """A worker process ended without being told to. Fatal once no restart is left."""
 
     worker: int
     pid: int | None = None
     exitcode: int | None = None
     reason: str | None = None
     """What the executor was told of the death (`WorkerDied.reason`), if anything."""
+    earlier: tuple[WorkerLoss, ...] = ()
+    """The losses replaced before this one, which spent the restarts; empty while none was."""
 
     def describe(self) -> str:
+        return self.describe_alone() + _earlier(self.earlier)
+
+    def describe_alone(self) -> str:
+        """This death, without the earlier ones."""
         who = f"DataLoader worker {self.worker}"
         if self.pid is not None:
             who += f" (pid {self.pid})"
@@ -188,6 +203,50 @@ class WorkerDeath:
         if self.reason is not None:
             how += f": {self.reason}"
         return f"{who} {how}"
+
+
+@attrs.frozen
+class WorkerHang:
+    """A worker gave no answer to `task` for `seconds` while the consumer waited for it (the
+    loader's `worker_timeout`). Fatal once no restart is left, and always where the worker
+    cannot be killed (a thread)."""
+
+    worker: int
+    task: int
+    seconds: float
+    pid: int | None = None
+    stack: str | None = None
+    """The worker's Python stack when it was found stuck, innermost call last, if captured."""
+    killable: bool = True
+    """Whether the executor can end the stuck worker; a thread cannot be killed."""
+    earlier: tuple[WorkerLoss, ...] = ()
+    """As `WorkerDeath.earlier`."""
+
+    def describe(self) -> str:
+        return self.describe_alone() + _earlier(self.earlier)
+
+    def describe_alone(self) -> str:
+        """This hang, without the earlier losses."""
+        who = f"DataLoader worker {self.worker}"
+        if self.pid is not None:
+            who += f" (pid {self.pid})"
+        text = f"{who} gave no answer to task {self.task} in {self.seconds} seconds"
+        if not self.killable:
+            text += ", and a thread cannot be killed, so it cannot be replaced"
+        if self.stack:
+            text += f"; it was stuck in:\n{self.stack.rstrip()}"
+        return text
+
+
+WorkerLoss = WorkerDeath | WorkerHang
+"""A worker lost mid-run: replaced while restarts are left, fatal after."""
+
+
+def _earlier(losses: tuple[WorkerLoss, ...]) -> str:
+    if not losses:
+        return ""
+    told = "; ".join(loss.describe_alone() for loss in losses)
+    return f" (after {len(losses)} worker restart(s), spending them all: {told})"
 
 
 @attrs.frozen
@@ -228,7 +287,9 @@ class ExecutorFailure:
         return f"the executor failed: {self.error!r}"
 
 
-Failure = TaskFailure | WorkerDeath | Timeout | Cancelled | SamplerFailure | ExecutorFailure
+Failure = (
+    TaskFailure | WorkerDeath | WorkerHang | Timeout | Cancelled | SamplerFailure | ExecutorFailure
+)
 
 
 # --- progress, for checkpoints -------------------------------------------------------------
@@ -283,6 +344,11 @@ class Progress:
 # --- configuration and state ---------------------------------------------------------------
 
 
+def _at_least_zero(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an integer of at least 0, got {value!r}")
+
+
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{attribute.name} must be an integer of at least 1, got {value!r}")
@@ -306,6 +372,9 @@ class Config:
     lazy: bool = False
     """Draw an index only when a consumer waits and nothing is in hand: torch's behaviour
     without workers, where the sampler is read at `next()`, never ahead of it."""
+    restarts: int = attrs.field(default=0, validator=_at_least_zero)
+    """Lost workers (dead, or stuck and killable) this scheduler replaces before a loss is
+    fatal; 0, torch's behaviour, replaces none."""
 
 
 @attrs.frozen
@@ -338,6 +407,11 @@ class Lifecycle:
     """Draws of `resumed.also` met and dropped so far this epoch."""
     left: Progress | None = None
     """The epoch's progress when the loader failed or closed and its window was dropped."""
+    incarnations: tuple[int, ...] = ()
+    """Per worker slot: how many times it was replaced (0 for the worker it started with). An
+    event of an earlier incarnation is news of a lost worker, dropped on arrival."""
+    replaced: tuple[WorkerLoss, ...] = ()
+    """The losses replaced so far, in order: they spend `Config.restarts`."""
 
 
 class State(NamedTuple):
@@ -395,6 +469,7 @@ class State(NamedTuple):
             skipped=self.life.skipped,
             loads=self.loads,
             workers=self.life.workers,
+            restarts=len(self.life.replaced),
         )
 
 
@@ -411,6 +486,8 @@ class Stats:
     skipped: int
     loads: tuple[int, ...]
     workers: tuple[WorkerStatus, ...]
+    restarts: int = 0
+    """Lost workers replaced so far, over the scheduler's life."""
 
 
 def initial_state(config: Config) -> State:
@@ -425,6 +502,7 @@ def initial_state(config: Config) -> State:
         skipped=0,
         dropped=0,
         failure=None,
+        incarnations=(0,) * config.num_workers,
     )
     return State(
         config=config,

@@ -70,6 +70,7 @@ from statecore._commands import (
     Command,
     Deliver,
     RaiseError,
+    ReplaceWorker,
     ResumeWorker,
     SendTask,
     StopWorker,
@@ -92,6 +93,8 @@ from statecore._events import (
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
 )
 from statecore._progress import progress
 from statecore._state import (
@@ -111,6 +114,8 @@ from statecore._state import (
     TaskFailure,
     Timeout,
     WorkerDeath,
+    WorkerHang,
+    WorkerLoss,
     WorkerStatus,
 )
 from statecore._table import (
@@ -129,6 +134,7 @@ __all__ = ["Transition", "can_restart", "step"]
 ACTIVE = WorkerStatus.ACTIVE
 EXHAUSTED = WorkerStatus.EXHAUSTED
 STOPPED = WorkerStatus.STOPPED
+STARTING = WorkerStatus.STARTING
 
 _tuple_new = tuple.__new__
 _DRAW = (DRAW_INDEX,)
@@ -199,6 +205,10 @@ def _why_not(state: State, event: Event) -> str:
         return "the executor was given no command yet"
     if isinstance(event, WorkerResumed):
         return "no worker was asked to resume"
+    if isinstance(event, WorkerStarted):
+        return "no worker is being replaced"
+    if isinstance(event, WorkerStuck):
+        return "no consumer waits for a task, so no worker can be stuck on one"
     if isinstance(event, (IndexDrawn, SamplerExhausted, SamplerFailed)):
         return "no index was asked of the sampler"
     if isinstance(event, TimedOut):
@@ -285,18 +295,60 @@ def _dataset_iterable(state: State, event: Event) -> str | None:
 
 
 def _known_worker(state: State, event: Event) -> str | None:
-    assert isinstance(event, (WorkerResumed, WorkerDied))
+    assert isinstance(event, (WorkerResumed, WorkerDied, WorkerStarted, WorkerStuck))
     w = event.worker
     return None if 0 <= w < len(state.life.workers) else f"there is no worker {w}"
+
+
+def _incarnation_started(state: State, event: Event) -> str | None:
+    assert isinstance(event, (WorkerResumed, WorkerDied, WorkerStarted, WorkerStuck))
+    current = state.life.incarnations[event.worker]
+    if event.incarnation > current:
+        return (
+            f"worker {event.worker}'s incarnation {event.incarnation} was never started "
+            f"(the scheduler started {current})"
+        )
+    return None
+
+
+def _lost(state: State, event: WorkerResumed | WorkerDied | WorkerStarted) -> bool:
+    """Whether `event` is late news of an incarnation already replaced: dropped."""
+    return event.incarnation < state.life.incarnations[event.worker]
 
 
 def _asked_to_resume(state: State, event: Event) -> str | None:
     assert isinstance(event, WorkerResumed)
     life, w = state.life, event.worker
-    if _policy.in_force.abandoned(event.epoch, life.epoch):
+    if _policy.in_force.abandoned(event.epoch, life.epoch) or _lost(state, event):
         return None  # an echo, dropped by the handler
     if event.epoch > life.epoch or life.workers[w] is not WorkerStatus.RESUMING:
         return f"worker {w} was not asked to resume for epoch {event.epoch}, or already answered"
+    return None
+
+
+def _was_replacing(state: State, event: Event) -> str | None:
+    assert isinstance(event, WorkerStarted)
+    if _lost(state, event):
+        return None  # an echo, dropped by the handler
+    status = state.life.workers[event.worker]
+    if status is STARTING or status is WorkerStatus.RESUMING or status is STOPPED:
+        return None  # the last two: a reset or a shutdown came first; an echo
+    return f"worker {event.worker}'s incarnation {event.incarnation} already started"
+
+
+def _stuck_on_an_awaited_task(state: State, event: Event) -> str | None:
+    assert isinstance(event, WorkerStuck)
+    w, task = event.worker, event.task
+    if event.incarnation != state.life.incarnations[w]:
+        return f"worker {w}'s incarnation {event.incarnation} is not the one running"
+    if not state.waiting:
+        return "no consumer waits, so no worker holds it up"
+    if state.life.workers[w] is not ACTIVE:
+        return f"worker {w} is {state.life.workers[w].value}, not running a task"
+    i = task - state.rcvd_idx
+    slot = state.window[i] if 0 <= i < len(state.window) else None
+    if not (type(slot) is Pending and slot.worker == w):
+        return f"task {task} is not awaiting an answer from worker {w}"
     return None
 
 
@@ -324,8 +376,10 @@ GUARDS: Mapping[type[Event], tuple[Guard, ...]] = {
     SamplerFailed: _DRAW_GUARDS,
     TimedOut: (_something_awaited,),
     WorkerExhausted: (_dataset_iterable,),
-    WorkerResumed: (_known_worker, _asked_to_resume),
-    WorkerDied: (_known_worker,),
+    WorkerResumed: (_known_worker, _incarnation_started, _asked_to_resume),
+    WorkerDied: (_known_worker, _incarnation_started),
+    WorkerStarted: (_known_worker, _incarnation_started, _was_replacing),
+    WorkerStuck: (_known_worker, _stuck_on_an_awaited_task),
 }
 """Per event type, the guards asked before its handler, in order. The answers' own check (is
 this task awaited from this worker?) is `_claim`'s, which finds the task's slot on the way."""
@@ -397,8 +451,8 @@ def _settle(
     if phase is RESUMING and _policy.in_force.resume_complete(life.workers):
         phase = RUNNING  # "every acknowledgement in"
         life = attrs.evolve(life, phase=phase)
-    if phase is RUNNING and ACTIVE not in life.workers:  # worker 0 is active, mostly
-        phase = DRAINING  # "no active worker left"
+    if phase is RUNNING and ACTIVE not in life.workers and STARTING not in life.workers:
+        phase = DRAINING  # "no active worker left"; worker 0 is active, mostly
         life = attrs.evolve(life, phase=phase)
     if waiting and window:
         i = _policy.in_force.deliverable(window, config.in_order)
@@ -495,8 +549,22 @@ def _fail(state: State, event: Event, failure: Failure) -> Transition:
     return _abandon(state, _target(state, event), failure, failure if _awaited(state) else None)
 
 
-def _claim(state: State, event: Event, task: int, worker: int) -> int | None:
-    """The window position of the pending `task`, or None if it is an echo of an old epoch."""
+def _claim(state: State, event: Event, task: int, worker: int, incarnation: int) -> int | None:
+    """The window position of the pending `task`, or None if it is an echo: of an old epoch,
+    or of an incarnation of the worker already lost."""
+    life = state.life
+    if not 0 <= worker < len(life.workers):
+        raise _refuse(state, event, f"there is no worker {worker}")
+    current = life.incarnations[worker]
+    if incarnation < current:
+        return None
+    if incarnation > current:
+        raise _refuse(
+            state,
+            event,
+            f"worker {worker}'s incarnation {incarnation} was never started (the scheduler "
+            f"started {current})",
+        )
     i = task - state.rcvd_idx
     if 0 <= i < len(state.window):
         slot = state.window[i]
@@ -505,14 +573,21 @@ def _claim(state: State, event: Event, task: int, worker: int) -> int | None:
                 raise _refuse(
                     state, event, f"task {task} was sent to worker {slot.worker}, not {worker}"
                 )
+            if life.workers[worker] is STARTING:
+                raise _refuse(
+                    state, event, f"task {task} is held for worker {worker}, which has not started"
+                )
             return i
-    if (task, worker) in state.life.stale:
+    if (task, worker) in life.stale:
         return None
     raise _refuse(state, event, f"task {task} is not awaiting an answer")
 
 
 def _drop_stale(state: State, task: int, worker: int) -> Transition:
-    life = attrs.evolve(state.life, stale=state.life.stale - {(task, worker)})
+    stale = state.life.stale
+    if (task, worker) not in stale:
+        return Transition(state, ())  # a lost incarnation's answer
+    life = attrs.evolve(state.life, stale=stale - {(task, worker)})
     return Transition(state._replace(life=life), ())
 
 
@@ -547,12 +622,13 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
             workers=workers,
         )
         return _settle(config, life, state.rcvd_idx, (), state.loads, cursor, None, False, ())
-    # Tasks still pending belong to the old epoch: their answers will be discarded.
+    # Tasks still pending belong to the old epoch: their answers will be discarded. Those held
+    # for a replacement that has not started were never sent to it: none will come.
     send_idx = state.send_idx
     stale = life.stale.union(
         (state.rcvd_idx + i, slot.worker)
         for i, slot in enumerate(state.window)
-        if type(slot) is Pending
+        if type(slot) is Pending and life.workers[slot.worker] is not STARTING
     )
     epoch = life.epoch + 1
     out = tuple(ResumeWorker(w, epoch, event.seed) for w in range(n))
@@ -566,6 +642,8 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         dropped=0,
         failure=None,
         resetting=True,
+        incarnations=life.incarnations,
+        replaced=life.replaced,
     )
     return _settle(config, life, send_idx, (), (0,) * n, 0, None, False, out)
 
@@ -596,19 +674,28 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
             life = attrs.evolve(life, passed=life.passed + 1)
             return Transition(state._replace(life=life), _DRAW)
     assert w is not None  # `_index_asked`
-    if life.workers[w] is not ACTIVE:
+    workers = life.workers
+    status = workers[w]
+    if status is not ACTIVE and status is not STARTING:
         # The worker ran dry while the index was drawn. Only iterable datasets have dry
         # workers, and their sampler yields placeholders, so nothing is lost by dropping it
         # when no other worker has room.
-        w = _policy.in_force.pick_worker(config, life.workers, loads, cursor)
+        w = _policy.in_force.pick_worker(config, workers, loads, cursor)
         if w is None:
             return _settle_same(state, life, None, waiting)
-    send = SendTask.fast(w, rcvd_idx + len(window), event.index)
+        status = workers[w]
+    index = event.index
     counts = [*loads]  # `_add(loads, w, 1)`, less a call on every batch
     counts[w] += 1
-    window += _PENDING_TAILS[w] if w < _SHARED_PENDINGS else (Pending(w),)
+    if config.restarts:
+        # Kept to send again, should the worker be lost before it answers.
+        window += (Pending(w, index),)
+    else:
+        window += _PENDING_TAILS[w] if w < _SHARED_PENDINGS else (Pending(w),)
     cursor = (w + 1) % config.num_workers
-    return _settle(config, life, rcvd_idx, window, tuple(counts), cursor, None, waiting, (send,))
+    # A replacement still starting is sent its tasks once it has started (`_on_started`).
+    out = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),) if status is ACTIVE else ()
+    return _settle(config, life, rcvd_idx, window, tuple(counts), cursor, None, waiting, out)
 
 
 def _on_sampler_exhausted(state: State, event: SamplerExhausted) -> Transition:
@@ -625,8 +712,14 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
     task, worker = event.task, event.worker
     i = task - rcvd_idx
     slot = window[i] if 0 <= i < len(window) else None
-    if not (type(slot) is Pending and slot.worker == worker):
-        claimed = _claim(state, event, task, worker)  # slow path: an echo, or impossible
+    if not (
+        type(slot) is Pending
+        and slot.worker == worker
+        and event.incarnation == life.incarnations[worker]
+        and life.workers[worker] is not STARTING
+    ):
+        # Slow path: an echo, or impossible.
+        claimed = _claim(state, event, task, worker, event.incarnation)
         if claimed is None:
             return _drop_stale(state, task, worker)
         i = claimed
@@ -641,7 +734,7 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
 
 
 def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
-    i = _claim(state, event, event.task, event.worker)
+    i = _claim(state, event, event.task, event.worker, event.incarnation)
     if i is None:
         return _drop_stale(state, event.task, event.worker)
     life = state.life
@@ -665,23 +758,91 @@ def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
 
 def _on_resumed(state: State, event: WorkerResumed) -> Transition:
     life = state.life
-    if _policy.in_force.abandoned(event.epoch, life.epoch):
+    if _policy.in_force.abandoned(event.epoch, life.epoch) or _lost(state, event):
         # The answer to a reset the consumer abandoned (an interrupted iter()): the worker
-        # answers this epoch's resume next, since it answers in the order it was asked.
+        # answers this epoch's resume next, since it answers in the order it was asked. Or a
+        # lost incarnation's: its replacement is set up for the epoch it starts in.
         return Transition(state, ())
     life = attrs.evolve(life, workers=_with(life.workers, event.worker, ACTIVE))
     return _settle_same(state, life, state.drawing_for, state.waiting)
 
 
 def _on_died(state: State, event: WorkerDied) -> Transition:
+    if _lost(state, event):
+        return Transition(state, ())  # an incarnation already replaced, dying late
     workers = state.life.workers
     if _policy.in_force.death_is_fatal(workers, event.worker):
-        return _fail(
-            state, event, WorkerDeath(event.worker, event.pid, event.exitcode, event.reason)
-        )
+        death = WorkerDeath(event.worker, event.pid, event.exitcode, event.reason)
+        return _lose(state, event.worker, death)
     # An echo: the worker was told to stop, and its exit is expected.
     life = attrs.evolve(state.life, workers=_with(workers, event.worker, STOPPED))
     return Transition(state._replace(life=life), ())
+
+
+def _on_stuck(state: State, event: WorkerStuck) -> Transition:
+    hang = WorkerHang(
+        event.worker, event.task, event.seconds, event.pid, event.stack, event.killable
+    )
+    return _lose(state, event.worker, hang)
+
+
+def _lose(state: State, w: int, loss: WorkerLoss) -> Transition:
+    """A worker lost mid-run (dead, or stuck): replaced in its slot while restarts are left,
+    else the rule "restarts spent" fails the loader, naming every loss."""
+    config, life = state.config, state.life
+    if not _policy.in_force.may_replace(config.restarts, life.replaced, loss):
+        failure = attrs.evolve(loss, earlier=life.replaced)
+        return _abandon(state, FAILED, failure, failure if _awaited(state) else None)
+    incarnation = life.incarnations[w] + 1
+    life = attrs.evolve(
+        life,
+        # One lost while resuming for a new epoch too: its replacement is set up for the epoch
+        # it starts in, so its start is its acknowledgement.
+        workers=_with(life.workers, w, STARTING),
+        incarnations=life.incarnations[:w] + (incarnation,) + life.incarnations[w + 1 :],
+        # The lost incarnation's answers are dropped as such: none is owed any more.
+        stale=frozenset(pair for pair in life.stale if pair[1] != w),
+        replaced=(*life.replaced, loss),
+    )
+    out = (ReplaceWorker(w, incarnation, life.epoch),)
+    return _settle(
+        config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.drawing_for,
+        state.waiting,
+        out,
+    )
+
+
+def _on_started(state: State, event: WorkerStarted) -> Transition:
+    """A replacement has started: it is sent, in order and under their own numbers, the tasks
+    its slot holds (the lost worker's unanswered ones, and those given it while it started)."""
+    w = event.worker
+    life = state.life
+    if _lost(state, event) or life.workers[w] is not STARTING:
+        return Transition(state, ())  # see `_was_replacing`
+    life = attrs.evolve(life, workers=_with(life.workers, w, ACTIVE))
+    rcvd_idx = state.rcvd_idx
+    out = tuple(
+        SendTask(w, rcvd_idx + i, slot.index)
+        for i, slot in enumerate(state.window)
+        if type(slot) is Pending and slot.worker == w
+    )
+    return _settle(
+        state.config,
+        life,
+        rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.drawing_for,
+        state.waiting,
+        out,
+    )
 
 
 def _on_timeout(state: State, event: TimedOut) -> Transition:
@@ -752,6 +913,8 @@ _HANDLERS: Mapping[type[Event], _Handler] = {
     WorkerExhausted: _on_exhausted,  # type: ignore[dict-item]
     WorkerResumed: _on_resumed,  # type: ignore[dict-item]
     WorkerDied: _on_died,  # type: ignore[dict-item]
+    WorkerStuck: _on_stuck,  # type: ignore[dict-item]
+    WorkerStarted: _on_started,  # type: ignore[dict-item]
 }
 
 

@@ -28,6 +28,8 @@ from statecore._events import (
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
 )
 from statecore._state import Phase
 
@@ -42,16 +44,22 @@ FAILED = Phase.FAILED
 CLOSED = Phase.CLOSED
 
 _ANSWERS = (TaskCompleted, TaskFailed, WorkerExhausted)
-_FAILURES = (WorkerDied, TimedOut, ExecutorFailed)
+_FAILURES = (TimedOut, ExecutorFailed)
+_LIVE = (IDLE, RESUMING, RUNNING, DRAINING, FINISHED)
 
 # --- the table -----------------------------------------------------------------------------------
 # The legal moves: phase -> event type -> the phase the move leads to. Where the state after the
-# move decides more (every acknowledgement in, no active worker left, the epoch over), a rule
-# takes it on from there (`RULES`).
+# move decides more (every acknowledgement in, no active worker left, the epoch over, a lost
+# worker with no restart left), a rule takes it on from there (`RULES`).
+#
+# A worker lost (`WorkerDied`, `WorkerStuck`) in a live phase is replaced in its slot, and the
+# phase stays; the rule "restarts spent" fails the loader instead when none is left, which with
+# torch's default of no restarts is every time.
 TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
     IDLE: {
         ResetRequested: RUNNING,
-        WorkerDied: FAILED,
+        WorkerDied: IDLE,
+        WorkerStarted: IDLE,
         Interrupted: IDLE,
         CloseRequested: CLOSED,
     },
@@ -62,6 +70,8 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         Interrupted: RESUMING,
         WorkerResumed: RESUMING,
         **{answer: RESUMING for answer in _ANSWERS},  # echoes only
+        WorkerDied: RESUMING,
+        WorkerStarted: RESUMING,
         **{failure: FAILED for failure in _FAILURES},
         CloseRequested: CLOSED,
     },
@@ -71,6 +81,10 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         SamplerExhausted: DRAINING,
         SamplerFailed: FAILED,
         **{answer: RUNNING for answer in _ANSWERS},
+        WorkerResumed: RUNNING,  # echoes only: a lost incarnation's
+        WorkerDied: RUNNING,
+        WorkerStuck: RUNNING,
+        WorkerStarted: RUNNING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: RUNNING,
         ResetRequested: RESUMING,
@@ -83,6 +97,10 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         SamplerExhausted: DRAINING,
         SamplerFailed: FAILED,
         **{answer: DRAINING for answer in _ANSWERS},
+        WorkerResumed: DRAINING,  # echoes only: a lost incarnation's
+        WorkerDied: DRAINING,
+        WorkerStuck: DRAINING,
+        WorkerStarted: DRAINING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: DRAINING,
         ResetRequested: RESUMING,
@@ -91,7 +109,9 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
     FINISHED: {
         NextRequested: FINISHED,
         **{answer: FINISHED for answer in _ANSWERS},  # echoes only
-        WorkerDied: FAILED,  # a persistent worker's; the exit of one told to stop is an echo
+        WorkerResumed: FINISHED,  # echoes only: a lost incarnation's
+        WorkerDied: FINISHED,  # a persistent worker's; the exit of one told to stop is an echo
+        WorkerStarted: FINISHED,
         ExecutorFailed: FAILED,  # stopping the workers at the end of the epoch failed
         Interrupted: FINISHED,
         ResetRequested: RESUMING,
@@ -100,12 +120,14 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
     FAILED: {
         NextRequested: FAILED,
         WorkerDied: FAILED,  # every worker was stopped: only echoes come
+        WorkerStarted: FAILED,  # a replacement that started as everything stopped: an echo
         ExecutorFailed: FAILED,  # stopping the workers after the failure failed too
         Interrupted: FAILED,
         CloseRequested: CLOSED,
     },
     CLOSED: {
         WorkerDied: CLOSED,  # echoes only
+        WorkerStarted: CLOSED,  # echoes only
         ExecutorFailed: CLOSED,  # stopping the workers on close failed: the close call raises it
         Interrupted: CLOSED,
         CloseRequested: CLOSED,
@@ -152,20 +174,34 @@ RULES: tuple[Rule, ...] = (
         "a consumer waits, every task is resolved and no index is on its way",
         frozenset({NextRequested, IndexDrawn, SamplerExhausted, WorkerExhausted}),
     ),
+    *(
+        Rule(
+            "restarts spent",
+            phase,
+            FAILED,
+            "a worker was lost (died, or stuck) and no restart is left to replace it, or it is "
+            "a stuck thread, which cannot be killed: the loss is fatal, naming every earlier one",
+            frozenset({WorkerDied, WorkerStuck}),
+        )
+        for phase in _LIVE
+        if WorkerDied in TRANSITIONS[phase]
+    ),
 )
 
 ECHOES: Mapping[Phase, frozenset[type[Event]]] = {
-    IDLE: frozenset(),
-    RESUMING: frozenset({*_ANSWERS, WorkerResumed}),
-    RUNNING: frozenset(_ANSWERS),
-    DRAINING: frozenset(_ANSWERS),
-    FINISHED: frozenset({*_ANSWERS, WorkerDied}),
-    FAILED: frozenset({WorkerDied}),
-    CLOSED: frozenset({WorkerDied}),
+    IDLE: frozenset({WorkerDied}),
+    RESUMING: frozenset({*_ANSWERS, WorkerResumed, WorkerDied, WorkerStarted}),
+    RUNNING: frozenset({*_ANSWERS, WorkerResumed, WorkerDied}),
+    DRAINING: frozenset({*_ANSWERS, WorkerResumed, WorkerDied}),
+    FINISHED: frozenset({*_ANSWERS, WorkerResumed, WorkerDied, WorkerStarted}),
+    FAILED: frozenset({WorkerDied, WorkerStarted}),
+    CLOSED: frozenset({WorkerDied, WorkerStarted}),
 }
 """Per phase, the event types that may answer what the scheduler no longer waits for: a task of
-an earlier epoch, the resume of an abandoned reset, a worker told to stop. They are dropped, and
-the phase stays whatever the table says the move would do."""
+an earlier epoch, the resume of an abandoned reset, a worker told to stop, anything from an
+incarnation already lost, a replacement that started after a new epoch's reset or after
+everything stopped. They are dropped, and the phase stays whatever the table says the move
+would do."""
 
 
 def _edges() -> dict[Phase, dict[type[Event], frozenset[Phase]]]:

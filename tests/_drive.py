@@ -30,6 +30,8 @@ from statecore import (
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
     initial_state,
     step,
     violations,
@@ -96,5 +98,7 @@ ONE_OF_EACH: tuple[Event, ...] = (
     WorkerResumed(worker=0, epoch=1),
     Interrupted(),
     WorkerDied(worker=0),
+    WorkerStarted(worker=0, incarnation=1),
+    WorkerStuck(worker=0, task=0, seconds=1.0),
 )
 """One representative event of every event type."""

@@ -33,6 +33,7 @@ from statecore import (
     WorkerDied,
     WorkerDiedError,
     WorkerResumed,
+    WorkerStarted,
     initial_state,
 )
 from statecore import _errors as errors
@@ -160,7 +161,7 @@ def test_sampler_exhausted_without_draw_index_is_an_executor_error() -> None:
 
 def test_worker_resumed_when_not_resuming_is_an_executor_error() -> None:
     state, error = _refused(_full, WorkerResumed(worker=0, epoch=1), ExecutorError)
-    assert "no worker was asked to resume" in error.reason
+    assert "worker 0 was not asked to resume for epoch 1" in error.reason
     assert feed(state, TaskCompleted(task=0, worker=0))[0].buffered == 1
 
 
@@ -190,8 +191,9 @@ def test_the_death_of_a_worker_that_does_not_exist_is_an_executor_error() -> Non
 
 
 # What may still come after a close or a failure, and is accepted: another close, a worker's
-# exit, an interrupt (it lands anywhere), and the executor failing as it stops the workers.
-_LATE = (CloseRequested, WorkerDied, Interrupted, ExecutorFailed)
+# exit, a replacement's start, an interrupt (it lands anywhere), and the executor failing as it
+# stops the workers.
+_LATE = (CloseRequested, WorkerDied, WorkerStarted, Interrupted, ExecutorFailed)
 _CONSUMER_AFTER_CLOSE = [
     e for e in ONE_OF_EACH if type(e) in CONSUMER_EVENTS and not isinstance(e, _LATE)
 ]

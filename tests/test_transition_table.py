@@ -34,6 +34,7 @@ from statecore import (
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
+    WorkerStarted,
     initial_state,
     step,
 )
@@ -152,9 +153,9 @@ def test_an_event_missing_from_the_table_is_refused(phase: Phase, event: Event) 
 
 
 def test_the_sticky_phases_accept_only_the_events_that_can_still_come() -> None:
-    # A close, a worker's exit, an interrupt, the executor failing while it stops the workers,
-    # and, while failed, a request (answered with the failure).
-    late = {CloseRequested, WorkerDied, Interrupted, ExecutorFailed}
+    # A close, a worker's exit, a replacement's start, an interrupt, the executor failing while it
+    # stops the workers, and, while failed, a request (answered with the failure).
+    late = {CloseRequested, WorkerDied, WorkerStarted, Interrupted, ExecutorFailed}
     assert set(TRANSITIONS[Phase.CLOSED]) == late
     assert set(TRANSITIONS[Phase.FAILED]) == late | {NextRequested}
 
