@@ -428,8 +428,13 @@ class Driver:
                 assert self.timeout is not None
                 return TimedOut(self.timeout)
             if now >= deadline:
-                self.watch = None
                 report = None if self.replacer is None else self.replacer.report(worker)
+                if report is not None and report.starting:
+                    # Start-up (spawn's imports, worker_init_fn) is not the task's time.
+                    deadline = now + self.worker_timeout
+                    self.watch = (task, incarnation, deadline)
+                    continue
+                self.watch = None
                 return WorkerStuck(
                     worker,
                     task,

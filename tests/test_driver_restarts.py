@@ -160,3 +160,36 @@ def test_the_stuck_event_names_the_task_the_consumer_waits_for() -> None:
     assert driver.next() == 1
     (stuck,) = [event for event in fed if isinstance(event, WorkerStuck)]
     assert (stuck.worker, stuck.task, stuck.incarnation, stuck.pid) == (1, 1, 0, 101)
+
+
+class _SlowToStart(_Killable):
+    """Worker 0 reports itself starting the first two times it is asked, then answers."""
+
+    def __init__(self) -> None:
+        super().__init__(stuck_worker=None)
+        self.asked = 0
+        self.held: list[SendTask] = []
+
+    def dispatch(self, command: SendTask) -> None:
+        if command.worker == 0 and not self.asked:
+            self.told.append(command)
+            self.held.append(command)
+            return
+        super().dispatch(command)
+
+    def report(self, worker: int) -> WorkerReport:
+        self.asked += 1
+        if self.asked < 3:
+            return WorkerReport(pid=100, starting=True)
+        for command in self.held:
+            self.events.append(TaskCompleted(command.task, 0, command.index))
+        self.held.clear()
+        return WorkerReport(pid=100, starting=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_still_starting_is_not_stuck() -> None:
+    executor = _SlowToStart()
+    assert _epoch(_driver(executor, restarts=1, worker_timeout=0.01)) == [0, 1, 2, 3, 4, 5]
+    assert not [c for c in executor.told if isinstance(c, ReplaceWorker)]
+    assert executor.asked >= 3
