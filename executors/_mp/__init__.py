@@ -8,7 +8,8 @@ Split by which process runs what:
 - `descriptors`: the parent's diagnosis of running out of file descriptors;
 - `worker`: the body of a worker process and the thread that sends its answers;
 - `pool`: a worker's side of the buffers: its pool, and the pickler that places batches;
-- `wire`: what crosses and how it is encoded, for both sides.
+- `wire`: what crosses and how it is encoded, for both sides;
+- `stacks`: a worker's Python stack, dumped on a signal and read back, for both sides.
 
 What crosses process boundaries, and how:
 
