@@ -206,8 +206,10 @@ def faulted(marker: Path, how: str) -> list[tuple[int, int]]:
 @pytest.fixture
 def settled(request: pytest.FixtureRequest) -> Snapshot:
     """What this process holds once the start method's own helpers (a fork server, a resource
-    tracker) run: one small epoch first, so that they are not counted as leaks."""
-    method = request.node.callspec.params["method"]
+    tracker) run: one small epoch first, so that they are not counted as leaks. Under the
+    test's `method` parameter, fork if it has none."""
+    callspec = getattr(request.node, "callspec", None)
+    method = "fork" if callspec is None else callspec.params.get("method", "fork")
     assert len(list(statecore.DataLoader(Probe(2), num_workers=1, multiprocessing_context=method)))
     return Snapshot.take()
 
@@ -294,7 +296,9 @@ def test_restarts_spent_fail_the_loader_naming_every_death(tmp_path: Path) -> No
 HANG_LINE = line_of("threading.Event().wait()  # hangs here")
 
 
-def test_a_hung_worker_is_replaced_and_the_warning_shows_where_it_hung(tmp_path: Path) -> None:
+def test_a_hung_worker_is_replaced_and_the_warning_shows_where_it_hung(
+    tmp_path: Path, settled: Snapshot
+) -> None:
     marker = tmp_path / "load"
     options = dict(batch_size=2, num_workers=2, worker_init_fn=mark_init)
     ours, told = our_batches(
@@ -309,6 +313,7 @@ def test_a_hung_worker_is_replaced_and_the_warning_shows_where_it_hung(tmp_path:
     assert len(told) == 1, told
     assert f"worker {worker} (pid {pid})" in told[0]
     assert f'File "{__file__}", line {HANG_LINE}, in _fault' in told[0], told[0]
+    assert wait_no_leaks(settled, GONE_WITHIN, [pid]) == []
 
 
 def test_a_hung_worker_without_restarts_fails_with_where_it_hung(tmp_path: Path) -> None:
@@ -332,20 +337,24 @@ def test_a_hung_worker_without_restarts_fails_with_where_it_hung(tmp_path: Path)
 # --- iterable datasets ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "fast-forwarded"])
 def test_an_iterable_worker_killed_mid_shard_loses_and_repeats_nothing(
-    stateful: bool, tmp_path: Path
+    stateful: bool, method: str, tmp_path: Path, settled: Snapshot
 ) -> None:
     marker = tmp_path / "load"
     options = dict(batch_size=2, num_workers=2)
     ours, told = our_batches(
         ShardKilled(40, 17, marker, stateful),
         worker_restarts=1,
-        multiprocessing_context="fork",
+        multiprocessing_context=method,
         **options,
     )
     assert_same(ours, torch_batches(ShardKilled(40, 17, None, stateful), **options))
+    [(pid, worker)] = faulted(marker, "kill")
     assert len(told) == 1, told
+    assert f"worker {worker} (pid {pid})" in told[0]
+    assert wait_no_leaks(settled, GONE_WITHIN, [pid]) == []
 
 
 # --- the executor itself -------------------------------------------------------------------------
