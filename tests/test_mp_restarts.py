@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data
+from _datasets import Augmented
 from _launch import launch
 from _processes import Snapshot, wait_no_leaks
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -113,6 +114,20 @@ class Probe(Dataset):  # type: ignore[type-arg]
         return torch.tensor([i, info.id, info.seed % (1 << 31), init])
 
 
+class AugmentedKilled(Augmented):
+    """Augmented (a map-style dataset with a state: its generator), whose worker loading
+    `index` the first time is killed (with a marker)."""
+
+    def __init__(self, n: int, index: int, marker: Path) -> None:
+        super().__init__(n)
+        self.index, self.marker = index, marker
+
+    def __getitem__(self, index: int) -> list[int]:
+        if index == self.index:
+            _fault(self.marker, (1,), "kill")
+        return super().__getitem__(index)
+
+
 class Positions:
     """An iterator over items that says where it is (torchdata's Stateful protocol)."""
 
@@ -185,12 +200,21 @@ def our_batches(
     return batches, told
 
 
-def assert_same(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]]) -> None:
+def equal(a: Any, b: Any) -> bool:
+    """Whether two batches hold the same tensors (dtype and values), in the same structure."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(equal, a, b))
+    return bool(a == b)
+
+
+def assert_same(ours: list[list[Any]], theirs: list[list[Any]]) -> None:
     assert len(ours) == len(theirs)
     for epoch, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
         assert len(mine) == len(torchs), f"epoch {epoch}"
         for batch, (a, b) in enumerate(zip(mine, torchs, strict=True)):
-            assert torch.equal(a, b), f"epoch {epoch}, batch {batch}: {a.tolist()} != {b.tolist()}"
+            assert equal(a, b), f"epoch {epoch}, batch {batch}: {a} != {b}"
 
 
 def faulted(marker: Path, how: str) -> list[tuple[int, int]]:
@@ -355,6 +379,54 @@ def test_an_iterable_worker_killed_mid_shard_loses_and_repeats_nothing(
     assert len(told) == 1, told
     assert f"worker {worker} (pid {pid})" in told[0]
     assert wait_no_leaks(settled, GONE_WITHIN, [pid]) == []
+
+
+def test_a_map_style_dataset_with_a_state_is_restored_in_the_replacement(tmp_path: Path) -> None:
+    # Each answer carries the dataset's state after it: the replacement loads the last one the
+    # main process recorded, and draws on where the lost worker's generator stood.
+    options = dict(batch_size=2, num_workers=2)
+    ours, told = our_batches(
+        AugmentedKilled(40, 17, tmp_path / "load"),
+        worker_restarts=1,
+        multiprocessing_context="fork",
+        **options,
+    )
+    assert_same(ours, torch_batches(Augmented(40), **options))
+    assert len(told) == 1, told
+
+
+class KillsOnLoad:
+    """A datapipe's map function: the identity, except that the process mapping `item` on the
+    loads `faults` numbers is killed (with a marker)."""
+
+    def __init__(self, item: int, marker: Path, faults: tuple[int, ...]) -> None:
+        self.item, self.marker, self.faults = item, marker, faults
+
+    def __call__(self, item: int) -> int:
+        if item == self.item:
+            _fault(self.marker, self.faults, "kill")
+        return item
+
+
+def test_a_datapipe_worker_replaced_in_a_later_epoch_shuffles_with_that_epochs_seed(
+    tmp_path: Path,
+) -> None:
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def pipe(marker: Path | None) -> Any:
+        shuffled = IterableWrapper(range(40)).shuffle().sharding_filter()
+        return shuffled if marker is None else shuffled.map(KillsOnLoad(17, marker, (2,)))
+
+    options = dict(batch_size=2, num_workers=2, persistent_workers=True)
+    ours, told = our_batches(
+        pipe(tmp_path / "load"),
+        epochs=3,
+        worker_restarts=1,
+        multiprocessing_context="fork",
+        **options,
+    )
+    assert_same(ours, torch_batches(pipe(None), epochs=3, **options))
+    assert len(told) == 1, told
 
 
 # --- the executor itself -------------------------------------------------------------------------
