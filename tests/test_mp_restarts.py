@@ -480,6 +480,22 @@ def test_pinned_over_mp_replaces_a_killed_worker(tmp_path: Path) -> None:
     assert len(pinned_batches) >= 20
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_pin_memory_over_mp_replaces_a_killed_worker_and_pins_every_batch(
+    tmp_path: Path,
+) -> None:
+    options = dict(batch_size=2, num_workers=2, pin_memory=True)
+    ours, told = our_batches(
+        Probe(40, marker=tmp_path / "load"),
+        worker_restarts=1,
+        multiprocessing_context="fork",
+        **options,
+    )
+    assert all(batch.is_pinned() for batch in ours[0])
+    assert_same(ours, torch_batches(Probe(40), **options))
+    assert len(told) == 1, told
+
+
 def test_the_mp_executor_declares_that_it_replaces_and_kills_workers() -> None:
     for declarer in (MultiprocessExecutor, BUILT_IN["mp"][0]):
         declared = capabilities_of(declarer)
