@@ -36,6 +36,13 @@ What crosses process boundaries, and how:
 
 A worker exits on its own the moment its loader's process ends, however that process was
 killed and whatever the worker is doing (`worker.watch_loader`).
+
+A lost worker (dead, or stuck past `worker_timeout`) is replaced in its slot when the loader
+has restarts left (`executor.replace`): its process is killed and joined, its pipes closed with
+whatever it sent that was not read, its buffers forgotten, and a new process started with a
+`worker.Restart` that sets it up as the lost one was. Every answer is stamped with the
+incarnation of the process whose pipe it came by. A stuck worker's stack is asked of it with a
+signal before anything is decided (`stacks`).
 """
 
 from __future__ import annotations
