@@ -38,13 +38,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
+from statecore import Event, ReplaceWorker, ResumeWorker, SendTask, TaskCompleted, TaskFailed
 from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
 from statecore.executors._protocol import (
@@ -52,9 +52,12 @@ from statecore.executors._protocol import (
     Executor,
     ExecutorFactory,
     Launch,
+    WorkerReport,
     capabilities_of,
     confirmer_of,
+    replacer_of,
 )
+from statecore.executors._worker import Mark
 
 __all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
 
@@ -154,9 +157,10 @@ def default_pin() -> PinFunction | None:
 class PinnedExecutor(Confirming):
     """An executor that pins (and optionally moves) every batch another executor produces."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
-    """Read from the executor: only `confirms_answers`. Whether the stage loads in-process is
-    its factory's to say (`Pinned.capabilities`)."""
+    capabilities: Capabilities = Capabilities(confirms_answers=True)
+    """Read from the executor: `confirms_answers`, and whether it replaces (and kills) lost
+    workers, as the executor under it does (`replace` and `report` pass through). Whether the
+    stage loads in-process is its factory's to say (`Pinned.capabilities`)."""
 
     def __init__(
         self,
@@ -172,6 +176,12 @@ class PinnedExecutor(Confirming):
         self.threaded = threaded
         self.answers: Handoff[Event | BaseException] = Handoff()
         self.inner_confirm = confirmer_of(inner)
+        below = capabilities_of(inner)
+        self.capabilities = Capabilities(
+            confirms_answers=True,
+            replaces_workers=below.replaces_workers,
+            kills_stuck_workers=below.kills_stuck_workers,
+        )
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
@@ -199,6 +209,16 @@ class PinnedExecutor(Confirming):
 
     def stop_worker(self, worker: int) -> None:
         self.inner.stop_worker(worker)
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        # Declared only over an executor that replaces: the driver calls it on no other.
+        replacer = replacer_of(self.inner)
+        assert replacer is not None
+        replacer.replace(command, mark)
+
+    def report(self, worker: int) -> WorkerReport:
+        replacer = replacer_of(self.inner)
+        return WorkerReport() if replacer is None else replacer.report(worker)
 
     def poll(self, timeout: float | None) -> Event | None:
         # An interrupt may land anywhere here: an answer stays where it was (unconfirmed in the
@@ -291,14 +311,20 @@ class PinnedExecutor(Confirming):
                 f"Raised while pinning the batch of task {event.task} from worker "
                 f"{event.worker} in statecore's pin-memory stage"
             )
-            return TaskFailed(event.task, event.worker, error, event.mark, event.timing)
-        return TaskCompleted(event.task, event.worker, batch, event.mark, event.timing)
+            return TaskFailed(
+                event.task, event.worker, error, event.mark, event.timing, event.incarnation
+            )
+        return TaskCompleted.fast(
+            event.task, event.worker, batch, event.mark, event.timing, event.incarnation
+        )
 
     def _claimed(self, event: Event) -> Event:
         if self.copy is None or type(event) is not TaskCompleted:
             return event
         claimed = self.copy.claim(event.payload)
-        return TaskCompleted(event.task, event.worker, claimed, event.mark, event.timing)
+        return TaskCompleted.fast(
+            event.task, event.worker, claimed, event.mark, event.timing, event.incarnation
+        )
 
 
 @attrs.frozen
@@ -320,8 +346,15 @@ class Pinned:
     @property
     def capabilities(self) -> Capabilities:
         # Its executor keeps every answer until the driver has recorded it, whatever `inner`
-        # does; its own thread, if any, is the only caller of the inner `poll`.
-        return Capabilities(in_process=self.in_process, confirms_answers=True)
+        # does; its own thread, if any, is the only caller of the inner `poll`. It replaces
+        # lost workers where `inner` does, by asking `inner`.
+        below = capabilities_of(self.inner)
+        return Capabilities(
+            in_process=self.in_process,
+            confirms_answers=True,
+            replaces_workers=below.replaces_workers,
+            kills_stuck_workers=below.kills_stuck_workers,
+        )
 
     def __call__(self, launch: Launch) -> Executor:
         if self.inner is None or isinstance(self.inner, str):

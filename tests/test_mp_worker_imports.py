@@ -20,6 +20,7 @@ WORKER_SIDE = {
     "statecore.executors._lazy",
     "statecore.executors._mp",
     "statecore.executors._mp.pool",
+    "statecore.executors._mp.stacks",
     "statecore.executors._mp.wire",
     "statecore.executors._mp.worker",
     "statecore.executors._remote",

@@ -8,7 +8,8 @@ Split by which process runs what:
 - `descriptors`: the parent's diagnosis of running out of file descriptors;
 - `worker`: the body of a worker process and the thread that sends its answers;
 - `pool`: a worker's side of the buffers: its pool, and the pickler that places batches;
-- `wire`: what crosses and how it is encoded, for both sides.
+- `wire`: what crosses and how it is encoded, for both sides;
+- `stacks`: a worker's Python stack, dumped on a signal and read back, for both sides.
 
 What crosses process boundaries, and how:
 
@@ -35,6 +36,13 @@ What crosses process boundaries, and how:
 
 A worker exits on its own the moment its loader's process ends, however that process was
 killed and whatever the worker is doing (`worker.watch_loader`).
+
+A lost worker (dead, or stuck past `worker_timeout`) is replaced in its slot when the loader
+has restarts left (`executor.replace`): its process is killed and joined, its pipes closed with
+whatever it sent that was not read, its buffers forgotten, and a new process started with a
+`worker.Restart` that sets it up as the lost one was. Every answer is stamped with the
+incarnation of the process whose pipe it came by. A stuck worker's stack is asked of it with a
+signal before anything is decided (`stacks`).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Any, ClassVar
 
+import attrs
 import multiprocess
 import multiprocess.connection
 import multiprocess.context
@@ -49,6 +50,7 @@ import multiprocess.util
 
 from statecore import (
     Event,
+    ReplaceWorker,
     ResumeWorker,
     SendTask,
     TaskCompleted,
@@ -56,6 +58,7 @@ from statecore import (
     WorkerDied,
 )
 from statecore.executors._confirm import Confirming
+from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.leases import BufferReceiver
@@ -70,11 +73,11 @@ from statecore.executors._mp.wire import (
     encode_returns,
     encode_task,
 )
-from statecore.executors._mp.worker import Home, worker_main
-from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._mp.worker import Home, Restart, worker_main
+from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
-from statecore.executors._worker import WorkerSetup
+from statecore.executors._worker import Mark, WorkerSetup
 
 __all__ = ["MultiprocessExecutor", "preload_in_forkserver", "resolve_context"]
 
@@ -125,7 +128,9 @@ def preload_in_forkserver() -> None:
 class MultiprocessExecutor(Confirming):
     """Runs each worker in its own process; see the package docstring for what crosses."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        confirms_answers=True, replaces_workers=True, kills_stuck_workers=True
+    )
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
@@ -135,10 +140,27 @@ class MultiprocessExecutor(Confirming):
         self.tasks: dict[int, TaskWriter] = {}
         self.readers: dict[int, Any] = {}
         self.task_readers: dict[int, Any] = {}
+        self.incarnations: dict[int, int] = {}
+        """Per worker replaced so far, the incarnation its process runs (0 for the others):
+        every answer read from its pipes is stamped with it."""
+        self.resumed: dict[int, ResumeWorker] = {}
+        """The last resume sent to each worker: a replacement starts in that epoch."""
+        self.retired: list[Any] = []
+        """Processes of lost incarnations that had not ended when they were replaced."""
+        self.to_close: list[Any] = []
+        """A lost incarnation's result pipe, task pipe end and process handle, closed by the
+        next `poll` (or shutdown): the pin stage's thread may be waiting on them as the driver's
+        replaces the worker, and a handle closed under a wait fails it."""
+        self.unstartable: set[int] = set()
+        """Workers whose replacement failed to start: none starts in their slot but by
+        another `replace`."""
         self.held: dict[int, list[bytes]] = {}
         """Task messages for workers not started yet, written once each starts."""
         # The pin stage polls from its own thread while the driver's thread dispatches.
         self.launching = threading.Lock()
+        self.reading = threading.Lock()
+        """Held while answers are read from the pipes, and while a worker's pipes are swapped
+        for its replacement's: the pin stage may be reading them meanwhile."""
         self.shipped: WorkerSetup | Shipment | None = None
         self.authkey = b""
         self.home: Home | None = None
@@ -181,7 +203,12 @@ class MultiprocessExecutor(Confirming):
         # A fork cut short would leave a child nobody recorded: an interrupt is raised once the
         # worker is started and recorded, from the end of this block (see _signals).
         with self.signals_held, self.launching:
-            if worker in self.processes or worker in self.stopping or self.closed:
+            if (
+                worker in self.processes
+                or worker in self.stopping
+                or worker in self.unstartable
+                or self.closed
+            ):
                 return
             try:
                 self._start_process(worker)
@@ -191,7 +218,7 @@ class MultiprocessExecutor(Confirming):
             self.shutdown()
             raise failure
 
-    def _start_process(self, worker: int) -> None:
+    def _start_process(self, worker: int, restart: Restart | None = None) -> None:
         # Each worker's pipes are made just before it starts, and the writing end of its
         # result pipe is closed here just after: a worker started earlier does not hold it, so
         # EOF on a result pipe means that its worker is gone. (A worker forked later does
@@ -215,6 +242,7 @@ class MultiprocessExecutor(Confirming):
                 writer,
                 home,
                 self.shutting_down,
+                restart,
             ),
             name=f"statecore-worker-{worker}",
             daemon=True,
@@ -252,7 +280,11 @@ class MultiprocessExecutor(Confirming):
         if self.closed or len(self.processes) == self.launch.num_workers:
             return None
         for worker in range(self.launch.num_workers):
-            if worker not in self.processes and worker not in self.stopping:
+            if (
+                worker not in self.processes
+                and worker not in self.stopping
+                and worker not in self.unstartable
+            ):
                 return worker
         return None
 
@@ -284,7 +316,70 @@ class MultiprocessExecutor(Confirming):
         self._send(command.worker, command)
 
     def resume(self, command: ResumeWorker) -> None:
+        self.resumed[command.worker] = command
         self._send(command.worker, command)
+
+    # --- lost workers ------------------------------------------------------------------------
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        """Kill the worker's process if it still runs (it may be stuck), release what it held,
+        and start incarnation `command.incarnation` in its slot (see `Restart`)."""
+        worker, incarnation = command.worker, command.incarnation
+        resumed = self.resumed.get(worker)
+        later = resumed is not None and resumed.epoch == command.epoch
+        seed = resumed.seed if later and resumed is not None else self.launch.setup.shared_seed
+        restart = Restart(incarnation, seed, mark, later)
+        failure: BaseException | None = None
+        # As in `_launch`: a start cut short would leave a process nobody recorded.
+        with self.signals_held, self.launching, self.reading:
+            if self.closed or worker in self.stopping:
+                return
+            self._retire(worker)
+            self.incarnations[worker] = incarnation
+            self.unstartable.discard(worker)
+            try:
+                self._start_process(worker, restart)
+            except BaseException as error:
+                self.unstartable.add(worker)
+                failure = explain_exhaustion(error)
+        if failure is not None:
+            if not isinstance(failure, Exception):
+                raise failure
+            reason = f"its replacement could not be started: {failure!r}"
+            self.ready.append(WorkerDied(worker, None, None, reason, incarnation))
+
+    def _retire(self, worker: int) -> None:
+        """End `worker`'s current process and close its pipes; with the locks held.
+
+        Its answers not read yet go with its result pipe: the scheduler would drop them as a
+        lost incarnation's. Its tasks not sent yet go too: the replacement is sent them again.
+        The buffers it lent are forgotten, not given back: the replacement's pool is its own,
+        and a batch the consumer still holds keeps its mapping of theirs until it is freed.
+        """
+        self.held.pop(worker, None)
+        process = self.processes.pop(worker, None)
+        if process is None:
+            return  # never started
+        if process.exitcode is None:
+            process.kill()  # SIGKILL: a stuck worker may ignore anything gentler
+        process.join(JOIN_TIMEOUT)
+        if process.exitcode is None:
+            self.retired.append(process)  # not reaped yet: shutdown joins it
+        else:
+            self.to_close.append(process)
+        with self.returning:
+            self.tasks.pop(worker).close()
+        self.to_close += (self.readers.pop(worker), self.task_readers.pop(worker))
+        self.gone.discard(worker)
+        self.buffers.forget(worker)
+
+    def report(self, worker: int) -> WorkerReport:
+        """The worker's pid and where its main thread is now (see `stacks`)."""
+        process = self.processes.get(worker)
+        if process is None or self.home is None:
+            return WorkerReport()
+        path = stacks.stack_file(self.home.tempdir, worker, self.incarnations.get(worker, 0))
+        return WorkerReport(process.pid, stacks.ask(path, process.pid))
 
     def stop_worker(self, worker: int) -> None:
         if worker in self.stopping:
@@ -313,6 +408,8 @@ class MultiprocessExecutor(Confirming):
             return self._hand_out(self.ready[0], self.ready)
         deadline = None
         while not self.ready:
+            if self.to_close:
+                self._close_retired()
             watched = self._watched()
             starting = self._next_to_launch()
             if starting is not None:
@@ -331,20 +428,33 @@ class MultiprocessExecutor(Confirming):
                 if not fired:
                     return None
             # Reading a message is not interruptible without losing it (see _signals).
-            with self.signals_held:
+            with self.signals_held, self.reading:
                 for handle in fired:
-                    self._collect(*watched[handle])
+                    kind, worker, process = watched[handle]
+                    # A worker replaced meanwhile (by the driver's thread, while the pin
+                    # stage's waited): what fired was its lost process's, gone with it.
+                    if self.processes.get(worker) is process:
+                        self._collect(kind, worker)
         return self._hand_out(self.ready[0], self.ready)
 
-    def _watched(self) -> dict[Any, tuple[str, int]]:
-        watched: dict[Any, tuple[str, int]] = {}
+    def _watched(self) -> dict[Any, tuple[str, int, Any]]:
+        watched: dict[Any, tuple[str, int, Any]] = {}
         # A snapshot: another thread may start a worker meanwhile.
         for worker, process in tuple(self.processes.items()):
             if worker in self.gone:
                 continue
-            watched[self.readers[worker]] = ("answer", worker)
-            watched[process.sentinel] = ("exit", worker)
+            reader = self.readers.get(worker)
+            if reader is None:
+                continue  # being replaced
+            watched[reader] = ("answer", worker, process)
+            watched[process.sentinel] = ("exit", worker, process)
         return watched
+
+    def _close_retired(self) -> None:
+        with self.reading:
+            closing, self.to_close = self.to_close, []
+        for handle in closing:
+            handle.close()
 
     def _collect(self, kind: str, worker: int) -> None:
         reader = self.readers[worker]
@@ -431,7 +541,10 @@ class MultiprocessExecutor(Confirming):
         process = self.processes[worker]
         process.join(JOIN_TIMEOUT)
         if worker not in self.stopping:
-            self.ready.append(WorkerDied(worker, process.pid, process.exitcode))
+            incarnation = self.incarnations.get(worker, 0)
+            self.ready.append(
+                WorkerDied(worker, process.pid, process.exitcode, incarnation=incarnation)
+            )
 
     def _decode(
         self, worker: int, task: int, lent: tuple[int, ...], payload: memoryview, kind: int
@@ -445,7 +558,8 @@ class MultiprocessExecutor(Confirming):
                 # Its tensors died with it (they are fetched from the worker on unpickling):
                 # the death is the error to report, not the failed fetch.
                 self.gone.add(worker)
-                return WorkerDied(worker, process.pid, process.exitcode)
+                incarnation = self.incarnations.get(worker, 0)
+                return WorkerDied(worker, process.pid, process.exitcode, incarnation=incarnation)
             failure = RemoteError.capture(
                 error,
                 worker=worker,
@@ -453,16 +567,21 @@ class MultiprocessExecutor(Confirming):
                 index=None,
                 where="while receiving a batch in the main process",
             )
-            return TaskFailed(task, worker, failure)
+            return TaskFailed(task, worker, failure, incarnation=self.incarnations.get(worker, 0))
+        # A replacement's answers carry its incarnation: its pipe is its own, so whatever
+        # comes by it is its. A worker never replaced costs one lookup.
+        incarnation = self.incarnations.get(worker, 0) if self.incarnations else 0
         if kind == BATCH:
-            return TaskCompleted(task, worker, content)
+            return TaskCompleted.fast(task, worker, content, None, None, incarnation)
         if kind == MARKED:
             payload, mark = content
-            return TaskCompleted(task, worker, payload, mark)
+            return TaskCompleted.fast(task, worker, payload, mark, None, incarnation)
         if kind == TIMED:
             payload, mark, timing = content
-            return TaskCompleted(task, worker, payload, mark, timing)
+            return TaskCompleted.fast(task, worker, payload, mark, timing, incarnation)
         assert isinstance(content, Event)
+        if incarnation and getattr(content, "incarnation", incarnation) != incarnation:
+            content = attrs.evolve(content, incarnation=incarnation)  # type: ignore[misc]
         return content
 
     # --- shutdown ----------------------------------------------------------------------------
@@ -497,7 +616,7 @@ class MultiprocessExecutor(Confirming):
                 except (EOFError, OSError):
                     ended.add(worker)
             running = {w for w in running if self.processes[w].is_alive()}
-        for process in self.processes.values():
+        for process in (*self.processes.values(), *self.retired):
             if process.is_alive():
                 process.terminate()
                 process.join(JOIN_TIMEOUT)
@@ -507,6 +626,7 @@ class MultiprocessExecutor(Confirming):
             process.close()
         for tasks in self.tasks.values():
             tasks.close()
+        self._close_retired()
         for reader in (*self.readers.values(), *self.task_readers.values()):
             reader.close()
         self.ready.clear()

@@ -170,6 +170,16 @@ class BufferReceiver:
                 del held[ident]
             return back
 
+    def forget(self, worker: int) -> None:
+        """`worker` was replaced: forget its buffers, none of which goes back to it, since the
+        replacement numbers its own from 0. A batch the consumer still holds keeps its mapping
+        of them until it is freed, as after `close`."""
+        with self.lock:
+            for key in [key for key in (*self.mapped, *self.missing) if key[0] == worker]:
+                self.mapped.pop(key, None)
+                self.missing.pop(key, None)
+            self.lent.pop(worker, None)
+
     def close(self) -> None:
         """Forget every mapping; one that a kept batch still uses goes when the batch goes."""
         with self.lock:

@@ -37,7 +37,8 @@ import multiprocess
 import torch
 from torch.utils.data._utils import HAS_NUMPY
 
-from statecore import Event, SendTask
+from statecore import Event, SendTask, WorkerStarted
+from statecore.executors._mp import stacks
 from statecore.executors._mp.pool import Batch, BufferSender
 from statecore.executors._mp.wire import (
     NO_TASK,
@@ -49,7 +50,7 @@ from statecore.executors._mp.wire import (
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import restore_in_child
 from statecore.executors._startup import Seat, start_worker
-from statecore.executors._worker import WorkerRuntime, WorkerSetup
+from statecore.executors._worker import Mark, WorkerRuntime, WorkerSetup
 
 
 def _freeze_what_a_spawned_worker_inherits() -> None:
@@ -77,7 +78,7 @@ if HAS_NUMPY:
     # module to start workers) or from the fork server (which preloads it) starts with it.
     import numpy.random  # noqa: F401
 
-__all__ = ["AnswerSender", "Home", "worker_main"]
+__all__ = ["AnswerSender", "Home", "Restart", "worker_main"]
 
 # How often a worker checks that its loader's process is still there, on systems without
 # process descriptors (elsewhere it is woken the moment that process ends).
@@ -122,6 +123,35 @@ class Home:
     """The loader process's key, which the standard library's resource sharer checks."""
     tempdir: str
     """Where the worker's sockets go (see `_adopt_tempdir`); removed at shutdown."""
+
+
+@attrs.frozen
+class Restart:
+    """How a replacement differs from the worker it replaces (`ReplaceWorker`): set up as that
+    one was, at the epoch it was lost in, its dataset restored to its last answer recorded."""
+
+    incarnation: int
+    shared_seed: int | None
+    """The epoch's shared seed: the last `ResumeWorker`'s, or the setup's for its first epoch."""
+    mark: Mark | None = attrs.field(eq=False)
+    """Where the lost worker's dataset stood after its last answer the main process recorded
+    (None: where it stood as the epoch began)."""
+    later_epoch: bool
+    """The epoch is not the setup's first: the checkpoint positions in the setup are past."""
+
+    def setup_for(self, setup: WorkerSetup, worker_id: int) -> WorkerSetup:
+        """`setup` as the lost worker's was at the moment it was lost: the mark goes where a
+        checkpoint's per-worker position goes, so the runtime restores it and fast-forwards
+        as it resumes a checkpoint."""
+        resume, ended = setup.resume, setup.ended
+        if self.later_epoch:
+            resume = ended = None
+        if self.mark is not None:
+            marks = list(resume or ())
+            marks += [None] * (setup.num_workers - len(marks))
+            marks[worker_id] = self.mark
+            resume = tuple(marks)
+        return attrs.evolve(setup, shared_seed=self.shared_seed, resume=resume, ended=ended)
 
 
 def _adopt_tempdir(tempdir: str) -> None:
@@ -206,8 +236,9 @@ def worker_main(
     results: Any,
     home: Home,
     stopping: Any,
+    restart: Restart | None = None,
 ) -> None:
-    """The body of a worker process."""
+    """The body of a worker process; `restart` for one that replaces a lost one."""
     restore_in_child()  # forked while the main thread held signals back
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
     # stops the workers itself, so a worker neither dies of it nor prints a traceback.
@@ -223,14 +254,21 @@ def worker_main(
     # a starting worker milliseconds on a busy machine.
     _thread.start_new_thread(watch_loader, (home.pid, os.getppid(), home.tempdir))
     _adopt_tempdir(home.tempdir)
+    incarnation = 0 if restart is None else restart.incarnation
+    stacks.listen(stacks.stack_file(home.tempdir, worker_id, incarnation))
     stdlib_multiprocessing.current_process().authkey = home.authkey
     torch.set_num_threads(1)
     _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
     setup = shipped if isinstance(shipped, WorkerSetup) else unpack_setup(*shipped)
+    if restart is not None:
+        setup = restart.setup_for(setup, worker_id)
     buffers = BufferSender(workers=setup.num_workers)
     buffers.install()
     runtime = start_worker(setup, worker_id, Seat.process(os.getpid()))
     answers = AnswerSender(worker_id, results, buffers)
+    if restart is not None:
+        # Its first word: set up, and ready for the tasks its slot holds.
+        answers.put(NO_TASK, None, WorkerStarted(worker_id, incarnation), None)
     try:
         _serve(tasks, stopping, runtime, buffers, answers)
     finally:
