@@ -202,6 +202,12 @@ class EpochRecord:
     """Where the datasets lived on from the epoch before (persistent workers, the main
     process): per worker, where its dataset stood as that epoch ended (the mark of its last
     batch), which a worker without a batch handed over this epoch still stands on."""
+    after_a_break: bool = False
+    """The epoch before was left before its end (a `break`) by persistent workers over a
+    map-style dataset with a state: they had loaded batches ahead that no one received, and
+    load the rest of their tasks before they start this epoch, so where their datasets stood
+    as it began is read from the marks of their last answers of that epoch (`Driver.left`),
+    once those are in; `carried` is then where a worker without any stood."""
 
 
 @attrs.frozen

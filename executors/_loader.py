@@ -550,6 +550,17 @@ def _carried_over(
     return _merged(previous.workers, previous.carried)
 
 
+def _carried_in(
+    record: EpochRecord, left: dict[int, Mark] | None, workers: int
+) -> list[Mark | None] | None:
+    """Where each worker's dataset stood as `record`'s epoch began, as a checkpoint records it;
+    `left` is the driver's (see `EpochRecord.after_a_break`)."""
+    carried = record.carried
+    if record.after_a_break and left is not None:
+        carried = _merged([left.get(w) for w in range(workers)], carried)
+    return None if carried is None else list(carried)
+
+
 def _opening_mark(dataset: Any) -> Mark | None:
     """The mark of an iterable dataset that is its own iterator, as an epoch in the main
     process opens (`iter()` called, no item read), or None.
@@ -746,11 +757,15 @@ class _Iterator(_BaseDataLoaderIter):
         # persistent iterator's later ones do not. A resume draws as the original did.
         seeded = first_iter if resume is None else resume.seeded
         carries = self._carries
+        after_a_break = False
         if not first_iter:
             # A persistent iterator's workers go on into this epoch with their datasets.
             previous = self._position() if self._epoch is not None else None
             carries = _carried_over(previous, False)
-        record = EpochRecord(rng, seeded, carried=carries)
+            if carries is None and previous is not None and self._dataset_kind != _ITER:
+                # Left before its end: see `EpochRecord.after_a_break`.
+                after_a_break, carries = True, _merged(previous.carried, None)
+        record = EpochRecord(rng, seeded, carried=carries, after_a_break=after_a_break)
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -869,7 +884,7 @@ class _Iterator(_BaseDataLoaderIter):
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
-            carried=None if record.carried is None else list(record.carried),
+            carried=_carried_in(record, driver.left, self._workers),
         )
 
     def __next__(self) -> Any:

@@ -594,6 +594,20 @@ def _dry_worker_starts_its_part_again() -> dict[str, object]:
     }
 
 
+def _loaded_ahead_is_forgotten() -> dict[str, object]:
+    from statecore.executors._checkpoint import EpochRecord
+    from statecore.executors._worker import Mark
+
+    def carried_in(
+        record: EpochRecord, left: dict[int, Mark] | None, workers: int
+    ) -> list[Mark | None] | None:
+        # An epoch broken out of leaves each worker where its last batch handed over left it,
+        # as if the workers had loaded nothing ahead of the consumer.
+        return None if record.carried is None else list(record.carried)
+
+    return {"_carried_in": carried_in}
+
+
 LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
     LoaderMutant(
         "break-then-save-restarts-the-epoch",
@@ -615,5 +629,11 @@ LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
         "a worker that ran dry is asked again on resume, from the state its dataset went back "
         "to: its part of an iterable dataset comes out again",
         _dry_worker_starts_its_part_again,
+    ),
+    LoaderMutant(
+        "loaded-ahead-is-forgotten",
+        "persistent workers broken out of had loaded batches ahead that no one received: a "
+        "state taken in the next epoch resumes their datasets from before those batches",
+        _loaded_ahead_is_forgotten,
     ),
 )
