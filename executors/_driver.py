@@ -68,6 +68,7 @@ from statecore import (
     Transition,
     WorkerDeath,
     WorkerDiedError,
+    WorkerExhausted,
     initial_state,
     progress,
     step,
@@ -93,7 +94,7 @@ _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
-_MARKED = (TaskCompleted, TaskFailed)
+_MARKED = (TaskCompleted, TaskFailed, WorkerExhausted)
 
 StepFunction = Callable[[State, Event], Transition]
 
@@ -236,6 +237,12 @@ class Driver:
         or not (see `WorkerMarks.left`); None where the answers carry no marks."""
         worker_marks = self.worker_marks
         return None if worker_marks is None else dict(worker_marks.left)
+
+    @property
+    def left_dry(self) -> frozenset[int]:
+        """The workers whose iterable part had run dry as the epoch before was left."""
+        worker_marks = self.worker_marks
+        return frozenset() if worker_marks is None else frozenset(worker_marks.left_dry)
 
     def snapshot(self) -> DriverState:
         """The driver's state between calls, the scheduler's with it, as one value."""
@@ -484,6 +491,11 @@ class WorkerMarks:
     """(worker, mark) of each worker's last answer of the epoch before recorded, by worker,
     those recorded after that epoch was left (a `break`) included: where a persistent worker's
     dataset stood as it went on into this epoch (see `begin`)."""
+    dry: tuple[int, ...] = ()
+    """The workers whose iterable part ran dry this epoch (their exhaustion recorded)."""
+    left_dry: tuple[int, ...] = ()
+    """The workers whose part had run dry as the epoch before was left: the others' stand
+    where `left` says, in an iterator not read to its end."""
 
     @classmethod
     def of(cls, marks: Mapping[int, Mark]) -> WorkerMarks:
@@ -501,7 +513,7 @@ class WorkerMarks:
         `answer`), so that it ends where each worker's dataset stood as the next epoch began.
         """
         standing = {w: mark for w in self._workers() if (mark := self.latest(w)) is not None}
-        return WorkerMarks(_sorted(marks), left=_sorted(standing))
+        return WorkerMarks(_sorted(marks), left=_sorted(standing), left_dry=self.dry)
 
     def latest(self, worker: int) -> Mark | None:
         """The mark of `worker`'s last answer recorded this epoch, received or not, else its
@@ -511,10 +523,17 @@ class WorkerMarks:
         one that died, say) is restored from it."""
         return _get(self.recorded, worker) or _get(self.received, worker)
 
-    def answer(self, answer: TaskCompleted | TaskFailed, base: int) -> WorkerMarks:
+    def answer(
+        self, answer: TaskCompleted | TaskFailed | WorkerExhausted, base: int
+    ) -> WorkerMarks:
         """With the mark of `answer`, kept until it is received, if it is of the epoch whose
-        first task is `base`; one of the epoch before (a stale one) moves `left` on."""
+        first task is `base`; one of the epoch before (a stale one) moves `left` on. A worker
+        found dry is noted as such."""
         task, worker = answer.task, answer.worker
+        if isinstance(answer, WorkerExhausted):
+            if task < base:
+                return attrs.evolve(self, left_dry=_with(self.left_dry, worker))
+            return attrs.evolve(self, dry=_with(self.dry, worker))
         mark: Mark | None = answer.mark  # type: ignore[assignment]  # the core carries it opaque
         if task < base:
             # Never handed over, but the worker's dataset moved on by it all the same.
@@ -523,7 +542,7 @@ class WorkerMarks:
         kept.append((task, (worker, mark)))
         kept.sort(key=_first)
         recorded = _moved(self.recorded, worker, mark, self.received)
-        return WorkerMarks(self.received, tuple(kept), recorded, self.left)
+        return attrs.evolve(self, answered=tuple(kept), recorded=recorded)
 
     def receive(self, task: int) -> WorkerMarks:
         """The consumer got `task`'s batch or error: its mark is now its worker's."""
@@ -534,7 +553,7 @@ class WorkerMarks:
         worker, mark = answered[at][1]
         rest = answered[:at] + answered[at + 1 :]
         received = _moved(self.received, worker, mark, self.received)
-        return WorkerMarks(received, rest, self.recorded, self.left)
+        return attrs.evolve(self, received=received, answered=rest)
 
     def _workers(self) -> set[int]:
         return {w for w, _ in self.received} | {w for w, _ in self.recorded}
@@ -542,6 +561,10 @@ class WorkerMarks:
 
 def _sorted(marks: Mapping[int, Mark]) -> tuple[tuple[int, Mark], ...]:
     return tuple(sorted(marks.items(), key=_first))
+
+
+def _with(workers: tuple[int, ...], worker: int) -> tuple[int, ...]:
+    return workers if worker in workers else tuple(sorted((*workers, worker)))
 
 
 def _get(pairs: tuple[tuple[int, Mark], ...], worker: int) -> Mark | None:

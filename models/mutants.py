@@ -599,11 +599,12 @@ def _loaded_ahead_is_forgotten() -> dict[str, object]:
     from statecore.executors._worker import Mark
 
     def carried_in(
-        record: EpochRecord, left: dict[int, Mark] | None, workers: int
-    ) -> list[Mark | None] | None:
-        # An epoch broken out of leaves each worker where its last batch handed over left it,
-        # as if the workers had loaded nothing ahead of the consumer.
-        return None if record.carried is None else list(record.carried)
+        record: EpochRecord, driver: Driver, workers: int, iterable: bool
+    ) -> tuple[list[Mark | None] | None, frozenset[int]]:
+        # An epoch broken out of leaves each worker where the epoch before had left it, as if
+        # the workers had loaded nothing in it that no one received.
+        carried = None if record.carried is None else list(record.carried)
+        return carried, record.carried_open
 
     return {"_carried_in": carried_in}
 

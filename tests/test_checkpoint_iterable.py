@@ -18,6 +18,7 @@ import torch
 from _checkpoints import resumed_between_epochs, roundtrip, run_to_end, take
 from _datasets import (
     CountsEpochs,
+    CountsItems,
     DrawsAsItGoes,
     ItsOwnIterator,
     PerWorkerCounts,
@@ -507,6 +508,35 @@ def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_
     fresh = loader(CountsEpochs(8), **options)
     fresh.load_state_dict(state)
     assert [run_to_end(iter(fresh)) for _ in range(2)] == [epochs[1][taken:], epochs[2]]
+
+
+@WORKERS
+@pytest.mark.parametrize("taken", [0, 2])
+@pytest.mark.parametrize("executor", ["thread", "mp"])
+def test_a_state_taken_in_the_epoch_after_a_break_holds_where_each_part_was_left(
+    executor: str, taken: int
+) -> None:
+    # Persistent workers broken out of had loaded batches ahead, which their datasets count,
+    # and left their parts before the end (not read further: worker 0's with `taken=0`),
+    # except where a short last batch ran one dry (worker 1's 5 items, in twos). A resume
+    # before their first batch of the next epoch counts on from there.
+    options = {"executor": executor, "num_workers": 2, "persistent_workers": True}
+
+    def after_a_break(loader_: DataLoader[Any]) -> Iterator[Any]:
+        run_to_end(iter(loader_))
+        broken = iter(loader_)
+        take(broken, taken)
+        del broken
+        return iter(loader_)
+
+    uninterrupted = loader(CountsItems(11), **options)
+    following = run_to_end(after_a_break(uninterrupted))
+    original = loader(CountsItems(11), **options)
+    after_a_break(original)
+    state = roundtrip(original.state_dict())
+    resumed = loader(CountsItems(11), **options)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == following
 
 
 @WORKERS

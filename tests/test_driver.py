@@ -21,6 +21,7 @@ from statecore import (
     TaskCompleted,
     TaskFailure,
     Timeout,
+    WorkerExhausted,
 )
 from statecore.executors import Driver
 from statecore.executors._driver import WorkerMarks, handed_task
@@ -150,6 +151,15 @@ def test_where_each_worker_stands_becomes_where_it_was_left_as_the_next_epoch_be
     begun = begun.answer(TaskCompleted(8, 1, None, (1, None)), base=8)
     assert begun.left == ((0, (1, "zero")), (1, (2, "one")))
     assert begun.latest(1) == (1, None)
+
+
+def test_a_worker_found_dry_is_noted_and_stays_so_in_where_it_was_left() -> None:
+    marks = WorkerMarks().answer(WorkerExhausted(4, 1), base=4)
+    assert marks.dry == (1,)
+    begun = marks.begin({})
+    assert (begun.dry, begun.left_dry) == ((), (1,))
+    # Found dry only after the break, by a task of the epoch left: its part had run dry too.
+    assert begun.answer(WorkerExhausted(5, 0), base=8).left_dry == (0, 1)
 
 
 def test_only_a_batch_or_a_tasks_error_hands_a_task_over() -> None:
