@@ -554,22 +554,26 @@ def _merged(
 
 
 def _carried_over(
-    previous: _Position | None, exact_after_a_break: bool
+    previous: _Position | None, exact_after_a_break: bool, iterable: bool = False
 ) -> tuple[tuple[Mark | None, ...] | None, frozenset[int]]:
     """What the datasets carry into a new epoch from the `previous` one, which lived on, and
     which workers' parts of an iterable dataset it leaves open (see `EpochRecord.carried_open`).
 
     Known where the previous epoch ended (every batch handed over, each worker at its last
-    mark), and, with `exact_after_a_break`, where it was broken out of: a map-style dataset in
-    the main process, which loads nothing ahead of the consumer. Workers that loaded ahead
-    (prefetched batches no one received) stand where their last answers left them, which only
-    their driver knows (see `EpochRecord.after_a_break`); elsewhere nothing is recorded, and a
-    resume starts those datasets as built.
+    mark), and, with `exact_after_a_break`, where it was broken out of: a dataset loaded in the
+    main process, which loads nothing ahead of the consumer (an `iterable` one's part is then
+    left open). Workers that loaded ahead (prefetched batches no one received) stand where
+    their last answers left them, which only their driver knows: see
+    `EpochRecord.after_a_break`.
     """
     if previous is None or not (previous.complete or exact_after_a_break):
         return None, frozenset()
-    carried_open = _open(previous.workers, previous.carried, previous.carried_open)
-    return _merged(previous.workers, previous.carried), carried_open
+    marks, carried_open = previous.workers, previous.carried_open
+    carried_open = _open(marks, previous.carried, carried_open)
+    if iterable and not previous.complete and marks is not None:
+        answered = {w for w, mark in enumerate(marks) if mark not in (None, (0, None))}
+        carried_open |= frozenset(answered) - previous.progress.dry
+    return _merged(marks, previous.carried), carried_open
 
 
 def _carried_in(
@@ -672,7 +676,9 @@ class _Iterator(_BaseDataLoaderIter):
         if resume is None and in_process:
             # The dataset is the loader's own object, which the previous iterator's epoch left
             # where it stands: nothing to bring there, only to record.
-            self._carries, self._carries_open = _carried_over(loader._position(), in_main)
+            position = loader._position()
+            iterable = not in_main
+            self._carries, self._carries_open = _carried_over(position, True, iterable)
         elif resume is not None and (persistent or in_process):
             # Between epochs, the resumed epoch is the next: what the checkpoint's left in each
             # dataset is carried into it. Mid-epoch, the checkpoint's own marks are of this

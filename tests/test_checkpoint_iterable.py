@@ -512,15 +512,16 @@ def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_
 
 @WORKERS
 @pytest.mark.parametrize("taken", [0, 2])
-@pytest.mark.parametrize("executor", ["thread", "mp"])
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
 def test_a_state_taken_in_the_epoch_after_a_break_holds_where_each_part_was_left(
-    executor: str, taken: int
+    executor: str, workers: int, taken: int
 ) -> None:
     # Persistent workers broken out of had loaded batches ahead, which their datasets count,
     # and left their parts before the end (not read further: worker 0's with `taken=0`),
-    # except where a short last batch ran one dry (worker 1's 5 items, in twos). A resume
-    # before their first batch of the next epoch counts on from there.
-    options = {"executor": executor, "num_workers": 2, "persistent_workers": True}
+    # except where a short last batch ran one dry (worker 1's 5 items, in twos). In the main
+    # process the loader's own dataset was left at the last batch handed over. A resume
+    # before the first batch of the next epoch counts on from there.
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
 
     def after_a_break(loader_: DataLoader[Any]) -> Iterator[Any]:
         run_to_end(iter(loader_))
