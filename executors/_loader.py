@@ -679,7 +679,12 @@ class _Iterator(_BaseDataLoaderIter):
             position = loader._position()
             iterable = not in_main
             self._carries, self._carries_open = _carried_over(position, True, iterable)
-        elif resume is not None and (persistent or in_process):
+        elif (
+            resume is not None
+            and (persistent or in_process)
+            # A state taken before any epoch started (complete, nothing ended) carries nothing.
+            and (resume.progress.ended or not resume.complete)
+        ):
             # Between epochs, the resumed epoch is the next: what the checkpoint's left in each
             # dataset is carried into it. Mid-epoch, the checkpoint's own marks are of this
             # epoch, and only what the epoch before left (`carried`) is carried.

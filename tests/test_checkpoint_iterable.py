@@ -511,6 +511,20 @@ def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_
 
 
 @WORKERS
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
+def test_a_state_taken_before_any_epoch_carries_nothing_into_the_first(
+    executor: str, workers: int
+) -> None:
+    # No epoch ended before it: no part is run dry first (CountsItems would count its items).
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
+    first = run_to_end(iter(loader(CountsItems(7), **options)))
+    state = roundtrip(loader(CountsItems(7), **options).state_dict())
+    resumed = loader(CountsItems(7), **options)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == first
+
+
+@WORKERS
 @pytest.mark.parametrize("taken", [0, 2])
 @pytest.mark.parametrize(("executor", "workers"), CARRYING)
 def test_a_state_taken_in_the_epoch_after_a_break_holds_where_each_part_was_left(
