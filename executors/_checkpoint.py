@@ -202,6 +202,15 @@ class EpochRecord:
     """Where the datasets lived on from the epoch before (persistent workers, the main
     process): per worker, where its dataset stood as that epoch ended (the mark of its last
     batch), which a worker without a batch handed over this epoch still stands on."""
+    after_a_break: bool = False
+    """The epoch before was left before its end (a `break`) by persistent workers whose
+    answers carry marks: they had loaded batches ahead that no one received, and
+    load the rest of their tasks before they start this epoch, so where their datasets stood
+    as it began is read from the marks of their last answers of that epoch (`Driver.left`),
+    once those are in; `carried` is then where a worker without any stood."""
+    carried_open: frozenset[int] = frozenset()
+    """The workers of an iterable dataset whose `carried` mark is of an iterator left before it
+    ran dry (an epoch broken out of): restored there, their part is not run dry again."""
 
 
 @attrs.frozen
@@ -224,6 +233,8 @@ class Resume:
     carried: tuple[Mark | None, ...] | None = None
     """A state taken in an epoch whose datasets lived on from the one before: per worker, the
     mark of its last batch of that one (see `EpochRecord.carried`)."""
+    carried_open: frozenset[int] = frozenset()
+    """See `EpochRecord.carried_open`."""
 
 
 def snapshot(
@@ -239,6 +250,7 @@ def snapshot(
     seeded: bool = True,
     workers: list[Mark | None] | None = None,
     carried: list[Mark | None] | None = None,
+    carried_open: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The checkpoint as plain data (see the module's docstring)."""
     state = {
@@ -265,6 +277,9 @@ def snapshot(
         state["workers"] = _plain_marks(workers)
     if carried is not None:
         state["carried"] = _plain_marks(carried)
+    if carried_open:
+        # Absent where empty: only an iterable epoch broken out of leaves a part open.
+        state["carried_open"] = sorted(carried_open)
     return state
 
 
@@ -455,6 +470,19 @@ def parse(
     if carried is not None:
         iterable_kind = facts.get("dataset_kind") == "iterable"
         carried = _workers(carried, count if iterable_kind else None, "carried")
+    carried_open = state.get("carried_open", [])
+    if (
+        not isinstance(carried_open, list | tuple)
+        or len(set(carried_open)) != len(carried_open)
+        or any(type(w) is not int or not 0 <= w < count for w in carried_open)
+        or (carried_open and (carried is None or facts.get("dataset_kind") != "iterable"))
+    ):
+        raise _wrong(
+            "carried_open",
+            carried_open,
+            f"a list of distinct worker numbers below {count}, of an iterable dataset's state "
+            "with `carried`",
+        )
     for name, mine in facts.items():
         theirs = state.get(name, _MISSING)
         # Compared with their types: True is not the batch size 1, nor 1.0 the length 1.
@@ -535,6 +563,7 @@ def parse(
         seeded=seeded,
         workers=workers,
         carried=carried,
+        carried_open=frozenset(carried_open),
     )
 
 

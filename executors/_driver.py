@@ -71,6 +71,7 @@ from statecore import (
     Transition,
     WorkerDeath,
     WorkerDiedError,
+    WorkerExhausted,
     WorkerHang,
     WorkerHungError,
     WorkerStatus,
@@ -106,7 +107,7 @@ _NEXT = NextRequested()
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
-_MARKED = (TaskCompleted, TaskFailed)
+_MARKED = (TaskCompleted, TaskFailed, WorkerExhausted)
 
 StepFunction = Callable[[State, Event], Transition]
 
@@ -180,7 +181,7 @@ class Driver:
         """
         self.ledger = Ledger()  # an outcome of the epoch being left behind, and the void
         if self.worker_marks is not None:
-            self.worker_marks = WorkerMarks.of(marks or {})
+            self.worker_marks = self.worker_marks.begin(marks or {})
         self.go_on(self.request(ResetRequested(seed, resume)), in_next=False)
 
     def next(self) -> Any:
@@ -252,6 +253,20 @@ class Driver:
         answers carry no marks."""
         worker_marks = self.worker_marks
         return None if worker_marks is None else dict(worker_marks.received)
+
+    @property
+    def left(self) -> dict[int, Mark] | None:
+        """Where each worker's dataset stood as it went on into this epoch from the one before,
+        on this driver's workers: the mark of its last answer of that epoch recorded, received
+        or not (see `WorkerMarks.left`); None where the answers carry no marks."""
+        worker_marks = self.worker_marks
+        return None if worker_marks is None else dict(worker_marks.left)
+
+    @property
+    def left_dry(self) -> frozenset[int]:
+        """The workers whose iterable part had run dry as the epoch before was left."""
+        worker_marks = self.worker_marks
+        return frozenset() if worker_marks is None else frozenset(worker_marks.left_dry)
 
     def snapshot(self) -> DriverState:
         """The driver's state between calls, the scheduler's with it, as one value."""
@@ -554,43 +569,74 @@ class Ledger:
 class WorkerMarks:
     """An iterable (or stateful map-style) dataset's workers: the mark of each one's last batch
     (or task error) the consumer received, which a checkpoint records (see `WorkerRuntime` for
-    marks), and the marks of this epoch's answers not received yet. A value, as `Ledger` is;
-    its pairs are sorted, so that equal marks make equal values."""
+    marks), the marks of this epoch's answers not received yet, and where each worker's
+    dataset stands: the mark of its last answer recorded, received or not, and of the one it
+    recorded last in the epoch before. A value, as `Ledger` is; its pairs are sorted, so that
+    equal marks make equal values."""
 
     received: tuple[tuple[int, Mark], ...] = ()
     """(worker, mark), by worker."""
     answered: tuple[tuple[int, tuple[int, Any]], ...] = ()
     """(task, (worker, mark)), by task."""
+    recorded: tuple[tuple[int, Mark], ...] = ()
+    """(worker, mark) of each worker's last answer of this epoch recorded, received or not, by
+    worker: where its dataset stands, the batches it loaded ahead included."""
+    left: tuple[tuple[int, Mark], ...] = ()
+    """(worker, mark) of each worker's last answer of the epoch before recorded, by worker,
+    those recorded after that epoch was left (a `break`) included: where a persistent worker's
+    dataset stood as it went on into this epoch (see `begin`)."""
+    dry: tuple[int, ...] = ()
+    """The workers whose iterable part ran dry this epoch (their exhaustion recorded)."""
+    left_dry: tuple[int, ...] = ()
+    """The workers whose part had run dry as the epoch before was left: the others' stand
+    where `left` says, in an iterator not read to its end."""
 
     @classmethod
     def of(cls, marks: Mapping[int, Mark]) -> WorkerMarks:
         """Each worker's mark as received (a checkpoint's), nothing answered."""
-        return cls(tuple(sorted(marks.items(), key=_first)))
+        return cls(_sorted(marks))
 
-    def answer(self, answer: TaskCompleted | TaskFailed, base: int) -> WorkerMarks:
-        """With the mark of `answer`, kept until it is received, if it is of the epoch whose
-        first task is `base` (not a stale one)."""
-        task = answer.task
-        if task < base:
-            return self
-        kept = [item for item in self.answered if item[0] != task]
-        kept.append((task, (answer.worker, answer.mark)))
-        kept.sort(key=_first)
-        return WorkerMarks(self.received, tuple(kept))
+    def begin(self, marks: Mapping[int, Mark]) -> WorkerMarks:
+        """The marks as the next epoch starts from `marks` (a checkpoint's, or none), on the
+        same workers: where each one's dataset stands now becomes where it stood as the epoch
+        before was left.
+
+        An epoch left before its end (a `break`) leaves tasks with the workers, which they
+        still load, in their turn, before they start the next epoch (their answers are stale:
+        never handed over). Those answers' marks go on into `left` as they are recorded (see
+        `answer`), so that it ends where each worker's dataset stood as the next epoch began.
+        """
+        standing = {w: mark for w in self._workers() if (mark := self.latest(w)) is not None}
+        return WorkerMarks(_sorted(marks), left=_sorted(standing), left_dry=self.dry)
 
     def latest(self, worker: int) -> Mark | None:
-        """Where `worker`'s dataset stands after its last answer the main process recorded,
-        received by the consumer or not: what a replacement of it is restored to."""
-        received = dict(self.received)
-        mark = received.get(worker)
-        for _, (answered_by, answered) in self.answered:
-            if answered_by != worker or answered is None:
-                continue
-            since, snapshot = answered
-            if snapshot is ...:
-                snapshot = None if mark is None else mark[1]
-            mark = (since, snapshot)
-        return mark
+        """The mark of `worker`'s last answer recorded this epoch, received or not, else its
+        received one (a checkpoint's, as an epoch resumed from it starts); None if neither.
+
+        Where that worker's dataset stands: a worker that takes up its work (a replacement for
+        one that died, say) is restored from it."""
+        return _get(self.recorded, worker) or _get(self.received, worker)
+
+    def answer(
+        self, answer: TaskCompleted | TaskFailed | WorkerExhausted, base: int
+    ) -> WorkerMarks:
+        """With the mark of `answer`, kept until it is received, if it is of the epoch whose
+        first task is `base`; one of the epoch before (a stale one) moves `left` on. A worker
+        found dry is noted as such."""
+        task, worker = answer.task, answer.worker
+        if isinstance(answer, WorkerExhausted):
+            if task < base:
+                return attrs.evolve(self, left_dry=_with(self.left_dry, worker))
+            return attrs.evolve(self, dry=_with(self.dry, worker))
+        mark: Mark | None = answer.mark  # type: ignore[assignment]  # the core carries it opaque
+        if task < base:
+            # Never handed over, but the worker's dataset moved on by it all the same.
+            return attrs.evolve(self, left=_moved(self.left, worker, mark, self.left))
+        kept = [item for item in self.answered if item[0] != task]
+        kept.append((task, (worker, mark)))
+        kept.sort(key=_first)
+        recorded = _moved(self.recorded, worker, mark, self.received)
+        return attrs.evolve(self, answered=tuple(kept), recorded=recorded)
 
     def receive(self, task: int) -> WorkerMarks:
         """The consumer got `task`'s batch or error: its mark is now its worker's."""
@@ -600,17 +646,44 @@ class WorkerMarks:
             return self
         worker, mark = answered[at][1]
         rest = answered[:at] + answered[at + 1 :]
-        if mark is None:
-            return WorkerMarks(self.received, rest)
-        since, snapshot = mark
-        received = dict(self.received)
-        if snapshot is ...:
-            # Workers send their dataset's state only every so many batches; in between, a mark
-            # counts the batches since the state it last sent, which this worker's last mark has.
-            previous = received.get(worker)
-            snapshot = None if previous is None else previous[1]
-        received[worker] = (since, snapshot)
-        return WorkerMarks(tuple(sorted(received.items(), key=_first)), rest)
+        received = _moved(self.received, worker, mark, self.received)
+        return attrs.evolve(self, received=received, answered=rest)
+
+    def _workers(self) -> set[int]:
+        return {w for w, _ in self.received} | {w for w, _ in self.recorded}
+
+
+def _sorted(marks: Mapping[int, Mark]) -> tuple[tuple[int, Mark], ...]:
+    return tuple(sorted(marks.items(), key=_first))
+
+
+def _with(workers: tuple[int, ...], worker: int) -> tuple[int, ...]:
+    return workers if worker in workers else tuple(sorted((*workers, worker)))
+
+
+def _get(pairs: tuple[tuple[int, Mark], ...], worker: int) -> Mark | None:
+    return next((mark for w, mark in pairs if w == worker), None)
+
+
+def _moved(
+    pairs: tuple[tuple[int, Mark], ...],
+    worker: int,
+    mark: Mark | None,
+    before: tuple[tuple[int, Mark], ...],
+) -> tuple[tuple[int, Mark], ...]:
+    """`pairs` with `worker`'s mark now `mark` (none: as they were)."""
+    if mark is None:
+        return pairs
+    since, snapshot = mark
+    if snapshot is ...:
+        # Workers send their dataset's state only every so many batches; in between, a mark
+        # counts the batches since the state it last sent, which this worker's mark in `before`
+        # (or in `pairs` itself) has.
+        previous = _get(pairs, worker) or _get(before, worker)
+        snapshot = None if previous is None else previous[1]
+    marks = dict(pairs)
+    marks[worker] = (since, snapshot)
+    return _sorted(marks)
 
 
 @attrs.frozen

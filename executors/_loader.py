@@ -554,12 +554,31 @@ class _Position:
     workers: list[Any] | None
     carried: list[Any] | None = None
     """Per worker, where its dataset stood as the epoch before ended, where it lived on."""
+    carried_open: frozenset[int] = frozenset()
+    """See `EpochRecord.carried_open`."""
 
 
 def _standing(resume: Resume) -> tuple[Mark | None, ...] | None:
     """Where each worker's dataset stood at a checkpoint: at its last batch handed over, or, for
     a worker with none this epoch, where the epoch before left it (where it lived on)."""
     return _merged(resume.workers, resume.carried)
+
+
+def _standing_open(resume: Resume) -> frozenset[int]:
+    """The workers whose mark `_standing` takes from an iterator left open (see
+    `EpochRecord.carried_open`)."""
+    return _open(resume.workers, resume.carried, resume.carried_open)
+
+
+def _open(
+    marks: tuple[Mark | None, ...] | list[Any] | None,
+    carried: tuple[Mark | None, ...] | list[Any] | None,
+    carried_open: frozenset[int],
+) -> frozenset[int]:
+    """The workers of `carried_open` whose mark `_merged(marks, carried)` takes from `carried`."""
+    if marks is None or carried is None:
+        return frozenset()
+    return frozenset(w for w in carried_open if w < len(marks) and marks[w] in (None, (0, None)))
 
 
 def _merged(
@@ -576,19 +595,43 @@ def _merged(
 
 
 def _carried_over(
-    previous: _Position | None, exact_after_a_break: bool
-) -> tuple[Mark | None, ...] | None:
-    """What the datasets carry into a new epoch from the `previous` one, which lived on.
+    previous: _Position | None, exact_after_a_break: bool, iterable: bool = False
+) -> tuple[tuple[Mark | None, ...] | None, frozenset[int]]:
+    """What the datasets carry into a new epoch from the `previous` one, which lived on, and
+    which workers' parts of an iterable dataset it leaves open (see `EpochRecord.carried_open`).
 
     Known where the previous epoch ended (every batch handed over, each worker at its last
-    mark), and, with `exact_after_a_break`, where it was broken out of: a map-style dataset in
-    the main process, which loads nothing ahead of the consumer. Workers that loaded ahead
-    (prefetched batches no one received) stand somewhere no mark says; an iterable part was not
-    run dry. There nothing is recorded, and a resume starts those datasets as built.
+    mark), and, with `exact_after_a_break`, where it was broken out of: a dataset loaded in the
+    main process, which loads nothing ahead of the consumer (an `iterable` one's part is then
+    left open). Workers that loaded ahead (prefetched batches no one received) stand where
+    their last answers left them, which only their driver knows: see
+    `EpochRecord.after_a_break`.
     """
     if previous is None or not (previous.complete or exact_after_a_break):
-        return None
-    return _merged(previous.workers, previous.carried)
+        return None, frozenset()
+    marks, carried_open = previous.workers, previous.carried_open
+    carried_open = _open(marks, previous.carried, carried_open)
+    if iterable and not previous.complete and marks is not None:
+        answered = {w for w, mark in enumerate(marks) if mark not in (None, (0, None))}
+        carried_open |= frozenset(answered) - previous.progress.dry
+    return _merged(marks, previous.carried), carried_open
+
+
+def _carried_in(
+    record: EpochRecord, driver: Driver, workers: int, iterable: bool
+) -> tuple[list[Mark | None] | None, frozenset[int]]:
+    """Where each worker's dataset stood as `record`'s epoch began, as a checkpoint records it,
+    and which workers' iterable parts were left open there (see `EpochRecord.after_a_break`)."""
+    carried, carried_open, left = record.carried, record.carried_open, driver.left
+    if record.after_a_break and left is not None:
+        marks = [left.get(w) for w in range(workers)]
+        if iterable:
+            # A part whose last answer was recorded stands open, one with none where the epoch
+            # before had it; unless it was found dry.
+            answered = frozenset(w for w, mark in enumerate(marks) if mark is not None)
+            carried_open = (_open(marks, carried, carried_open) | answered) - driver.left_dry
+        carried = _merged(marks, carried)
+    return (None if carried is None else list(carried)), carried_open
 
 
 def _opening_mark(dataset: Any) -> Mark | None:
@@ -669,16 +712,27 @@ class _Iterator(_BaseDataLoaderIter):
         self._carried: tuple[Mark | None, ...] | None = None
         self._opening: Mark | None = None
         self._carries: tuple[Mark | None, ...] | None = None
+        self._carries_open: frozenset[int] = frozenset()
         in_main = in_process and loader._dataset_kind != _ITER
         if resume is None and in_process:
             # The dataset is the loader's own object, which the previous iterator's epoch left
             # where it stands: nothing to bring there, only to record.
-            self._carries = _carried_over(loader._position(), in_main)
-        elif resume is not None and (persistent or in_process):
+            position = loader._position()
+            iterable = not in_main
+            self._carries, self._carries_open = _carried_over(position, True, iterable)
+        elif (
+            resume is not None
+            and (persistent or in_process)
+            # A state taken before any epoch started (complete, nothing ended) carries nothing.
+            and (resume.progress.ended or not resume.complete)
+        ):
             # Between epochs, the resumed epoch is the next: what the checkpoint's left in each
             # dataset is carried into it. Mid-epoch, the checkpoint's own marks are of this
             # epoch, and only what the epoch before left (`carried`) is carried.
-            self._carries = _standing(resume) if resume.complete else resume.carried
+            if resume.complete:
+                self._carries, self._carries_open = _standing(resume), _standing_open(resume)
+            else:
+                self._carries, self._carries_open = resume.carried, resume.carried_open
             self._carried = self._carries
             if in_main and resume.complete:
                 # A map-style dataset in the main process is the loader's own: it is put where
@@ -737,6 +791,8 @@ class _Iterator(_BaseDataLoaderIter):
             shared_seed=self._shared_seed,
             resume=None if resume is None or in_main else resume.workers,
             ended=None if in_main else self._carried,
+            ended_open=frozenset() if self._carried is None else self._carries_open,
+            batch_size=loader.batch_size,
             snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,
         )
@@ -795,12 +851,19 @@ class _Iterator(_BaseDataLoaderIter):
         # Whether this epoch drew its workers' base seed: an iterator's first epoch does, a
         # persistent iterator's later ones do not. A resume draws as the original did.
         seeded = first_iter if resume is None else resume.seeded
-        carries = self._carries
+        carries, carries_open = self._carries, self._carries_open
+        after_a_break = False
         if not first_iter:
             # A persistent iterator's workers go on into this epoch with their datasets.
             previous = self._position() if self._epoch is not None else None
-            carries = _carried_over(previous, False)
-        record = EpochRecord(rng, seeded, carried=carries)
+            carries, carries_open = _carried_over(previous, False)
+            if carries is None and previous is not None:
+                # Left before its end: see `EpochRecord.after_a_break`.
+                after_a_break = True
+                carries, carries_open = _merged(previous.carried, None), previous.carried_open
+        record = EpochRecord(
+            rng, seeded, carried=carries, after_a_break=after_a_break, carried_open=carries_open
+        )
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -906,6 +969,8 @@ class _Iterator(_BaseDataLoaderIter):
         # yields. A state taken after the last batch and before the StopIteration resumes
         # that epoch, which then ends with no batch (see `_next_data`).
         complete = driver.state.phase is Phase.FINISHED
+        iterable = self._dataset_kind == _ITER
+        carried, carried_open = _carried_in(record, driver, self._workers, iterable)
         sampler_state = None
         if record.log is not None:
             log = record.log
@@ -919,7 +984,8 @@ class _Iterator(_BaseDataLoaderIter):
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
-            carried=None if record.carried is None else list(record.carried),
+            carried=carried,
+            carried_open=carried_open,
         )
 
     def __next__(self) -> Any:

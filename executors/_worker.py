@@ -75,6 +75,12 @@ class WorkerSetup:
     worker, the mark of its last batch of that epoch before. A stateful dataset is brought back
     to where it stood as that epoch ended, and starts the next from there; the worker's mark
     in `resume`, if any, then positions it in the resumed epoch."""
+    ended_open: frozenset[int] = attrs.field(default=frozenset(), eq=False)
+    batch_size: int | None = None
+    """An iterable dataset's batch size (with `auto_collation`), for reading batches again
+    outside a task (`WorkerRuntime._carry`)."""
+    """The workers of an iterable dataset whose mark in `ended` is of an iterator left before
+    it ran dry (that epoch was broken out of): brought to the mark, not run dry."""
     snapshot_every: int | None = 1
     """A worker with a stateful iterable dataset sends its state with every this many batches
     it yields (None: never; a resume then fast-forwards from the epoch's start)."""
@@ -205,7 +211,7 @@ class WorkerRuntime:
             self._restart("while creating the dataset fetcher", None if carried else mark)
             if carried:
                 assert setup.ended is not None
-                self._carry(setup.ended[worker_id])
+                self._carry(setup.ended[worker_id], worker_id in setup.ended_open)
                 if mark not in (None, (0, None)) and self.init_error is None:
                     self._restart("while loading the dataset's state from the checkpoint", mark)
             if setup.resume is not None and worker_id < len(setup.resume) and self.stateful_map:
@@ -262,13 +268,15 @@ class WorkerRuntime:
             self.since = self.skip = mark[0]
         return True
 
-    def _carry(self, mark: Mark | None) -> None:
+    def _carry(self, mark: Mark | None, left_open: bool = False) -> None:
         """Bring a stateful dataset to where it stood as the checkpoint's epoch ended.
 
         A dataset may change its state as its iterator runs dry (counting its epochs, say), so
         an iterable worker's part is restored at its last batch and run dry again, dropped,
-        and the next epoch's iterator made from there, as a persistent worker's would be. A
-        map-style dataset's state after its last batch is loaded before its first task.
+        and the next epoch's iterator made from there, as a persistent worker's would be;
+        `left_open`: that epoch was broken out of before this part ran dry, and it is only
+        brought to its last batch. A map-style dataset's state after its last batch is loaded
+        before its first task.
         """
         if self.init_error is not None:
             return
@@ -281,6 +289,14 @@ class WorkerRuntime:
         # No mark: the worker's part was empty, and runs dry again at once.
         if not self._restart("while loading the dataset's state_dict from the checkpoint", mark):
             return  # `init_error` says why, with the first task
+        if left_open:
+            # Broken out of: read as far as its last batch, no further.
+            if self.skip:
+                size = self.setup.batch_size
+                batched = self.setup.auto_collation and size is not None
+                self._fast_forward([None] * size if batched and size is not None else None)
+            self._restart("while restarting the dataset for the next epoch")
+            return
         # The epoch is over: every item left of it, the `skip` batches' included, was read.
         iterator, self.skip = self.fetcher.dataset_iter, 0
         while True:

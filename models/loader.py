@@ -61,16 +61,6 @@ __all__ = [
 EPOCHS = 3
 """Epochs of the uninterrupted run; the program never goes past them."""
 
-# Restrictions while a bug this machine found is open, each to be removed as its fix merges.
-# Never silent: each names the bug and what it keeps the machine from.
-UNTIL_A_BROKEN_EPOCH_LEAVES_A_KNOWN_STATE = True
-"""Known, unfixed (docs/checkpointing.md, "What a dataset carries from one epoch into the
-next"): persistent workers broken out of (`break`) had loaded batches ahead that no one
-received, so where their datasets stand as the next epoch starts is not in any mark; a state
-taken in that next epoch resumes them from the dataset as built, and a stateful map-style
-dataset then draws other augmentations than the uninterrupted run's. Until it is fixed, a
-program with persistent workers over a "stateful-map" dataset does not break out of its loop."""
-
 DATASETS = (
     "map",  # a map-style dataset: index -> index
     "stateful-map",  # map-style, with a per-worker draw counter in state_dict (augmentation)
@@ -587,16 +577,7 @@ def loader_machine(
             # Then asks again, as a notebook user does: nothing lost, nothing repeated.
             self._next(interrupt=True)
 
-        @precondition(
-            lambda self: (
-                self.iterator is not None
-                and not (
-                    UNTIL_A_BROKEN_EPOCH_LEAVES_A_KNOWN_STATE
-                    and self.setup.persistent
-                    and self.setup.dataset == "stateful-map"
-                )
-            )
-        )
+        @precondition(lambda self: self.iterator is not None)
         @rule()
         def breaks_out_of_its_loop(self) -> None:
             self.iterator = None

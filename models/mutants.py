@@ -594,6 +594,21 @@ def _dry_worker_starts_its_part_again() -> dict[str, object]:
     }
 
 
+def _loaded_ahead_is_forgotten() -> dict[str, object]:
+    from statecore.executors._checkpoint import EpochRecord
+    from statecore.executors._worker import Mark
+
+    def carried_in(
+        record: EpochRecord, driver: Driver, workers: int, iterable: bool
+    ) -> tuple[list[Mark | None] | None, frozenset[int]]:
+        # An epoch broken out of leaves each worker where the epoch before had left it, as if
+        # the workers had loaded nothing in it that no one received.
+        carried = None if record.carried is None else list(record.carried)
+        return carried, record.carried_open
+
+    return {"_carried_in": carried_in}
+
+
 LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
     LoaderMutant(
         "break-then-save-restarts-the-epoch",
@@ -615,5 +630,11 @@ LOADER_MUTANTS: tuple[LoaderMutant, ...] = (
         "a worker that ran dry is asked again on resume, from the state its dataset went back "
         "to: its part of an iterable dataset comes out again",
         _dry_worker_starts_its_part_again,
+    ),
+    LoaderMutant(
+        "loaded-ahead-is-forgotten",
+        "persistent workers broken out of had loaded batches ahead that no one received: a "
+        "state taken in the next epoch resumes their datasets from before those batches",
+        _loaded_ahead_is_forgotten,
     ),
 )

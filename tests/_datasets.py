@@ -309,6 +309,40 @@ class CountsEpochs(IterableDataset):  # type: ignore[type-arg]
         self.epoch = state["epoch"]
 
 
+class CountsItems(IterableDataset):  # type: ignore[type-arg]
+    """(item, count) for this worker's share of range(n), where count numbers every item this
+    copy of the dataset has read, in every epoch (as an augmentation's generator goes on).
+
+    Its state is that count and where its iterator stands, which its next iterator starts from
+    (as `StatefulDataset`'s): a persistent worker's next epoch counts on from the last item it
+    read, whether or not the consumer received it.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0
+        self.at = 0
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        # Taken up as iter() is called, not at the first item, as a generator function would.
+        start, self.start = self.start, 0
+        self.at = start
+        return self._items(share_of_range(self.n)[start:])
+
+    def _items(self, items: list[int]) -> Iterator[tuple[int, int]]:
+        for item in items:
+            self.at += 1
+            self.count += 1
+            yield item, self.count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.at, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start, self.count = state["start"], state["count"]
+
+
 class Rewinding(Positioned):
     """A `Positioned` that goes back to the start once it has run dry, as many datasets do so
     that the next epoch starts over: its state after the last item is that of the start."""

@@ -18,6 +18,7 @@ import torch
 from _checkpoints import resumed_between_epochs, roundtrip, run_to_end, take
 from _datasets import (
     CountsEpochs,
+    CountsItems,
     DrawsAsItGoes,
     ItsOwnIterator,
     PerWorkerCounts,
@@ -507,6 +508,50 @@ def test_a_state_taken_as_the_next_epoch_starts_holds_what_the_last_one_left_in_
     fresh = loader(CountsEpochs(8), **options)
     fresh.load_state_dict(state)
     assert [run_to_end(iter(fresh)) for _ in range(2)] == [epochs[1][taken:], epochs[2]]
+
+
+@WORKERS
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
+def test_a_state_taken_before_any_epoch_carries_nothing_into_the_first(
+    executor: str, workers: int
+) -> None:
+    # No epoch ended before it: no part is run dry first (CountsItems would count its items).
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
+    first = run_to_end(iter(loader(CountsItems(7), **options)))
+    state = roundtrip(loader(CountsItems(7), **options).state_dict())
+    resumed = loader(CountsItems(7), **options)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == first
+
+
+@WORKERS
+@pytest.mark.parametrize("taken", [0, 2])
+@pytest.mark.parametrize(("executor", "workers"), CARRYING)
+def test_a_state_taken_in_the_epoch_after_a_break_holds_where_each_part_was_left(
+    executor: str, workers: int, taken: int
+) -> None:
+    # Persistent workers broken out of had loaded batches ahead, which their datasets count,
+    # and left their parts before the end (not read further: worker 0's with `taken=0`),
+    # except where a short last batch ran one dry (worker 1's 5 items, in twos). In the main
+    # process the loader's own dataset was left at the last batch handed over. A resume
+    # before the first batch of the next epoch counts on from there.
+    options = {"executor": executor, "num_workers": workers, "persistent_workers": workers > 0}
+
+    def after_a_break(loader_: DataLoader[Any]) -> Iterator[Any]:
+        run_to_end(iter(loader_))
+        broken = iter(loader_)
+        take(broken, taken)
+        del broken
+        return iter(loader_)
+
+    uninterrupted = loader(CountsItems(11), **options)
+    following = run_to_end(after_a_break(uninterrupted))
+    original = loader(CountsItems(11), **options)
+    after_a_break(original)
+    state = roundtrip(original.state_dict())
+    resumed = loader(CountsItems(11), **options)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == following
 
 
 @WORKERS

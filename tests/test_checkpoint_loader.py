@@ -490,6 +490,34 @@ def test_a_map_style_state_taken_early_in_the_next_epoch_holds_what_the_last_one
     assert run_to_end(iter(resumed)) == epochs[1][taken:]
 
 
+def _next_epoch_after_a_break(original: DataLoader[Any], taken: int) -> Iterator[Any]:
+    """The next epoch's iterator, after the program broke out of this one after `taken`
+    batches: persistent workers had loaded batches ahead that no one received."""
+    broken = iter(original)
+    take(broken, taken)
+    del broken
+    return iter(original)
+
+
+@WORKERS
+@pytest.mark.parametrize("taken", [0, 3])
+@pytest.mark.parametrize(("executor", "workers"), LIVING_ON)
+def test_a_map_style_state_taken_in_the_epoch_after_a_break_holds_what_was_loaded_ahead(
+    executor: str, workers: int, taken: int
+) -> None:
+    # The workers load the batches they were sent before the break, and then the next epoch,
+    # from where those left their datasets: a resume before their first batch of it starts
+    # them there too.
+    uninterrupted = _living_on(executor, workers)
+    following = run_to_end(_next_epoch_after_a_break(uninterrupted, taken))
+    original = _living_on(executor, workers)
+    _next_epoch_after_a_break(original, taken)
+    state = roundtrip(original.state_dict())
+    resumed = _living_on(executor, workers)
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == following
+
+
 def test_a_resumed_epoch_in_the_main_process_broken_out_of_at_once_leaves_its_state() -> None:
     original = _living_on("inline", 0)
     first = iter(original)

@@ -160,6 +160,24 @@ def test_dry_workers_that_are_not_distinct_worker_numbers_are_refused(dry: Any) 
         DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
 
 
+@pytest.mark.parametrize("left_open", [[1], [0, 0], [True], "0"])
+def test_open_parts_that_are_not_distinct_worker_numbers_are_refused(left_open: Any) -> None:
+    loader = DataLoader(StatefulIterator(20), batch_size=2)
+    take(iter(loader), 2)
+    state = loader.state_dict()
+    state["carried"] = [{"since": 1, "state": None}]
+    state["carried_open"] = left_open
+    with pytest.raises(ValueError, match=r"carried_open holds .*; expected a list of distinct"):
+        DataLoader(StatefulIterator(20), batch_size=2).load_state_dict(state)
+
+
+def test_open_parts_of_a_map_style_state_are_refused() -> None:
+    state = map_state()
+    state["carried_open"] = [0]
+    with pytest.raises(ValueError, match=r"carried_open holds \[0\] .*an iterable dataset's"):
+        fresh_map().load_state_dict(state)
+
+
 # --- the fingerprint: what a state was taken from ------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from statecore import (
     TaskCompleted,
     TaskFailure,
     Timeout,
+    WorkerExhausted,
 )
 from statecore.executors import Driver
 from statecore.executors._driver import WorkerMarks, handed_task
@@ -109,10 +110,56 @@ def test_a_mark_becomes_its_workers_once_the_consumer_receives_its_task() -> Non
     assert marks.receive(7).answered == ()
 
 
-def test_an_answer_of_an_earlier_epoch_leaves_no_mark() -> None:
+def test_a_stale_answer_is_never_received_but_moves_where_its_worker_was_left() -> None:
     marks = WorkerMarks().answer(TaskCompleted(3, 0, None, (1, None)), base=4)
-    assert marks == WorkerMarks()
-    assert marks.receive(3) == WorkerMarks()
+    assert (marks.received, marks.answered, marks.recorded) == ((), (), ())
+    assert marks.receive(3) == marks
+    # Loaded after the break all the same: the worker's dataset went on into this epoch from it.
+    assert marks.left == ((0, (1, None)),)
+    assert marks.latest(0) is None
+
+
+def test_the_latest_mark_is_the_last_answer_recorded_received_or_not() -> None:
+    marks = WorkerMarks.of({1: (4, "state")})
+    assert marks.latest(1) == (4, "state")  # nothing recorded yet: the received one
+    assert marks.latest(0) is None
+    marks = marks.answer(TaskCompleted(5, 1, None, (1, "one")), base=5)
+    marks = marks.answer(TaskCompleted(6, 1, None, (2, ...)), base=5)
+    # Not received, yet where worker 1's dataset stands; a mark without a state takes the
+    # state of the worker's last answer.
+    assert marks.latest(1) == (2, "one")
+    assert marks.receive(5).received == ((1, (1, "one")),)
+    assert marks.receive(5).latest(1) == (2, "one")
+
+
+def test_a_mark_without_a_state_first_of_its_epoch_takes_the_received_workers_state() -> None:
+    marks = WorkerMarks.of({0: (3, "saved")}).answer(TaskCompleted(9, 0, None, (4, ...)), base=9)
+    assert marks.latest(0) == (4, "saved")
+
+
+def test_where_each_worker_stands_becomes_where_it_was_left_as_the_next_epoch_begins() -> None:
+    marks = WorkerMarks.of({0: (1, "zero")})
+    marks = marks.answer(TaskCompleted(4, 1, None, (0, "one")), base=4)
+    marks = marks.answer(TaskCompleted(5, 1, None, (1, ...)), base=4)  # loaded ahead
+    begun = marks.begin({})
+    assert begun.left == ((0, (1, "zero")), (1, (1, "one")))
+    assert (begun.received, begun.answered, begun.recorded) == ((), (), ())
+    # An answer of the epoch left, loaded after the break, moves it on.
+    begun = begun.answer(TaskCompleted(6, 1, None, (2, ...)), base=8)
+    assert begun.left == ((0, (1, "zero")), (1, (2, "one")))
+    # The next epoch's answers are its own: they leave `left` as it stood.
+    begun = begun.answer(TaskCompleted(8, 1, None, (1, None)), base=8)
+    assert begun.left == ((0, (1, "zero")), (1, (2, "one")))
+    assert begun.latest(1) == (1, None)
+
+
+def test_a_worker_found_dry_is_noted_and_stays_so_in_where_it_was_left() -> None:
+    marks = WorkerMarks().answer(WorkerExhausted(4, 1), base=4)
+    assert marks.dry == (1,)
+    begun = marks.begin({})
+    assert (begun.dry, begun.left_dry) == ((), (1,))
+    # Found dry only after the break, by a task of the epoch left: its part had run dry too.
+    assert begun.answer(WorkerExhausted(5, 0), base=8).left_dry == (0, 1)
 
 
 def test_only_a_batch_or_a_tasks_error_hands_a_task_over() -> None:

@@ -176,13 +176,28 @@ LOADER_MUTANT_FOCUS: dict[str, Callable[[Setup], Setup]] = {
         understated=0,
     ),
     # Iterable datasets that go back to their start once dry, with uneven shards (in-process
-    # too: one part whose short last batch runs it dry), so that a worker runs dry mid-epoch.
+    # too: one part), each ending in a short batch (1 or 5 items, in batches of 2 or 3), so
+    # that a worker runs dry mid-epoch, as its short last batch is loaded.
     "dry-worker-starts-its-part-again": lambda s: attrs.evolve(
         s,
         dataset="rewinding",
-        counts=tuple(2 + (s.counts[0] + 3 * k) % 4 for k in range(max(s.workers, 1))),
+        counts=tuple(1 + 4 * ((s.counts[0] + k) % 2) for k in range(max(s.workers, 1))),
+        batch_size=2 + s.batch_size % 2,
         shuffle=False,
         understated=0,
+    ),
+    # Persistent workers over a map-style dataset with a state, loading ahead of a break: in
+    # batches of one or two of five to nine items, so that something is left to load ahead.
+    "loaded-ahead-is-forgotten": lambda s: attrs.evolve(
+        s,
+        executor="thread",
+        workers=max(s.workers, 1),
+        dataset="stateful-map",
+        counts=(5 + s.counts[0] % 5,),
+        batch_size=1 + s.batch_size % 2,
+        understated=0,
+        persistent=True,
+        in_order=True,
     ),
 }
 
