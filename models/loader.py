@@ -43,10 +43,11 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from statecore import DataLoader, Event, ResumeWorker, SendTask, WorkerDiedError
+from statecore import DataLoader, Event, ReplaceWorker, ResumeWorker, SendTask, WorkerDiedError
 from statecore.executors import Capabilities, Executor, Launch, capabilities_of
-from statecore.executors._protocol import confirmer_of
+from statecore.executors._protocol import WorkerReport, confirmer_of, replacer_of
 from statecore.executors._registry import lookup
+from statecore.executors._worker import Mark
 
 __all__ = [
     "DATASETS",
@@ -279,6 +280,17 @@ class Forwarding:
 
     def stop_worker(self, worker: int) -> None:
         self.inner.stop_worker(worker)
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        # Called only where the inner executor declares that it replaces workers.
+        replacer = replacer_of(self.inner)
+        assert replacer is not None
+        replacer.replace(command, mark)
+
+    def report(self, worker: int) -> WorkerReport:
+        replacer = replacer_of(self.inner)
+        assert replacer is not None
+        return replacer.report(worker)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
