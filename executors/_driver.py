@@ -282,21 +282,21 @@ class Driver:
             event = self._poll()
             state, commands = self.poll_step(self.state, event)
             worker_marks = self.worker_marks
-            noted = self.noted
-            answer: Event | None = None
-            if noted is not None:
-                answer = noted.answer
-            elif worker_marks is not None and type(event) in _MARKED:
-                answer = event
-            if answer is not None:
-                worker_marks = worker_marks.answer(answer, state.life.base)  # type: ignore[arg-type,union-attr]
+            if worker_marks is not None:
+                noted = self.noted
+                if noted is None:
+                    if type(event) in _MARKED:
+                        worker_marks = worker_marks.answer(event, state.life.base)  # type: ignore[arg-type]
+                else:
+                    # Taken at once: an interrupt from here on drops the answer's state too.
+                    answer, noted.answer = noted.answer, None
+                    if answer is not None:
+                        worker_marks = worker_marks.answer(answer, state.life.base)
             # No call until the last of these stores: an interrupt cannot come between the new
             # state, the answer's mark, the note that the executor is owed its confirmation,
             # and the commands.
             self.state = state
             self.worker_marks = worker_marks
-            if noted is not None:
-                noted.answer = None
             self.confirm_owed = confirm is not None
             self.todo.extend(commands)
             if confirm is not None:

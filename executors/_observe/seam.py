@@ -57,21 +57,32 @@ class Observer:
         return self.on.get(kind, self.transition)
 
 
-class Routes(dict[type, Hook | None]):
+class Routes:
     """Per event type, the one call that tells every observer that wants it, in the order the
-    observers were given (None: no observer wants it). A type's call is made the first time an
-    event of the type comes, so that any event type (a new one of the core's, a test's) is
-    served, and every later one costs a dictionary lookup."""
+    observers were given (None: no observer wants it), in `calls`: a plain dictionary, built
+    for every event type the core defines, so that a transition costs one lookup of the
+    fastest kind. A type met later (a test's own) is added the first time it comes (`add`)."""
 
     def __init__(self, observers: Sequence[Observer]) -> None:
-        super().__init__()
         self.observers = tuple(observers)
+        self.calls: dict[type, Hook | None] = {}
+        for kind in _event_types(Event):
+            self.add(kind)
 
-    def __missing__(self, kind: type) -> Hook | None:
+    def add(self, kind: type) -> Hook | None:
+        """The call for events of type `kind`, made and kept."""
         hooks = [hook for hook in (o.hook(kind) for o in self.observers) if hook is not None]
-        call = _joined(hooks)
-        self[kind] = call
+        call = self.calls[kind] = _joined(hooks)
         return call
+
+
+def _event_types(base: type) -> list[type]:
+    found: list[type] = []
+    kind: type
+    for kind in base.__subclasses__():
+        found.append(kind)
+        found.extend(_event_types(kind))
+    return found
 
 
 def _joined(hooks: Sequence[Hook]) -> Hook | None:
@@ -79,11 +90,17 @@ def _joined(hooks: Sequence[Hook]) -> Hook | None:
         return None
     if len(hooks) == 1:
         return hooks[0]  # the common case (one observer wants the type) without a loop
-    first, *rest = hooks
+    if len(hooks) == 2:
+        first, second = hooks
+
+        def both(state: State, event: Event, transition: Transition) -> None:
+            first(state, event, transition)
+            second(state, event, transition)
+
+        return both
 
     def every(state: State, event: Event, transition: Transition) -> None:
-        first(state, event, transition)
-        for hook in rest:
+        for hook in hooks:
             hook(state, event, transition)
 
     return every
@@ -95,6 +112,7 @@ def observed(step: StepFunction, observers: Sequence[Observer]) -> StepFunction:
     if not observers:
         return step
     routes = Routes(observers)
+    calls = routes.calls
     refusals = tuple(observer.refused for observer in observers if observer.refused is not _ignore)
 
     def watched(state: State, event: Event) -> Transition:
@@ -104,7 +122,10 @@ def observed(step: StepFunction, observers: Sequence[Observer]) -> StepFunction:
             for refused in refusals:
                 refused(state, event, error)
             raise
-        hook = routes[type(event)]
+        try:
+            hook = calls[type(event)]
+        except KeyError:
+            hook = routes.add(type(event))
         if hook is not None:
             hook(state, event, transition)
         return transition
