@@ -104,10 +104,10 @@ __all__ = [
 ]
 
 _NEXT = NextRequested()
+_MARKED = (TaskCompleted, TaskFailed, WorkerExhausted)
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
-_MARKED = (TaskCompleted, TaskFailed, WorkerExhausted)
 
 StepFunction = Callable[[State, Event], Transition]
 
@@ -145,6 +145,17 @@ class Driver:
         self.draw = draw
         self.observers = tuple(observers)
         self.step = observed(step, self.observers)
+        marking = config.iterable or marked
+        self.poll_step = self.step
+        """The step an executor's answers go through (`wait`)."""
+        self.noted: _Noted | None = None
+        """Where the seam notes an answer that carries a mark, for `wait` to take the mark: set
+        where answers carry marks and observers watch, so that the seam's one lookup of the
+        answer's type serves the observers and the driver alike. With no observer there is no
+        seam, and `wait` looks at the type itself, the only place in the shell that does."""
+        if marking and self.observers:
+            self.noted = _Noted()
+            self.poll_step = observed(step, (*self.observers, self.noted.observer()))
         # torch's timeout=0 means "wait as long as it takes".
         self.timeout: float | None = timeout if timeout > 0 else None
         self.confirm = confirmer_of(executor)
@@ -160,7 +171,7 @@ class Driver:
         self.todo: deque[Command] = deque()
         """Commands still to carry out: those an interrupt left for the next call."""
         self.ledger = Ledger()
-        self.worker_marks = WorkerMarks() if config.iterable or marked else None
+        self.worker_marks = WorkerMarks() if marking else None
         """None where the answers carry no marks (a map-style dataset without a state)."""
         self.confirm_owed = False
         """The state holds the answer the executor returned last, and the executor may not have
@@ -308,10 +319,19 @@ class Driver:
                 confirm()
                 self.confirm_owed = False
             event = self._poll()
-            state, commands = self.step(self.state, event)
+            state, commands = self.poll_step(self.state, event)
             worker_marks = self.worker_marks
-            if worker_marks is not None and type(event) in _MARKED:
-                worker_marks = worker_marks.answer(event, state.life.base)  # type: ignore[arg-type]
+            if worker_marks is not None:
+                noted = self.noted
+                answer: TaskCompleted | TaskFailed | WorkerExhausted | None
+                if noted is None:
+                    answer = event if type(event) in _MARKED else None  # type: ignore[assignment]
+                else:
+                    # Taken at once: an interrupt from here on drops the answer's state too.
+                    answer, noted.answer = noted.answer, None
+                # A lost incarnation's late answer was dropped: its mark is not its slot's.
+                if answer is not None and _current(answer, state):
+                    worker_marks = worker_marks.answer(answer, state.life.base)
             # No call until the last of these stores: an interrupt cannot come between the new
             # state, the answer's mark, the note that the executor is owed its confirmation,
             # and the commands.
@@ -323,6 +343,8 @@ class Driver:
                 confirm()
                 self.confirm_owed = False
         except BaseException as error:
+            if self.noted is not None:
+                self.noted.answer = None  # the answer's state was not kept: nor is its mark
             # Also an interrupt raised just as poll returned: it surfaces on entering step.
             if is_interrupt(error):
                 self._interrupted()
@@ -552,6 +574,33 @@ def _tasks_of(commands: Iterable[Command | None]) -> list[tuple[int, int]]:
 
 def _first(item: tuple[int, Any]) -> int:
     return item[0]
+
+
+def _current(answer: TaskCompleted | TaskFailed | WorkerExhausted, state: State) -> bool:
+    """Whether `answer` came from its worker's current incarnation."""
+    return answer.incarnation == state.life.incarnations[answer.worker]
+
+
+class _Noted:
+    """Where the seam notes an answer that carries a mark (`TaskCompleted`, `TaskFailed`), or
+    says its worker ran dry (`WorkerExhausted`), for the driver's `wait`, which records it.
+    Not the driver itself, which the seam would then
+    hold in a cycle: a loader's workers must stop when its iterator is dropped, not when the
+    garbage collector runs."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self) -> None:
+        self.answer: TaskCompleted | TaskFailed | WorkerExhausted | None = None
+
+    def observer(self) -> Observer:
+        """The hooks that note an answer with a mark, for `observed`."""
+
+        def note(state: State, event: Event, transition: Transition) -> None:
+            self.answer = event  # type: ignore[assignment]
+
+        on = {TaskCompleted: note, TaskFailed: note, WorkerExhausted: note}
+        return Observer(None, on=on, owner=self)
 
 
 @attrs.frozen

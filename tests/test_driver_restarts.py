@@ -21,6 +21,7 @@ from statecore import (
     WorkerStuck,
 )
 from statecore.executors import Driver
+from statecore.executors._observe.seam import Observer
 from statecore.executors._protocol import Capabilities, WorkerReport
 
 
@@ -146,18 +147,18 @@ def test_a_worker_timeout_without_restarts_raises_with_the_stack() -> None:
 @pytest.mark.timeout(60)
 def test_the_stuck_event_names_the_task_the_consumer_waits_for() -> None:
     executor = _Killable(stuck_worker=1)
-    driver = _driver(executor, restarts=1, worker_timeout=0.01)
-    driver.start_epoch()
-    assert driver.next() == 0
     fed: list[Event] = []
-    step = driver.step
-
-    def watching(state: Any, event: Event) -> Any:
-        fed.append(event)
-        return step(state, event)
-
-    driver.step = watching
-    assert driver.next() == 1
+    indices = iter(range(6))
+    driver = Driver(
+        Config(num_workers=2, prefetch_factor=2, restarts=1),
+        executor,
+        lambda state: next(indices),
+        timeout=0,
+        worker_timeout=0.01,
+        observers=[Observer(lambda state, event, transition: fed.append(event))],
+    )
+    driver.start_epoch()
+    assert [driver.next(), driver.next()] == [0, 1]
     (stuck,) = [event for event in fed if isinstance(event, WorkerStuck)]
     assert (stuck.worker, stuck.task, stuck.incarnation, stuck.pid) == (1, 1, 0, 101)
 

@@ -378,7 +378,8 @@ def test_replay_of_a_written_file_exits_0_and_prints_the_trace(flight_dir: Path)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "    1  ResetRequested(seed=None, resume=None) -> DrawIndex()" in lines
-    assert any(re.match(r" +\d+  TaskCompleted\(task=2, worker=0\) -> ", line) for line in lines)
+    completed = r" +\d+  TaskCompleted\(task=2, worker=0, incarnation=0\) -> "
+    assert any(re.match(completed, line) for line in lines)
     assert lines[-1].startswith("replay: 13 steps; every invariant holds")
 
 

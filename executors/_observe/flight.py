@@ -18,8 +18,9 @@ What the ring holds, and why it is cheap:
   holds answers in its window, only as a stripped copy (`strip_state`): every payload
   replaced by None. The core treats payloads as opaque, so a replay with the placeholders
   takes the same transitions.
-- The common events (`NextRequested`, `IndexDrawn`, `TaskCompleted`) cost an append and a
-  type test or two; the rest are rare and take the slow path. A drawn index is kept as it is
+- The common events (`NextRequested`, `IndexDrawn`, `TaskCompleted`) each have their hook at
+  the seam, which picks it by the event's type (`seam.Routes`), and cost an append; the rest
+  are rare and share the slow path. A drawn index is kept as it is
   (an int, for a loader without batching) and turned into text only when the file is written,
   as `repr` on every draw would cost more than the rest together; of a batch sampler's list
   only the first and last index and the length are kept.
@@ -44,6 +45,7 @@ import os
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 
@@ -203,38 +205,45 @@ class FlightRecorder:
         every = self.every
         rare = self._rare
 
-        # Runs on every step of every loader: the common events first, and nothing more.
-        def recorded(state: State, event: Event, _: Transition | None = None) -> None:
-            kind = type(event)
-            if kind is NextRequested:
-                record(event)
-            elif kind is IndexDrawn:
-                index = event.index  # type: ignore[attr-defined]
-                if type(index) is list and index:
-                    # A batch sampler's list: a thousand of them, of a thousand indices each,
-                    # would be tens of megabytes, so only its ends and its length are kept.
-                    record((index[0], index[-1], len(index)))
-                else:
-                    record(event)
-            elif kind is TaskCompleted:
-                task = event.task  # type: ignore[attr-defined]
-                if not task % every:
-                    record(Keyframe(strip_state(state)))
-                record((task, event.worker))  # type: ignore[attr-defined]
+        # Run on every step of every loader, one per event type (the seam picks): the common
+        # events have their own, which do nothing more than record them.
+        def requested(state: State, event: Event, _: Transition | None = None) -> None:
+            record(event)
+
+        def drawn(state: State, event: Event, _: Transition | None = None) -> None:
+            index = event.index  # type: ignore[attr-defined]
+            if type(index) is list and index:
+                # A batch sampler's list: a thousand of them, of a thousand indices each,
+                # would be tens of megabytes, so only its ends and its length are kept.
+                record((index[0], index[-1], len(index)))
             else:
-                rare(state, event)
+                record(event)
+
+        def completed(state: State, event: Event, _: Transition | None = None) -> None:
+            task = event.task  # type: ignore[attr-defined]
+            if not task % every:
+                record(Keyframe(strip_state(state)))
+            record((task, event.worker))  # type: ignore[attr-defined]
+
+        hooks: dict[type[Event], Callable[[State, Event, Transition | None], None]] = {
+            NextRequested: requested,
+            IndexDrawn: drawn,
+            TaskCompleted: completed,
+        }
 
         def refused(state: State, event: Event, error: BaseException) -> None:
-            recorded(state, event)
+            hooks.get(type(event), rare)(state, event, None)
             self._raised(state, error)
 
-        return Observer(recorded, refused, self.attach, self)
+        return Observer(rare, refused, self.attach, self, hooks)
 
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, recording every event it is given, through the seam as a driver's is."""
         return observed(step, [self.observer()])
 
-    def _rare(self, state: State, event: Event) -> None:
+    def _rare(self, state: State, event: Event, _: Transition | None = None) -> None:
+        """The events other than a request, a draw and a task's batch: an epoch's start, a
+        failure, a worker's news..."""
         kind = type(event)
         ring = self.ring
         # An answer counts as TaskCompleted's do; an epoch's start is where a replay may well begin.

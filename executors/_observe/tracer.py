@@ -57,7 +57,7 @@ from statecore import (
     WorkerDied,
     WorkerResumed,
 )
-from statecore.executors._observe.seam import Observer, StepFunction, observed
+from statecore.executors._observe.seam import Hook, Observer, StepFunction, observed
 from statecore.executors._observe.trace import (
     BatchColumns,
     BatchRecord,
@@ -472,7 +472,9 @@ class Tracer:
         self.forget_work = 0
         """Entries looked at or moved while forgetting, all told: a few a batch, waits and
         marks included, however long the run (the tests count it)."""
-        self.epoch = 0
+        self.epochs = 0
+        """The loader's epochs begun so far, over all its iterators: the epoch of the latest
+        one's scheduler, after those of the iterators before it."""
 
     def wrap(self, step: StepFunction) -> StepFunction:
         """`step`, watched through the seam as a driver's is (`observer`)."""
@@ -498,48 +500,21 @@ class Tracer:
         # When the consumer's wait began, from its request (`next()` or `iter()`) to its
         # outcome. Not the scheduler's `waiting`: an `iter()` ends without an outcome, and the
         # wait for the epoch's first batch counts from it (the scheduler stops waiting there).
+        # A clock's reading, which no state of the core holds.
         asked: float | None = None
+        # The loader's epochs count over all its iterators, a scheduler's only its own (each
+        # iter() without persistent workers makes a new one, at epoch 1): this driver's epoch
+        # n is the loader's `epochs_before + n`, the number read from the state each time.
+        epochs_before = self.epochs
 
-        # Every step of a traced loader runs this, in the main process, between the loader's
-        # own work: what is asked most comes first, and everything that can wait until the
-        # trace is read (which batches were ready while the loop waited) does.
-        def traced(state: State, event: Event, transition: Transition) -> None:
+        # Every step of a traced loader runs one of these, in the main process, between the
+        # loader's own work; the seam picks it by the event's type. What is asked most comes
+        # first, and everything that can wait until the trace is read (which batches were
+        # ready while the loop waited) does.
+        def carried(now: float, transition: Transition) -> None:
+            """The commands of a transition: tasks sent, outcomes handed over, resumes."""
             nonlocal asked
-            now = clock()
-            kind = type(event)
-            if kind is IndexDrawn:
-                pass
-            elif kind is TaskCompleted or kind is TaskFailed:
-                task = event.task + offset  # type: ignore[attr-defined]
-                row = row_of.get(task)
-                if row is not None:
-                    row -= tasks.first
-                    arrived_at[row] = now
-                    timing = event.timing  # type: ignore[attr-defined]
-                    if timing is not None:
-                        started_at[row], finished_at[row], cpu, slowest, ready = timing
-                        if cpu is not None:
-                            cpu_of[row] = cpu
-                        if slowest:
-                            slowest_index[task], slowest_took[row] = slowest[0]
-                        if ready is not None:
-                            worker = event.worker  # type: ignore[attr-defined]
-                            marks.append(Moment(ready, "worker ready", worker))
-                    if kind is TaskFailed:
-                        tasks.failed.add(task)
-            elif kind is NextRequested:
-                if asked is None:
-                    asked = now
-            elif kind is ResetRequested:
-                # The loader's epochs, counted over all its iterators: a scheduler counts only
-                # its own (each iter() without persistent workers makes a new one, at epoch 1).
-                self.epoch += 1
-                marks.append(Moment(now, "epoch start", None, f"epoch {self.epoch}"))
-                if asked is None:
-                    asked = now
-                check()
-            else:
-                self._saw_rare(now, event)
+            task: int | None
             for command in transition[1]:
                 ckind = type(command)
                 if ckind is DrawIndex:
@@ -571,11 +546,12 @@ class Tracer:
                             task += offset
                     else:
                         task = None
-                        marks.append(Moment(now, "epoch end", None, f"epoch {self.epoch}"))
+                        epoch = epochs_before + transition[0].life.epoch
+                        marks.append(Moment(now, "epoch end", None, f"epoch {epoch}"))
                     if task is not None:
-                        row = row_of.get(task)
-                        if row is not None:
-                            handed_at[row - tasks.first] = now
+                        handed = row_of.get(task)
+                        if handed is not None:
+                            handed_at[handed - tasks.first] = now
                     if asked is not None:
                         asked_at(asked)
                         got_at(now)
@@ -586,7 +562,65 @@ class Tracer:
                 elif ckind is ResumeWorker:
                     marks.append(Moment(now, "resume sent", command.worker))  # type: ignore[attr-defined]
 
-        return Observer(traced, owner=self)
+        def drawn(state: State, event: Event, transition: Transition) -> None:
+            carried(clock(), transition)
+
+        def answered(state: State, event: Event, transition: Transition) -> None:
+            now = clock()
+            task = event.task + offset  # type: ignore[attr-defined]
+            row = row_of.get(task)
+            if row is not None:
+                row -= tasks.first
+                arrived_at[row] = now
+                timing = event.timing  # type: ignore[attr-defined]
+                if timing is not None:
+                    started_at[row], finished_at[row], cpu, slowest, ready = timing
+                    if cpu is not None:
+                        cpu_of[row] = cpu
+                    if slowest:
+                        slowest_index[task], slowest_took[row] = slowest[0]
+                    if ready is not None:
+                        worker = event.worker  # type: ignore[attr-defined]
+                        marks.append(Moment(ready, "worker ready", worker))
+            carried(now, transition)
+
+        def failed(state: State, event: Event, transition: Transition) -> None:
+            task = event.task + offset  # type: ignore[attr-defined]
+            if task in row_of:
+                tasks.failed.add(task)
+            answered(state, event, transition)
+
+        def requested(state: State, event: Event, transition: Transition) -> None:
+            nonlocal asked
+            now = clock()
+            if asked is None:
+                asked = now
+            carried(now, transition)
+
+        def reset(state: State, event: Event, transition: Transition) -> None:
+            nonlocal asked
+            now = clock()
+            # The epoch the scheduler has begun, as the loader counts it.
+            self.epochs = epoch = epochs_before + transition[0].life.epoch
+            marks.append(Moment(now, "epoch start", None, f"epoch {epoch}"))
+            if asked is None:
+                asked = now
+            check()
+            carried(now, transition)
+
+        def rare(state: State, event: Event, transition: Transition) -> None:
+            now = clock()
+            self._saw_rare(now, event)
+            carried(now, transition)
+
+        hooks: dict[type[Event], Hook | None] = {
+            IndexDrawn: drawn,
+            TaskCompleted: answered,
+            TaskFailed: failed,
+            NextRequested: requested,
+            ResetRequested: reset,
+        }
+        return Observer(rare, owner=self, on=hooks)
 
     @property
     def kept(self) -> int:
