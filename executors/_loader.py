@@ -255,10 +255,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         samples by index; `.verdict()` says it in words, with what to try."""
         iterator = self._latest() if self._latest is not None else None
         driver = iterator._driver if iterator is not None else None
+        # Restarts count over the loader's life, as its `worker_restarts` budget does.
+        budget = self.__dict__.get("_restarts")
+        restarts = budget.spent if budget is not None else None
         if driver is not None:
-            counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
+            counters = LoaderCounters.of(driver.state, driver.state.config.num_workers, restarts)
         else:
             counters = self._trail.counters or LoaderCounters.of(None, self.num_workers)
+            if restarts is not None:
+                counters = attrs.evolve(counters, restarts=restarts)
         if self._tracer is None:
             return LoaderStats.counted(
                 counters,

@@ -1,13 +1,22 @@
 """A trace in Chrome's trace event format (JSON object form), which Perfetto and
-`chrome://tracing` open: one track per worker, one for the consumer (`Trace.chrome`)."""
+`chrome://tracing` open: one track per worker, one for the consumer (`Trace.chrome`).
+
+A worker replaced in its slot (`DataLoader(worker_restarts=N)`) gets a track per incarnation,
+"worker 1 (incarnation 0)", "worker 1 (incarnation 1)", side by side: the lost one's ends with
+an instant naming how it was lost (the signal, or the hang with its stack in the args), and
+the replacement's begins with a slice from `ReplaceWorker` to its start. A track per
+incarnation rather than one per slot: Perfetto then shows the lost worker's last, unanswered
+try and the replacement's re-send of the same task apart, each where it ran."""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
 
-from statecore.executors._observe.trace import Trace, shown_index
+from statecore import WorkerDeath, WorkerHang
+from statecore.executors._observe.trace import LostWorker, Trace, shown_index
 
 __all__ = [
     "chrome_trace",
@@ -48,25 +57,28 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
             "args": {"sort_index": 0},
         },
     ]
+    tracks = _Tracks(trace)
     for worker in range(trace.num_workers):
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": _PROCESS,
-                "tid": worker + 1,
-                "args": {"name": f"worker {worker}"},
-            }
-        )
-        events.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "pid": _PROCESS,
-                "tid": worker + 1,
-                "args": {"sort_index": worker + 1},
-            }
-        )
+        for incarnation in range(tracks.incarnations[worker] + 1):
+            tid = tracks.tid(worker, incarnation)
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": _PROCESS,
+                    "tid": tid,
+                    "args": {"name": tracks.name(worker, incarnation)},
+                }
+            )
+            events.append(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": _PROCESS,
+                    "tid": tid,
+                    "args": {"sort_index": tracks.sort_index(worker, incarnation)},
+                }
+            )
     for b in trace.batches:
         if b.started is None or b.finished is None:
             continue
@@ -83,7 +95,12 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         }
         if b.handed is not None and b.arrived is not None:
             args["held_ms"] = round((b.handed - b.arrived) * 1e3, 3)
+        if b.first_sent is not None:
+            args["resent"] = True
+            args["first_sent_ms"] = _us(b.first_sent, origin) / 1e3
         name = f"{'straggler ' if straggler else ''}batch {b.task}"
+        if b.first_sent is not None:
+            name = f"{name} (re-sent)"
         if b.failed:
             name = f"failed {name}"
         event: dict[str, Any] = {
@@ -91,7 +108,7 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
             "cat": "straggler" if straggler else "batch",
             "ph": "X",
             "pid": _PROCESS,
-            "tid": b.worker + 1,
+            "tid": tracks.tid(b.worker, b.incarnation),
             "ts": _us(b.started, origin),
             "dur": max(0.0, _us(b.finished, b.started)),
             "args": args,
@@ -121,10 +138,12 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
                 "ph": "i",
                 "s": "g" if global_mark else "t",
                 "pid": _PROCESS,
-                "tid": _CONSUMER if global_mark else (mark.worker or 0) + 1,
+                "tid": _CONSUMER if global_mark else tracks.at(mark.worker or 0, mark.time),
                 "ts": _us(mark.time, origin),
             }
         )
+    for lost in trace.losses:
+        events += _lost_events(lost, tracks, origin)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -146,3 +165,104 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() <= 64:
         return value.tolist()
     return shown_index(value)
+
+
+class _Tracks:
+    """The workers' tracks: one per incarnation of a slot. Incarnation 0 of worker w keeps
+    the track id w + 1 (a trace with no loss looks as it always did); a replacement's track
+    comes after every first one, and sorts right under its slot's earlier incarnations."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.workers = trace.num_workers
+        self.incarnations = [0] * trace.num_workers
+        self.replaced: list[list[float]] = [[] for _ in range(trace.num_workers)]
+        """Per slot, when each of its incarnations after the first took over (its loss's
+        `ReplaceWorker`), in order."""
+        for lost in trace.losses:
+            if 0 <= lost.worker < self.workers and lost.replaced is not None:
+                self.incarnations[lost.worker] = max(
+                    self.incarnations[lost.worker], lost.incarnation + 1
+                )
+                self.replaced[lost.worker].append(lost.replaced)
+        self.deepest = max(self.incarnations, default=0)
+
+    def tid(self, worker: int, incarnation: int) -> int:
+        return worker + 1 + incarnation * max(1, self.workers)
+
+    def name(self, worker: int, incarnation: int) -> str:
+        if 0 <= worker < self.workers and self.incarnations[worker]:
+            return f"worker {worker} (incarnation {incarnation})"
+        return f"worker {worker}"
+
+    def sort_index(self, worker: int, incarnation: int) -> int:
+        return 1 + worker * (self.deepest + 1) + incarnation
+
+    def at(self, worker: int, moment: float) -> int:
+        """The track of the incarnation of `worker` that ran at `moment`."""
+        if not 0 <= worker < self.workers:
+            return worker + 1
+        return self.tid(worker, bisect.bisect_right(self.replaced[worker], moment))
+
+
+def _lost_events(lost: LostWorker, tracks: _Tracks, origin: float) -> list[dict[str, Any]]:
+    """The lost incarnation's last event, and its replacement's first."""
+    loss = lost.loss
+    args: dict[str, Any] = {"worker": lost.worker, "incarnation": lost.incarnation}
+    if type(loss) is WorkerDeath:
+        how = (
+            f"killed by signal {-loss.exitcode}"
+            if loss.exitcode is not None and loss.exitcode < 0
+            else "died"
+            if loss.exitcode is None
+            else f"exited with code {loss.exitcode}"
+        )
+        args.update(pid=loss.pid, exitcode=loss.exitcode, reason=loss.reason)
+        if loss.exitcode is not None and loss.exitcode < 0:
+            args["signal"] = -loss.exitcode
+    else:
+        assert type(loss) is WorkerHang
+        how = f"stuck on task {loss.task} for {loss.seconds} s"
+        args.update(pid=loss.pid, task=loss.task, seconds=loss.seconds, stack=loss.stack)
+    args["tasks_sent_again"] = list(lost.held)
+    args["replaced"] = lost.restarted
+    events: list[dict[str, Any]] = [
+        {
+            "name": f"worker lost: {how}",
+            "cat": "restart",
+            "ph": "i",
+            "s": "t",
+            "pid": _PROCESS,
+            "tid": tracks.tid(lost.worker, lost.incarnation),
+            "ts": _us(lost.at, origin),
+            "args": args,
+        }
+    ]
+    if lost.replaced is not None:
+        replacement = tracks.tid(lost.worker, lost.incarnation + 1)
+        end = lost.started if lost.started is not None else lost.replaced
+        events.append(
+            {
+                "name": f"starting (replaces incarnation {lost.incarnation})",
+                "cat": "restart",
+                "ph": "X",
+                "pid": _PROCESS,
+                "tid": replacement,
+                "ts": _us(lost.replaced, origin),
+                "dur": max(0.0, _us(end, lost.replaced)),
+                "args": {"worker": lost.worker, "incarnation": lost.incarnation + 1},
+            }
+        )
+        if lost.started is not None:
+            events.append(
+                {
+                    "name": "worker started",
+                    "cat": "restart",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": _PROCESS,
+                    "tid": replacement,
+                    "ts": _us(lost.started, origin),
+                    "args": {"worker": lost.worker, "incarnation": lost.incarnation + 1},
+                }
+            )
+    return events

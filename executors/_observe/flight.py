@@ -59,6 +59,7 @@ from statecore import (
     IndexDrawn,
     InternalError,
     NextRequested,
+    Pending,
     Ready,
     ResetRequested,
     SamplerFailed,
@@ -141,7 +142,12 @@ def strip_state(state: State) -> State:
     Equal to `state` (payloads take no part in equality), and holds nothing of the data.
     """
     window = state.window
-    if any(type(slot) is Ready or type(slot) is Failed for slot in window):
+    # A pending slot keeps its index only where restarts are on (to send it again), and an
+    # index may be anything a sampler yields: kept as its repr, as a drawn index is written.
+    indexed = state.config.restarts and any(
+        type(slot) is Pending and slot.index is not None for slot in window
+    )
+    if indexed or any(type(slot) is Ready or type(slot) is Failed for slot in window):
         window = tuple(_strip_slot(slot) for slot in window)
     life = state.life
     failure = life.failure
@@ -161,6 +167,8 @@ def _strip_slot(slot: Slot) -> Slot:
         return _READY[slot.worker] if slot.worker < len(_READY) else Ready(slot.worker)
     if type(slot) is Failed:
         return Failed(slot.worker, _opaque(slot.error))
+    if type(slot) is Pending and slot.index is not None and type(slot.index) is not str:
+        return Pending(slot.worker, shortened(repr(slot.index)))
     return slot
 
 
@@ -169,7 +177,8 @@ def _stripped(event: Event) -> Event:
     kind = type(event)
     if kind is TaskFailed:
         task, worker = event.task, event.worker  # type: ignore[attr-defined]
-        return TaskFailed(task, worker, _opaque(event.error))  # type: ignore[attr-defined]
+        incarnation = event.incarnation  # type: ignore[attr-defined]
+        return TaskFailed(task, worker, _opaque(event.error), incarnation=incarnation)  # type: ignore[attr-defined]
     if kind is SamplerFailed or kind is ExecutorFailed:
         return kind(_opaque(event.error))  # type: ignore[attr-defined]
     return event
@@ -223,7 +232,11 @@ class FlightRecorder:
             task = event.task  # type: ignore[attr-defined]
             if not task % every:
                 record(Keyframe(strip_state(state)))
-            record((task, event.worker))  # type: ignore[attr-defined]
+            incarnation = event.incarnation  # type: ignore[attr-defined]
+            if incarnation:  # a replaced worker's: the replay must tell it from the lost one's
+                record(TaskCompleted(task, event.worker, incarnation=incarnation))  # type: ignore[attr-defined]
+            else:
+                record((task, event.worker))  # type: ignore[attr-defined]
 
         hooks: dict[type[Event], Callable[[State, Event, Transition | None], None]] = {
             NextRequested: requested,

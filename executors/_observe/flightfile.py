@@ -420,7 +420,12 @@ def _state(data: object, where: str) -> State:
         raise FlightFileError(
             _wrong(f"{where}.config.num_workers", workers, f"at most {MAX_WORKERS} workers")
         )
-    for field, value in (("life.workers", state.life.workers), ("loads", state.loads)):
+    per_worker = (
+        ("life.workers", state.life.workers),
+        ("life.incarnations", state.life.incarnations),
+        ("loads", state.loads),
+    )
+    for field, value in per_worker:
         if len(value) != workers:
             raise FlightFileError(
                 f'"{where}.{field}" holds {len(value)} entries; expected one per worker, '

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from statecore import Phase, State, WorkerStatus
+from statecore import Phase, State, WorkerHang, WorkerLoss, WorkerStatus
 
 __all__ = [
     "STRAGGLER_FACTOR",
@@ -35,6 +35,7 @@ __all__ = [
     "Column",
     "LoaderCounters",
     "LoaderStats",
+    "LostWorker",
     "Moment",
     "Trace",
     "Wait",
@@ -81,6 +82,18 @@ class BatchRecord:
     slowest: tuple[tuple[Any, float], ...] = ()
     """Its slowest samples, (dataset index, seconds), slowest first."""
     failed: bool = False
+    incarnation: int = 0
+    """The incarnation of its worker's slot that it was sent to (see `LostWorker`): 0 unless
+    that slot's worker was replaced before."""
+    first_sent: float | None = None
+    """For a task its worker was lost with and that was sent again to the replacement: when
+    it was first sent, to the lost incarnation. `sent` is then the re-send, so that the
+    task's queueing and loading count from it, not from the lost worker's try."""
+
+    @property
+    def resent(self) -> bool:
+        """Whether the task was sent again after its worker was lost."""
+        return self.first_sent is not None
 
     @property
     def seconds(self) -> float | None:
@@ -99,6 +112,61 @@ class Moment:
     kind: str
     worker: int | None = None
     detail: str = ""
+
+
+@attrs.frozen
+class LostWorker:
+    """A worker the scheduler found lost: dead without being told to, or stuck past the
+    loader's `worker_timeout` (`loss`, the core's own record of it). While restarts were left
+    (`DataLoader(worker_restarts=N)`) it was replaced in its slot: `ReplaceWorker` went out at
+    `replaced`, and the replacement (incarnation `incarnation + 1`) reported itself started at
+    `started`; otherwise the loss failed the loader and both stay None."""
+
+    worker: int
+    incarnation: int
+    """The lost incarnation of the slot (0: the worker it started with)."""
+    loss: WorkerLoss
+    at: float
+    """When the scheduler was told (`time.perf_counter()` seconds, as every moment traced)."""
+    held: tuple[int, ...] = ()
+    """The tasks it held unanswered, sent again to its replacement once that started."""
+    replaced: float | None = None
+    started: float | None = None
+
+    @property
+    def restarted(self) -> bool:
+        """Whether the lost worker was replaced (a restart), rather than failing the loader."""
+        return self.replaced is not None
+
+    @property
+    def hang(self) -> bool:
+        return type(self.loss) is WorkerHang
+
+    @property
+    def stack(self) -> str | None:
+        """A stuck worker's Python stack when it was found stuck (innermost call last)."""
+        return self.loss.stack if type(self.loss) is WorkerHang else None
+
+    def describe(self) -> str:
+        """The loss in a sentence, without the stack."""
+        loss = self.loss
+        said = (
+            attrs.evolve(loss, stack=None) if type(loss) is WorkerHang else loss
+        ).describe_alone()
+        if self.incarnation:
+            said = said.replace(
+                f"worker {self.worker}", f"worker {self.worker} (incarnation {self.incarnation})", 1
+            )
+        if self.started is not None:
+            said += f"; replaced, its replacement started {_s(self.started - self.at)} later"
+        elif self.replaced is not None:
+            said += "; replaced, its replacement had not started yet"
+        else:
+            said += "; not replaced (no restart left)"
+        if self.held:
+            count = len(self.held)
+            said += f", {count} task{'s' if count != 1 else ''} sent again"
+        return said
 
 
 @attrs.frozen
@@ -272,6 +340,14 @@ class Trace:
     """Marks forgotten with them."""
     epochs_dropped: int = 0
     """Epochs whose start was forgotten (a batch's `epoch` counts them)."""
+    losses: tuple[LostWorker, ...] = ()
+    """Every worker lost, in order: the replaced ones are the restarts. Never forgotten (there
+    are at most `worker_restarts` of them, and one more that failed the loader)."""
+
+    @property
+    def restarts(self) -> int:
+        """Lost workers replaced."""
+        return sum(1 for lost in self.losses if lost.restarted)
 
     @property
     def start(self) -> float:
@@ -348,6 +424,28 @@ class LoaderStats:
     counters: LoaderCounters | None = None
     """What the scheduler of the loader's latest iterator knows now, traced or not; None in
     the figures of a `Trace` alone (`Trace.stats()`), which has no scheduler."""
+    losses: tuple[LostWorker, ...] = ()
+    """The workers lost, as `Trace.losses` (traced only; `counters.restarts` counts restarts
+    untraced)."""
+
+    @property
+    def restarts(self) -> int:
+        """Lost workers replaced (traced; untraced, see `counters.restarts`)."""
+        return sum(1 for lost in self.losses if lost.restarted)
+
+    @property
+    def restarts_per_worker(self) -> tuple[int, ...]:
+        """Per worker slot, how many times its worker was replaced."""
+        counts = [0] * self.num_workers
+        for lost in self.losses:
+            if lost.restarted and 0 <= lost.worker < len(counts):
+                counts[lost.worker] += 1
+        return tuple(counts)
+
+    @property
+    def hangs(self) -> tuple[LostWorker, ...]:
+        """The workers found stuck, each with its stack (`LostWorker.stack`)."""
+        return tuple(lost for lost in self.losses if lost.hang)
 
     @classmethod
     def counted(
@@ -465,6 +563,7 @@ class LoaderStats:
             persistent_workers=trace.persistent_workers,
             executor=trace.executor,
             dropped=trace.dropped,
+            losses=trace.losses,
         )
 
     def suggestions(self) -> tuple[str, ...]:
@@ -526,6 +625,24 @@ class LoaderStats:
                 "by the GIL; threads start in milliseconds and hand batches over without a copy."
             )
         return tuple(tips)
+
+    def _lost_lines(self) -> list[str]:
+        """The workers lost, restarts and hangs, in words: one line each, a hang's stack's
+        innermost line with it."""
+        if not self.losses:
+            return []
+        restarts, hangs = self.restarts, len(self.hangs)
+        lines = [
+            f"{len(self.losses)} worker(s) lost ({hangs} stuck, {len(self.losses) - hangs} "
+            f"dead), {restarts} restart(s):"
+        ]
+        for lost in self.losses:
+            line = f"- {lost.describe()}"
+            stack = (lost.stack or "").strip().splitlines()
+            if stack:
+                line += f"; stuck in: {stack[-1].strip()}"
+            lines.append(line)
+        return lines
 
     def verdict(self) -> str:
         """The figures in plain words, and what to try."""
@@ -591,6 +708,7 @@ class LoaderStats:
             lines.append(f"Slowest samples: {named}.")
         if self.failed:
             lines.append(f"{self.failed} task(s) raised.")
+        lines += self._lost_lines()
         tips = self.suggestions()
         if tips:
             lines.append("What to try:")
@@ -626,10 +744,17 @@ class LoaderCounters:
     """Per worker, what the scheduler believes of it (active, exhausted, resuming...)."""
     waiting: bool
     """Whether the consumer waits for the scheduler now (in `next()`, or in `iter()`)."""
+    restarts: int = 0
+    """Lost workers replaced: over the loader's life where the loader counts them (its
+    `worker_restarts` are a budget per loader), else over the scheduler's."""
 
     @classmethod
-    def of(cls, state: State | None, num_workers: int) -> LoaderCounters:
-        """The counters of a scheduler in `state`; None: a loader not iterated yet."""
+    def of(
+        cls, state: State | None, num_workers: int, restarts: int | None = None
+    ) -> LoaderCounters:
+        """The counters of a scheduler in `state`; None: a loader not iterated yet.
+        `restarts`: the loader's count of restarts, over all its iterators; by default the
+        scheduler's own (`State.stats().restarts`)."""
         if state is None:
             return cls(
                 epoch=0,
@@ -641,6 +766,7 @@ class LoaderCounters:
                 tasks_per_worker=(0,) * num_workers,
                 workers=(WorkerStatus.ACTIVE,) * num_workers,
                 waiting=False,
+                restarts=restarts or 0,
             )
         stats = state.stats()
         return cls(
@@ -653,6 +779,7 @@ class LoaderCounters:
             tasks_per_worker=stats.loads,
             workers=stats.workers,
             waiting=state.waiting or state.life.resetting,
+            restarts=stats.restarts if restarts is None else restarts,
         )
 
     def describe(self) -> str:
@@ -664,10 +791,11 @@ class LoaderCounters:
         )
         per_worker = f" (tasks per worker: {each})" if each else ""
         waits = "waits for a batch now" if self.waiting else "is not waiting for a batch now"
+        restarts = f" {self.restarts} lost worker(s) replaced." if self.restarts else ""
         return (
             f"Epoch {self.epoch}, {self.phase.name.lower()}: {self.handed_over} handed over, "
             f"{self.in_flight} in flight, {self.buffered} answered and not handed over yet"
-            f"{per_worker}; the training loop {waits}."
+            f"{per_worker}; the training loop {waits}.{restarts}"
         )
 
 

@@ -45,7 +45,9 @@ from statecore import (
     Event,
     IndexDrawn,
     NextRequested,
+    Pending,
     RaiseError,
+    ReplaceWorker,
     ResetRequested,
     ResumeWorker,
     SendTask,
@@ -54,8 +56,12 @@ from statecore import (
     TaskFailed,
     TimedOut,
     Transition,
+    WorkerDeath,
     WorkerDied,
+    WorkerHang,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
 )
 from statecore.executors._observe.seam import Hook, Observer, StepFunction, observed
 from statecore.executors._observe.trace import (
@@ -63,6 +69,7 @@ from statecore.executors._observe.trace import (
     BatchRecord,
     Column,
     LoaderStats,
+    LostWorker,
     Moment,
     Trace,
     WaitColumns,
@@ -191,6 +198,11 @@ class _Tasks:
         """A batch sampler's list of ints, packed (see `_Packer`)."""
         self.slowest_index: dict[int, Any] = {}
         self.failed: set[int] = set()
+        self.incarnation: dict[int, int] = {}
+        """The incarnation each task was sent to, by key, where not 0 (a replaced slot's)."""
+        self.first_sent: dict[int, float] = {}
+        """When a task sent again to a lost worker's replacement was first sent, by key; its
+        row's `sent` is the re-send."""
         self.asked = array("d")
         self.got = array("d")
         self.waited_for = array("q")
@@ -210,7 +222,13 @@ class _Tasks:
         row = self.row
         for key in keys:
             del row[key]
-        for table in (self.index, self.packed, self.slowest_index):
+        for table in (
+            self.index,
+            self.packed,
+            self.slowest_index,
+            self.incarnation,
+            self.first_sent,
+        ):
             if table:
                 pop = table.pop
                 for key in keys:
@@ -324,6 +342,7 @@ class _Tasks:
         took = _numbers(self.slowest_took, kept)
         sampled = np.flatnonzero(~np.isnan(took))
         packed, given, sample_of, took_of = self.packed, self.index, self.slowest_index, took
+        incarnation_of, first_sent_of = self.incarnation, self.first_sent
         key_of = self.key[:kept]
 
         def index(key: int) -> Any:
@@ -367,7 +386,7 @@ class _Tasks:
 
             keys_ = key_of.tolist() if rows is None else [key_of[row] for row in rows]
             indices = list(map(index, keys_))
-            return list(
+            made = list(
                 map(
                     BatchRecord,
                     of(columns.task),
@@ -389,6 +408,14 @@ class _Tasks:
                     of(columns.failed),
                 )
             )
+            if incarnation_of or first_sent_of:  # only where a worker was replaced
+                for number, key in enumerate(keys_):
+                    incarnation, first = incarnation_of.get(key, 0), first_sent_of.get(key)
+                    if incarnation or first is not None:
+                        made[number] = attrs.evolve(
+                            made[number], incarnation=incarnation, first_sent=first
+                        )
+            return made
 
         return columns
 
@@ -472,6 +499,8 @@ class Tracer:
         self.forget_work = 0
         """Entries looked at or moved while forgetting, all told: a few a batch, waits and
         marks included, however long the run (the tests count it)."""
+        self.losses: list[_Loss] = []
+        """Every worker lost (dead or stuck), in order, over all the loader's iterators."""
         self.epochs = 0
         """The loader's epochs begun so far, over all its iterators: the epoch of the latest
         one's scheduler, after those of the iterators before it."""
@@ -506,6 +535,13 @@ class Tracer:
         # iter() without persistent workers makes a new one, at epoch 1): this driver's epoch
         # n is the loader's `epochs_before + n`, the number read from the state each time.
         epochs_before = self.epochs
+        # Whether a worker of this driver was replaced (`ReplaceWorker` went out): only then
+        # may a task be sent twice or an answer come from a lost incarnation, and only then
+        # does a batch look for either (a flag, where a dict's lookup would cost every batch).
+        restarted = False
+        incarnation_now: dict[int, int] = {}
+        """The incarnation running in each slot replaced so far."""
+        incarnation_of, first_sent_of = tasks.incarnation, tasks.first_sent
 
         # Every step of a traced loader runs one of these, in the main process, between the
         # loader's own work; the seam picks it by the event's type. What is asked most comes
@@ -513,7 +549,7 @@ class Tracer:
         # ready while the loop waited) does.
         def carried(now: float, transition: Transition) -> None:
             """The commands of a transition: tasks sent, outcomes handed over, resumes."""
-            nonlocal asked
+            nonlocal asked, restarted
             task: int | None
             for command in transition[1]:
                 ckind = type(command)
@@ -522,6 +558,8 @@ class Tracer:
                 if ckind is SendTask:
                     number = command.task  # type: ignore[attr-defined]
                     task = number + offset
+                    if restarted and sent_again(now, task, command.worker):  # type: ignore[attr-defined]
+                        continue
                     row = len(sent_at)
                     row_of[task] = row + tasks.first
                     key_column.append(task)
@@ -561,6 +599,27 @@ class Tracer:
                         check()
                 elif ckind is ResumeWorker:
                     marks.append(Moment(now, "resume sent", command.worker))  # type: ignore[attr-defined]
+                elif ckind is ReplaceWorker:
+                    restarted = True
+                    worker = command.worker  # type: ignore[attr-defined]
+                    incarnation_now[worker] = command.incarnation  # type: ignore[attr-defined]
+                    self._replacing(now, worker)
+
+        def sent_again(now: float, task: int, worker: int) -> bool:
+            """Whether `task` was sent before (to a worker lost since): its row then counts
+            from now, and keeps when it was first sent. Otherwise its incarnation is noted,
+            where not 0, and the caller adds its row."""
+            incarnation = incarnation_now.get(worker, 0)
+            row = row_of.get(task)
+            if row is None:
+                if incarnation:
+                    incarnation_of[task] = incarnation
+                return False
+            row -= tasks.first
+            first_sent_of.setdefault(task, sent_at[row])
+            sent_at[row] = now
+            incarnation_of[task] = incarnation
+            return True
 
         def drawn(state: State, event: Event, transition: Transition) -> None:
             carried(clock(), transition)
@@ -569,6 +628,10 @@ class Tracer:
             now = clock()
             task = event.task + offset  # type: ignore[attr-defined]
             row = row_of.get(task)
+            if restarted and row is not None:
+                worker = event.worker  # type: ignore[attr-defined]
+                if event.incarnation < incarnation_now.get(worker, 0):  # type: ignore[attr-defined]
+                    row = None  # a lost incarnation's late answer, which the scheduler drops
             if row is not None:
                 row -= tasks.first
                 arrived_at[row] = now
@@ -586,7 +649,8 @@ class Tracer:
 
         def failed(state: State, event: Event, transition: Transition) -> None:
             task = event.task + offset  # type: ignore[attr-defined]
-            if task in row_of:
+            late = restarted and event.incarnation < incarnation_now.get(event.worker, 0)  # type: ignore[attr-defined]
+            if task in row_of and not late:
                 tasks.failed.add(task)
             answered(state, event, transition)
 
@@ -610,7 +674,7 @@ class Tracer:
 
         def rare(state: State, event: Event, transition: Transition) -> None:
             now = clock()
-            self._saw_rare(now, event)
+            self._saw_rare(now, state, event, transition)
             carried(now, transition)
 
         hooks: dict[type[Event], Hook | None] = {
@@ -675,9 +739,13 @@ class Tracer:
             self.dropped_marks += gone
             self.forget_work += gone + len(marks)
 
-    def _saw_rare(self, now: float, event: Event) -> None:
+    def _saw_rare(self, now: float, state: State, event: Event, transition: Transition) -> None:
         """The events that come once an epoch or less."""
         kind = type(event)
+        if kind is WorkerDied or kind is WorkerStuck:
+            self._lost(now, state, event, transition)
+        elif kind is WorkerStarted:
+            self._started(now, event)
         if kind is WorkerDied:
             detail = f"pid {event.pid}, exit code {event.exitcode}"  # type: ignore[attr-defined]
             self.marks.append(Moment(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
@@ -685,6 +753,44 @@ class Tracer:
             self.marks.append(Moment(now, "worker resumed", event.worker))  # type: ignore[attr-defined]
         elif kind is TimedOut:
             self.marks.append(Moment(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
+
+    def _lost(self, now: float, before: State, event: Event, transition: Transition) -> None:
+        """A death or a hang: kept if the scheduler counted it a loss (it replaced the worker,
+        or failed the loader with it), not if it was a stopped worker's exit or a lost
+        incarnation's late news."""
+        life, after = before.life, transition[0].life
+        loss: WorkerDeath | WorkerHang
+        if len(after.replaced) > len(life.replaced):
+            loss = after.replaced[-1]
+        elif after.failure is not life.failure and type(after.failure) in (WorkerDeath, WorkerHang):
+            loss = after.failure  # type: ignore[assignment]
+        else:
+            return
+        worker = loss.worker
+        held = tuple(
+            before.rcvd_idx + number
+            for number, slot in enumerate(before.window)
+            if type(slot) is Pending and slot.worker == worker
+        )
+        incarnation = event.incarnation  # type: ignore[attr-defined]
+        self.losses.append(_Loss(worker, incarnation, attrs.evolve(loss, earlier=()), now, held))
+
+    def _replacing(self, now: float, worker: int) -> None:
+        """`ReplaceWorker` went out for `worker`: its latest loss is a restart."""
+        for lost in reversed(self.losses):
+            if lost.worker == worker:
+                if lost.replaced is None:
+                    lost.replaced = now
+                return
+
+    def _started(self, now: float, event: Event) -> None:
+        """A replacement reported itself started."""
+        worker, incarnation = event.worker, event.incarnation  # type: ignore[attr-defined]
+        for lost in reversed(self.losses):
+            if lost.worker == worker and lost.incarnation == incarnation - 1:
+                if lost.started is None and lost.replaced is not None:
+                    lost.started = now
+                return
 
     def trace(self) -> Trace:
         """What was traced so far (cut to the limit exactly)."""
@@ -720,6 +826,31 @@ class Tracer:
             dropped_waits=self.dropped_waits,
             dropped_marks=self.dropped_marks,
             epochs_dropped=self.epochs_dropped,
+            losses=tuple(lost.record() for lost in self.losses),
+        )
+
+
+@attrs.define
+class _Loss:
+    """A `LostWorker` while it is traced: its replacement's moments come later."""
+
+    worker: int
+    incarnation: int
+    loss: WorkerDeath | WorkerHang
+    at: float
+    held: tuple[int, ...]
+    replaced: float | None = None
+    started: float | None = None
+
+    def record(self) -> LostWorker:
+        return LostWorker(
+            self.worker,
+            self.incarnation,
+            self.loss,
+            self.at,
+            self.held,
+            self.replaced,
+            self.started,
         )
 
 
