@@ -34,6 +34,7 @@ from statecore import (
     ResetRequested,
     SendTask,
     TaskCompleted,
+    TaskFailed,
     WorkerDeath,
     WorkerDied,
     WorkerHang,
@@ -291,3 +292,22 @@ def test_a_pending_index_is_written_as_its_text() -> None:
     assert written == stuck
     assert written.window[0].index == "[7, 8]"
     assert written.life.workers == (WorkerStatus.STARTING,)
+
+
+def test_the_flight_file_keeps_a_replacements_error_with_its_incarnation() -> None:
+    recorder = FlightRecorder(_RESTARTS)
+    watched = recorder.wrap(step)
+    state = initial_state(_RESTARTS)
+    for event in (
+        ResetRequested(),
+        IndexDrawn.fast([7, 8]),
+        NextRequested(),
+        WorkerStuck(0, 0, 1.0),
+        WorkerStarted(0, 1),
+        TaskFailed(0, 0, ValueError("bad sample"), incarnation=1),
+    ):
+        state = watched(state, event).state
+    assert state.rcvd_idx == 1  # the error was handed over in its turn, not dropped as late
+    recording, replayed = recorder.recording(state, "a test")
+    assert [done for done in replayed if done.violations or done.divergence] == []
+    assert recording.steps[-1].event.incarnation == 1  # type: ignore[attr-defined]
