@@ -15,6 +15,7 @@ import io
 import json
 import re
 import signal
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -48,6 +49,7 @@ from statecore import (
 from statecore.executors._observe import flight
 from statecore.executors._observe.flight import DIR_VARIABLE, FlightRecorder, strip_state
 from statecore.executors._observe.flightfile import decode, encode, from_json, to_json
+from statecore.executors._observe.trace import stuck_at
 from statecore.executors._observe.tracer import Tracer
 from statecore.tools.replay import replay_file
 
@@ -225,7 +227,8 @@ def test_a_hang_is_recorded_with_its_stack(tmp_path: Path) -> None:
     assert lost.stack is not None and "threading.Event().wait()" in lost.stack
     stats = loader.stats()
     assert stats.hangs == (lost,)
-    assert "stuck in:" in stats.verdict()
+    assert "; stuck at test_trace_restarts.py:" in stats.verdict()
+    assert "in __getitem__: threading.Event().wait()" in stats.verdict()
     chrome = loader.trace_record().chrome()
     (end,) = [e for e in chrome["traceEvents"] if e["name"].startswith("worker lost")]
     assert "threading.Event().wait()" in end["args"]["stack"]
@@ -311,3 +314,21 @@ def test_the_flight_file_keeps_a_replacements_error_with_its_incarnation() -> No
     recording, replayed = recorder.recording(state, "a test")
     assert [done for done in replayed if done.violations or done.divergence] == []
     assert recording.steps[-1].event.incarnation == 1  # type: ignore[attr-defined]
+
+
+def test_where_a_worker_was_stuck_is_its_innermost_frame_outside_pythons_library() -> None:
+    library = sysconfig.get_paths()["stdlib"]
+    stack = (
+        "Traceback (most recent call last):\n"
+        '  File "/data/loading.py", line 12, in read\n'
+        "    return fetch(path)\n"
+        '  File "/data/fetch.py", line 40, in fetch\n'
+        "    lock.wait()\n"
+        f'  File "{library}/threading.py", line 327, in wait\n'
+        "    waiter.acquire()\n"
+    )
+    assert stuck_at(stack) == "fetch.py:40 in fetch: lock.wait()"
+    assert stuck_at(f'  File "{library}/threading.py", line 327, in wait\n') == (
+        "threading.py:327 in wait"
+    )
+    assert stuck_at("no frame here") == ""

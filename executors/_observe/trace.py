@@ -17,7 +17,9 @@ import json
 import math
 import operator
 import os
+import re
 import statistics
+import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ __all__ = [
     "collector_paused",
     "nullable",
     "shown_index",
+    "stuck_at",
 ]
 
 STRAGGLER_FACTOR = 3.0
@@ -638,9 +641,9 @@ class LoaderStats:
         ]
         for lost in self.losses:
             line = f"- {lost.describe()}"
-            stack = (lost.stack or "").strip().splitlines()
-            if stack:
-                line += f"; stuck in: {stack[-1].strip()}"
+            where = stuck_at(lost.stack or "")
+            if where:
+                line += f"; stuck at {where}"
             lines.append(line)
         return lines
 
@@ -878,6 +881,32 @@ def _idle_behind_order(trace: Trace, batches: BatchColumns, waits: WaitColumns) 
         blocked = _intersected(_intersected(gaps, ready), waiting)
         total += sum(end - start for start, end in blocked)
     return total
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+
+
+def stuck_at(stack: str) -> str:
+    """Where a stuck worker's `stack` (innermost call last, as `traceback` prints it) was
+    stuck, in a few words: the innermost frame outside Python's own library (a dataset's line
+    waiting on a lock, rather than the lock's `acquire`), as "file.py:72 in f: its code"; ""
+    if the stack names no frame."""
+    frames: list[tuple[str, str, str, str]] = []
+    lines = stack.splitlines()
+    for number, text in enumerate(lines):
+        found = _FRAME.match(text)
+        if found is not None:
+            code = lines[number + 1].strip() if number + 1 < len(lines) else ""
+            if _FRAME.match(code):
+                code = ""
+            frames.append((found["file"], found["line"], found["function"], code))
+    if not frames:
+        return ""
+    library = sysconfig.get_paths()["stdlib"]
+    own = [frame for frame in frames if not frame[0].startswith(library)]
+    file, line, function, code = (own or frames)[-1]
+    where = f"{Path(file).name}:{line} in {function}"
+    return f"{where}: {code}" if code else where
 
 
 def _pct(share: float) -> str:
