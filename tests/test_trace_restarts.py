@@ -149,6 +149,7 @@ def test_the_chrome_trace_ends_the_lost_track_and_starts_the_replacements(killed
     other = 1 - w
     assert names[other + 1] == f"worker {other}"
     (end,) = [e for e in chrome["traceEvents"] if e["name"].startswith("worker lost")]
+    assert not [e for e in chrome["traceEvents"] if e["name"].startswith("worker died")]
     assert end["tid"] == old and end["ph"] == "i"
     assert end["args"]["signal"] == signal.SIGKILL and end["args"]["pid"] == lost.loss.pid
     (starting,) = [e for e in chrome["traceEvents"] if e["name"].startswith("starting")]

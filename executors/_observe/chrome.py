@@ -129,7 +129,11 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
                 "args": {"task": wait.task, "held_ms": round(wait.held * 1e3, 3)},
             }
         )
+    # A loss's own instant (below) names the death with more than its mark says.
+    losses = {(lost.worker, lost.at) for lost in trace.losses}
     for mark in trace.marks:
+        if mark.kind == "worker died" and (mark.worker, mark.time) in losses:
+            continue
         global_mark = mark.worker is None
         events.append(
             {
