@@ -34,8 +34,13 @@ def test_the_chrome_trace_follows_the_format_and_puts_the_straggler_on_its_worke
         if event["name"] == "thread_name"
     }
     assert names == {(0, "consumer (training loop)"), (1, "worker 0"), (2, "worker 1")}
-    (straggler,) = [e for e in document["traceEvents"] if e.get("cat") == "straggler"]
+    # On a busy machine a batch of fast samples may be slow enough to count as a straggler
+    # too: the one that holds the slow sample is the one looked for.
+    (straggler,) = [
+        e
+        for e in document["traceEvents"]
+        if e.get("cat") == "straggler" and e["args"]["slowest_samples"][0]["index"] == STRAGGLER
+    ]
     assert straggler["tid"] == loaded_by[STRAGGLER] + 1
-    assert straggler["args"]["slowest_samples"][0]["index"] == STRAGGLER
     waits = [e for e in document["traceEvents"] if e.get("cat") == "wait"]
     assert waits and all(e["tid"] == 0 for e in waits)
