@@ -34,7 +34,11 @@ def test_every_built_in_executor_passes_the_kit(name: str) -> None:
 
 @pytest.mark.timeout(300)
 @MANY_WORKERS
-@pytest.mark.parametrize("inner", ["inline", "mp", "thread"])
+# The kit over mp alone is above, and the pinned executor over mp in tests/test_pinned.py; the
+# exhaustive tier runs the kit over the pair too.
+@pytest.mark.parametrize(
+    "inner", ["inline", pytest.param("mp", marks=pytest.mark.exhaustive), "thread"]
+)
 def test_the_pinned_executor_passes_the_kit_over_each_inner_executor(
     inner: str, pinning_clones: None
 ) -> None:
