@@ -83,7 +83,7 @@ def _built_in(make: ExecutorFactory, capabilities: Capabilities) -> tuple[Execut
 BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
     "inline": _built_in(_inline, Capabilities(in_process=True)),
     "mp": _built_in(_mp, Capabilities(poll_from_any_thread=True)),
-    "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True)),
+    "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True, replaces_workers=True)),
     # Ray is imported when a loader starts its actors, not when the name is looked up.
     "ray": _built_in(_ray, Capabilities(confirms_answers=True)),
 }
