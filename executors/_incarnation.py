@@ -1,9 +1,12 @@
-"""Stamping a worker's answers with the incarnation that made them.
+"""What an executor that replaces workers (`Replacing`) gives a replacement, and its answers.
 
-A worker's runtime (`executors._worker.WorkerRuntime`) knows nothing of replacements: its
-events say incarnation 0. An executor that replaced the worker (`Replacing`) stamps each event
-of the replacement with the replacement's number before handing it out, so that the scheduler
-can tell late news of a lost incarnation from the answers of the one now in its slot.
+- `replacement_setup`: the setup a replacement starts from, so that it is set up as the worker
+  it replaces was, at the epoch it starts in, its dataset restored through the path a resumed
+  checkpoint takes (`WorkerSetup.resume`).
+- `stamped`: a worker's runtime (`executors._worker.WorkerRuntime`) knows nothing of
+  replacements, and its events say incarnation 0. The executor stamps each event of a
+  replacement with the replacement's number before handing it out, so that the scheduler can
+  tell late news of a lost incarnation from the answers of the one now in its slot.
 """
 
 from __future__ import annotations
@@ -11,16 +14,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from statecore import (
     Event,
+    ResumeWorker,
     TaskCompleted,
     TaskFailed,
     WorkerDied,
     WorkerExhausted,
     WorkerResumed,
 )
+from statecore.executors._worker import Mark, WorkerSetup
 
-__all__ = ["stamped"]
+__all__ = ["replacement_setup", "stamped"]
 
 _SLOTS: dict[type[Event], Callable[[Any, int], None]] = {
     kind: kind.__dict__["incarnation"].__set__
@@ -36,3 +43,27 @@ def stamped(event: Event, incarnation: int) -> Event:
     if incarnation:
         _SLOTS[type(event)](event, incarnation)
     return event
+
+
+def replacement_setup(
+    setup: WorkerSetup, worker: int, mark: Mark | None, resumed: ResumeWorker | None
+) -> WorkerSetup:
+    """The setup of a replacement of `worker`, whose executor started from `setup`.
+
+    `resumed` is the last `ResumeWorker` the slot was given (None: still the epoch the executor
+    started in): the replacement starts in that epoch, a datapipe reseeded with its seed. Its
+    dataset is restored to `mark`, the last answer the main process recorded from the slot, as a
+    checkpoint's resume restores a worker (None: where the epoch began; in the first epoch, that
+    may be a checkpoint's position, and what carried over into it from the epoch before, which
+    `setup` holds). A persistent worker's dataset that changed its own state in earlier epochs
+    is restored only as far as this epoch's marks say.
+    """
+    marks: list[Mark | None] = [None] * setup.num_workers
+    if resumed is None and setup.resume is not None:
+        marks = list(setup.resume)
+    if mark is not None:
+        marks[worker] = mark
+    if resumed is None:
+        return attrs.evolve(setup, resume=tuple(marks))
+    seed = setup.shared_seed if resumed.seed is None else resumed.seed
+    return attrs.evolve(setup, resume=tuple(marks), ended=None, shared_seed=seed)

@@ -89,7 +89,6 @@ import traceback
 import warnings
 from typing import Any, ClassVar
 
-import attrs
 import torch.utils.data._utils.worker as torch_worker
 
 from statecore import (
@@ -103,7 +102,7 @@ from statecore import (
 )
 from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
-from statecore.executors._incarnation import stamped
+from statecore.executors._incarnation import replacement_setup, stamped
 from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._thread.copies import own_copy, rebound
@@ -282,29 +281,11 @@ class ThreadExecutor(Confirming):
             original = self.original = _untouched(self.launch.setup.dataset)
         dataset, init_error = self._copy_for(worker, original)
         inbox: Inbox = queue.SimpleQueue()
-        thread = self._thread(
-            worker, incarnation, self._replacement_setup(worker, mark), inbox, dataset, init_error
-        )
+        setup = replacement_setup(self.launch.setup, worker, mark, self.resumed[worker])
+        thread = self._thread(worker, incarnation, setup, inbox, dataset, init_error)
         self.inboxes[worker] = inbox
         self.threads[worker] = thread
         thread.start()
-
-    def _replacement_setup(self, worker: int, mark: Mark | None) -> WorkerSetup:
-        """The setup of a replacement of `worker`: the first one's, at the epoch of the slot's
-        last `ResumeWorker` (its datapipe seed), its dataset restored to `mark` as a resumed
-        checkpoint restores a worker's (`WorkerSetup.resume`)."""
-        setup = self.launch.setup
-        resumed = self.resumed[worker]
-        marks: list[Mark | None] = [None] * self.launch.num_workers
-        if resumed is None and setup.resume is not None:
-            marks = list(setup.resume)  # still the checkpoint's epoch: from where it resumed
-        if mark is not None:
-            marks[worker] = mark
-        if resumed is None:
-            # Still the epoch the executor started in: with what carried over into it, too.
-            return attrs.evolve(setup, resume=tuple(marks))
-        seed = setup.shared_seed if resumed.seed is None else resumed.seed
-        return attrs.evolve(setup, resume=tuple(marks), ended=None, shared_seed=seed)
 
     def report(self, worker: int) -> WorkerReport:
         """No pid (a thread), and where the worker's thread is now: its stack, innermost call
