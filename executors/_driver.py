@@ -185,6 +185,7 @@ class Driver:
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
+        self.watch = None  # a worker is stuck if this call waits `worker_timeout` for its task
         ledger = self.ledger
         outcome = ledger.handed
         if outcome is not None:
@@ -393,22 +394,22 @@ class Driver:
         pending task of a running worker (in order, the next task due). None: nothing to
         watch (no consumer waits, or the task waits for a replacement to start)."""
         state = self.state
-        if not state.waiting:
+        if not state.waiting or not state.window:
             return None
         workers = state.life.workers
+        if state.config.in_order:
+            slot = state.window[0]
+            if type(slot) is Pending and workers[slot.worker] is WorkerStatus.ACTIVE:
+                return state.rcvd_idx, slot.worker
+            return None
         for i, slot in enumerate(state.window):
-            if type(slot) is Pending:
-                if workers[slot.worker] is not WorkerStatus.ACTIVE:
-                    return None
+            if type(slot) is Pending and workers[slot.worker] is WorkerStatus.ACTIVE:
                 return state.rcvd_idx + i, slot.worker
-            if state.config.in_order:
-                return None  # an answer is due first; it is not held up
         return None
 
     def _poll_watching(self, task: int, worker: int) -> Event:
         """Poll for as long as the loader's timeout allows, but report `worker` stuck once the
-        consumer has waited `worker_timeout` for `task` (counted from the first poll that
-        waited for it, across calls)."""
+        consumer has waited `worker_timeout` for `task` in this `next()` call."""
         assert self.worker_timeout is not None
         incarnation = self.state.life.incarnations[worker]
         now = time.monotonic()
@@ -427,8 +428,13 @@ class Driver:
                 assert self.timeout is not None
                 return TimedOut(self.timeout)
             if now >= deadline:
-                self.watch = None
                 report = None if self.replacer is None else self.replacer.report(worker)
+                if report is not None and report.starting:
+                    # Start-up (spawn's imports, worker_init_fn) is not the task's time.
+                    deadline = now + self.worker_timeout
+                    self.watch = (task, incarnation, deadline)
+                    continue
+                self.watch = None
                 return WorkerStuck(
                     worker,
                     task,

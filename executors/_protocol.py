@@ -84,6 +84,9 @@ class WorkerReport:
     """Its process id; None for a thread."""
     stack: str | None = None
     """Its Python stack now, innermost call last, as a traceback prints it; None if unknown."""
+    starting: bool = False
+    """It has not finished starting (a process still importing, or in `worker_init_fn`): it is
+    not stuck on the task yet, and the driver watches it again for another `worker_timeout`."""
 
 
 @runtime_checkable

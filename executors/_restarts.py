@@ -60,8 +60,10 @@ class RestartBudget:
 def restart_message(loss: WorkerLoss, command: ReplaceWorker, resent: int, left: int) -> str:
     """The warning for one restart: who was lost and how, what is sent again, what is left."""
     what = loss.describe_alone()
+    # A hang's description ends with the stack it was stuck in: the rest goes below it.
+    stop = ".\n" if "\n" in what else ". "
     return (
-        f"{what}. It was replaced in its slot (incarnation {command.incarnation}), set up as "
+        f"{what}{stop}It was replaced in its slot (incarnation {command.incarnation}), set up as "
         f"the lost one was; the {resent} batch(es) it held are sent to the replacement, so "
         f"nothing is lost or repeated. {left} restart(s) left (worker_restarts)."
     )
