@@ -401,9 +401,13 @@ class RayExecutor(Confirming):
         self.owed[worker].append(_Call(placement, command, incarnation))
 
     def report(self, worker: int) -> WorkerReport:
-        """The pid of the worker's actor, if it ever started; no stack (see the module
-        docstring)."""
-        return WorkerReport(pid=self._pid(worker), stack=None)
+        """The pid of the worker's actor, and whether it is still starting (its first call,
+        `placement`, not answered yet: a process importing torch and the dataset's modules);
+        no stack (see the module docstring)."""
+        placed = self._placement(worker)
+        return WorkerReport(
+            pid=None if placed is None else int(placed[0]), stack=None, starting=placed is None
+        )
 
     def dispatch(self, command: SendTask) -> None:
         self._call(command)

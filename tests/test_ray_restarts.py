@@ -183,8 +183,9 @@ def test_a_stuck_actor_is_killed_and_replaced_and_the_epoch_is_torchs(
         SleepsOnceAt(24, 17, tmp_path / "slept"),
         executor="ray",
         worker_restarts=1,
-        # Generous: the first batches wait for the actors to start (a process importing torch).
-        worker_timeout=20,
+        # Shorter than an actor's start (a process importing torch): an actor still starting
+        # reports so, and is watched again rather than declared stuck.
+        worker_timeout=2,
         **options,
     )
     with warnings.catch_warnings(record=True) as caught:

@@ -10,13 +10,22 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from _datasets import FailsAt
+from _launch import launch
 from _side_by_side import threaded
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from statecore import WorkerDiedError, WorkerHungError, WorkerRestartedWarning
+from statecore import (
+    SendTask,
+    TaskCompleted,
+    WorkerDiedError,
+    WorkerHungError,
+    WorkerRestartedWarning,
+)
+from statecore.executors._thread.executor import ThreadExecutor
 
 
 class EndsOnceAt(Dataset):  # type: ignore[type-arg]
@@ -216,3 +225,31 @@ def test_a_stuck_worker_thread_fails_the_loader_with_its_stack_even_with_restart
     assert message.rstrip().endswith(raised.value.stack.rstrip())  # type: ignore[union-attr]
     # The loader shut down without waiting for the stuck thread: it is still there, waiting.
     assert hangs_at_17.waiting[0].is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_thread_still_in_its_start_up_reports_itself_starting() -> None:
+    # The driver watches such a worker again rather than declare it stuck: its start-up
+    # (worker_init_fn here) is not its task's time.
+    release = threading.Event()
+
+    def waits(worker_id: int) -> None:
+        if worker_id == 1:
+            release.wait()
+
+    plain = launch(list(range(4)), 2)
+    executor = ThreadExecutor(
+        attrs.evolve(plain, setup=attrs.evolve(plain.setup, worker_init_fn=waits))
+    )
+    executor.start()
+    try:
+        starting = executor.report(1)
+        assert starting.starting and starting.pid is None
+        release.set()
+        executor.dispatch(SendTask(1, 0, [1]))
+        assert isinstance(executor.poll(60), TaskCompleted)
+        executor.confirm()
+        assert not executor.report(1).starting
+    finally:
+        release.set()
+        executor.shutdown()

@@ -218,6 +218,8 @@ class ThreadExecutor(Confirming):
         """Threads of replaced incarnations: told to stop, perhaps still running."""
         self.stuck: set[threading.Thread] = set()
         """Threads reported stuck (`report`): shutdown does not wait for them."""
+        self.prepared: set[threading.Thread] = set()
+        """Threads done with their start-up (`worker_init_fn` included)."""
         self.original: Any = None
         """The dataset as the loader's iterator found it (a copy): what replacements copy."""
         self.stopped: set[int] = set()
@@ -288,14 +290,16 @@ class ThreadExecutor(Confirming):
         thread.start()
 
     def report(self, worker: int) -> WorkerReport:
-        """No pid (a thread), and where the worker's thread is now: its stack, innermost call
-        last. Such a thread is not waited for at shutdown."""
+        """No pid (a thread), where the worker's thread is now (its stack, innermost call
+        last), and whether it is still starting (in `worker_init_fn`, say). A thread reported
+        stuck past its start is not waited for at shutdown."""
         thread = self.threads[worker]
-        self.stuck.add(thread)
+        starting = thread.is_alive() and thread not in self.prepared
+        if not starting:
+            self.stuck.add(thread)
         frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
-        if frame is None:
-            return WorkerReport(pid=None, stack=None)  # it has just ended
-        return WorkerReport(pid=None, stack="".join(traceback.format_stack(frame)))
+        stack = None if frame is None else "".join(traceback.format_stack(frame))
+        return WorkerReport(pid=None, stack=stack, starting=starting)
 
     def _copy_for(self, worker: int, dataset: Any) -> tuple[Any, BaseException | None]:
         try:
@@ -322,6 +326,7 @@ class ThreadExecutor(Confirming):
         incarnations = self.incarnations
         try:
             runtime = self._prepare(worker, setup, dataset, init_error)
+            self.prepared.add(threading.current_thread())
             ended = getattr(per_thread, "ended", None)
             if replaced and ended is not None:
                 self._answer(_death(worker, incarnation, ended))
