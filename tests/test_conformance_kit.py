@@ -9,8 +9,11 @@ import torch
 from _broken import Blanking, Misnumbering, Unstamped
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
+from statecore import ReplaceWorker, WorkerDied
 from statecore.executors import available, pinned
 from statecore.executors._inline import InlineExecutor
+from statecore.executors._thread.executor import ThreadExecutor
+from statecore.executors._worker import Mark
 from statecore.models.conformance import ConformanceError, loads_in_process
 from statecore.models.kit import (
     Case,
@@ -53,6 +56,8 @@ REPLACERS = [
 
 @pytest.mark.timeout(120)
 @MANY_WORKERS
+# "pinned" (where it passes replacing on) warns that it has no accelerator: it pins nothing.
+@pytest.mark.filterwarnings("ignore:the pinned executor found no accelerator:UserWarning")
 @pytest.mark.parametrize("name", REPLACERS)
 def test_every_executor_that_replaces_workers_passes_the_replacement_cases(name: str) -> None:
     assert check_replacing(name) == tuple(case.name for case in replace_cases())
@@ -60,6 +65,21 @@ def test_every_executor_that_replaces_workers_passes_the_replacement_cases(name:
 
 def test_the_thread_executor_declares_that_it_replaces_workers() -> None:
     assert "thread" in REPLACERS
+
+
+class TellsTheLostOnesDeath(ThreadExecutor):
+    """The thread executor, also reporting each lost incarnation's end under its own number, as
+    a process executor may (the process it killed)."""
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        lost = self.incarnations[command.worker]
+        super().replace(command, mark)
+        self._answer(WorkerDied(command.worker, None, -9, incarnation=lost))
+
+
+@pytest.mark.timeout(120)
+def test_the_replacement_cases_let_a_lost_incarnation_report_its_death_under_its_number() -> None:
+    check_replacing(TellsTheLostOnesDeath)
 
 
 @pytest.mark.timeout(120)
