@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from _datasets import FailsAt
+from _datasets import FailsAt, Numbers
 from _launch import launch
 from _side_by_side import threaded
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -150,6 +150,22 @@ def test_the_replacement_thread_is_set_up_as_the_lost_one() -> None:
         ("statecore-worker-1", 1),
         ("statecore-worker-1.1", 1),
     ]
+
+
+def exits_in_worker_1_once(worker_id: int) -> None:
+    STARTED.append((threading.current_thread().name, worker_id))
+    if worker_id == 1 and len([who for who in STARTED if who[1] == 1]) == 1:
+        raise SystemExit(2)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_thread_ended_in_worker_init_fn_is_replaced_too() -> None:
+    STARTED.clear()
+    got, restarts = loaded(Numbers(6), batch_size=2, worker_init_fn=exits_in_worker_1_once)
+    assert got == [[0, 1], [2, 3], [4, 5]]
+    assert ("statecore-worker-1.1", 1) in STARTED
+    (warned,) = restarts
+    assert "SystemExit(2)" in str(warned.message)
 
 
 @pytest.mark.timeout(120)
