@@ -823,7 +823,13 @@ class _Iterator(_BaseDataLoaderIter):
             factory = Pinned(factory, in_process=in_process)
         if config.restarts or loader.worker_timeout:
             _check_replacing(factory, loader)
-        executor = _checked(factory)(Launch(setup, workers, loader.multiprocessing_context))
+        launch = Launch(
+            setup,
+            workers,
+            loader.multiprocessing_context,
+            worker_restarts=0 if in_process else loader.worker_restarts,
+        )
+        executor = _checked(factory)(launch)
         executor.start()
         # After start(): the dataset's iterator for the epoch is made, as torchdata's is made
         # before it takes its first state.

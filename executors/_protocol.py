@@ -211,6 +211,11 @@ class Launch:
     polls (`Capabilities.poll_from_any_thread`): starting (forking) workers there would fork
     while the training loop runs, holding locks the children would inherit as held.
     """
+    worker_restarts: int = 0
+    """The loader's `worker_restarts`: how many lost workers it may replace (0: torch's
+    behaviour, a lost worker fails the loader). Asked of the executor, for what it must report
+    as a death: a thread ended by `SystemExit` goes on answering its tasks with that error
+    without restarts, and is reported with `WorkerDied`, so that it is replaced, with them."""
 
 
 ExecutorFactory = Callable[[Launch], Executor]

@@ -27,6 +27,19 @@ worker's actor is killed at once (it owes nothing after `stop_worker`); `shutdow
 actor and waits until Ray confirms each is dead. Dropping the calls' references frees their
 results in the object store; a batch already handed to the consumer keeps its memory in the
 store until the consumer lets go of it (see `_from_store`).
+
+Workers that come and go (`DataLoader(worker_restarts=N)`). Ray's own actor restarts stay off
+(`max_restarts=0`): a restarted actor would have lost its place in the epoch. The scheduler
+replaces a lost worker instead (`replace`): the old actor is killed if it still runs (a stuck
+one too: `kills_stuck_workers`), and its calls are forgotten, so nothing more is read from it;
+a new actor is started in the slot from the setup a replacement gets
+(`executors._incarnation.replacement_setup`: the same worker id and seed, `worker_init_fn`, the
+slot's epoch, its dataset restored to the last mark the main process recorded), and says
+`WorkerStarted` once its start-up is done (its first call, `placement`, answered). Every
+answer is stamped with the incarnation of the actor the call went to. Asked about a stuck
+worker (`report`), the executor gives its actor's pid if the actor ever started, and no stack:
+Ray has no way to read the Python stack of an actor busy in a call without its dashboard and
+py-spy, so the warning or error names the worker and pid only.
 """
 
 from __future__ import annotations
@@ -45,15 +58,25 @@ from typing import Any, ClassVar, cast
 import attrs
 import torch
 
-from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed, WorkerDied
+from statecore import (
+    Event,
+    ReplaceWorker,
+    ResumeWorker,
+    SendTask,
+    TaskCompleted,
+    TaskFailed,
+    WorkerDied,
+    WorkerStarted,
+)
 from statecore.executors._confirm import Confirming
-from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._incarnation import replacement_setup, stamped
+from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._registry import NEEDS
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._timing import ClockSkew, TaskTiming
-from statecore.executors._worker import WorkerSetup
+from statecore.executors._worker import Mark, WorkerSetup
 
 __all__ = ["RayExecutor", "RayOptions", "RayUnavailableError", "ray"]
 
@@ -150,7 +173,7 @@ class RayOptions:
     def actor_options(self) -> dict[str, Any]:
         """The options given to each actor: those set, and no restarts or retries, since a
         restarted worker would have lost its place in the epoch (the core fails the loader
-        instead, as for a dead worker process)."""
+        instead, as for a dead worker process, or replaces it where `worker_restarts` allow)."""
         chosen: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
         for name in ("num_cpus", "num_gpus", "memory", "resources", "scheduling_strategy"):
             value = getattr(self, name)
@@ -301,16 +324,21 @@ def _actor_class(library: Any) -> Any:
 
 @attrs.frozen
 class _Call:
-    """A call owed by an actor: its result's reference, and the command it answers."""
+    """A call owed by an actor: its result's reference, the command it answers, and the
+    incarnation of the worker the actor is. A `ReplaceWorker` call is the new actor's
+    `placement`, answered once it has started."""
 
     reference: Any = attrs.field(eq=False)
-    command: SendTask | ResumeWorker
+    command: SendTask | ResumeWorker | ReplaceWorker
+    incarnation: int = 0
 
 
 class RayExecutor(Confirming):
     """`launch.num_workers` Ray actors, answering in the order they were given work."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        confirms_answers=True, replaces_workers=True, kills_stuck_workers=True
+    )
 
     def __init__(self, launch: Launch, options: RayOptions | None = None) -> None:
         self.launch = launch
@@ -327,22 +355,59 @@ class RayExecutor(Confirming):
         self.gone: set[int] = set()
         """Workers stopped or reported dead: nothing more is read from them."""
         self.ready: list[Event] = []
+        self.incarnations: list[int] = []
+        """Per worker slot, the incarnation of its current actor."""
+        self.resumed: list[ResumeWorker | None] = []
+        """Per worker slot, the last `ResumeWorker` it was given: a replacement's epoch."""
+        self.lost: list[Any] = []
+        """The actors of replaced incarnations, killed: shutdown waits for Ray to confirm it."""
         self.signals_held = HeldSignals()
         self.closed = False
 
     def start(self) -> None:
         library = self.library = _connect(self.options)
         self.node = _this_node(library)
-        actor_class = _actor_class(library).options(**self.options.actor_options())
         # One copy of the setup (the dataset above all) in the store, read once per node,
         # rather than one pickled into each actor's creation call. Our reference goes when
         # this returns; Ray keeps the object until every actor has read it.
         setup = library.put(self.launch.setup)
         for worker in range(self.launch.num_workers):
-            actor = actor_class.remote(setup, worker)
+            actor = self._new_actor(setup, worker)
             self.actors.append(actor)
             self.placements.append(actor.placement.remote())
             self.owed.append(deque())
+            self.incarnations.append(0)
+            self.resumed.append(None)
+
+    def _new_actor(self, setup: Any, worker: int) -> Any:
+        """An actor starting as worker `worker` from `setup` (a `WorkerSetup` or its reference
+        in the store), placed as the options say."""
+        options = self.options.actor_options()
+        return _actor_class(self.library).options(**options).remote(setup, worker)
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        """Kill `command.worker`'s actor if it still runs, forget its calls, and start a new
+        actor in its slot (see the module docstring); its start is told as `WorkerStarted`."""
+        worker, incarnation = command.worker, command.incarnation
+        self._kill(worker)
+        self.lost.append(self.actors[worker])
+        self.gone.discard(worker)
+        self.owed[worker].clear()
+        self.incarnations[worker] = incarnation
+        setup = replacement_setup(self.launch.setup, worker, mark, self.resumed[worker])
+        actor = self.actors[worker] = self._new_actor(setup, worker)
+        placement = self.placements[worker] = actor.placement.remote()
+        self.skews.pop(worker, None)
+        self.owed[worker].append(_Call(placement, command, incarnation))
+
+    def report(self, worker: int) -> WorkerReport:
+        """The pid of the worker's actor, and whether it is still starting (its first call,
+        `placement`, not answered yet: a process importing torch and the dataset's modules);
+        no stack (see the module docstring)."""
+        placed = self._placement(worker)
+        return WorkerReport(
+            pid=None if placed is None else int(placed[0]), stack=None, starting=placed is None
+        )
 
     def dispatch(self, command: SendTask) -> None:
         self._call(command)
@@ -354,8 +419,10 @@ class RayExecutor(Confirming):
         worker = command.worker
         if worker in self.gone:
             return  # the core hears of its death, or stopped it: nothing is owed
+        if type(command) is ResumeWorker:
+            self.resumed[worker] = command
         reference = self.actors[worker].answer.remote(command)
-        self.owed[worker].append(_Call(reference, command))
+        self.owed[worker].append(_Call(reference, command, self.incarnations[worker]))
 
     def poll(self, timeout: float | None) -> Event | None:
         if self._unconfirmed is not None:
@@ -384,15 +451,16 @@ class RayExecutor(Confirming):
     def _read(self, worker: int, call: _Call) -> Event:
         """The answer to `call`, now done: the actor's event, or the worker's death."""
         library = self.library
+        incarnation = call.incarnation
         try:
             answer: Event = library.get(call.reference)
         except library.exceptions.RayActorError as error:
-            return self._died(worker, error)
+            return self._died(worker, error, incarnation)
         except library.exceptions.RayError as error:
             # The actor lives, but its answer could not be made or read (a batch Ray could
             # not serialize, say): that task fails in its turn; a resume cannot fail.
             if not isinstance(call.command, SendTask):
-                return self._died(worker, error)
+                return self._died(worker, error, incarnation)
             failed = RemoteError.capture(
                 error,
                 worker=worker,
@@ -400,7 +468,11 @@ class RayExecutor(Confirming):
                 index=call.command.index,
                 where="while Ray moved the batch to the main process",
             )
-            return TaskFailed(call.command.task, worker, failed)
+            return TaskFailed(call.command.task, worker, failed, incarnation=incarnation)
+        if type(call.command) is ReplaceWorker:
+            return WorkerStarted(worker, incarnation)  # its start-up is done: it answered
+        # Unpickled just now, and held by nobody else: stamped in place.
+        answer = stamped(answer, incarnation)
         if self.launch.setup.trace:
             return self._on_this_clock(worker, answer)
         return answer
@@ -422,11 +494,13 @@ class RayExecutor(Confirming):
             return answer
         return attrs.evolve(answer, timing=skew.shifted(timing, arrived))
 
-    def _died(self, worker: int, error: BaseException) -> WorkerDied:
+    def _died(self, worker: int, error: BaseException, incarnation: int) -> WorkerDied:
         self.gone.add(worker)
         pid = self._pid(worker)
         self._kill(worker)  # an actor Ray calls unavailable may come back: it must not
-        return WorkerDied(worker, pid, None, reason=f"Ray reported: {error}")
+        return WorkerDied(
+            worker, pid, None, reason=f"Ray reported: {error}", incarnation=incarnation
+        )
 
     def _pid(self, worker: int) -> int | None:
         """The worker's pid, if its actor ever started."""
@@ -468,7 +542,7 @@ class RayExecutor(Confirming):
         self.closed = True
         for worker in range(len(self.actors)):
             self.stop_worker(worker)
-        library, actors = self.library, self.actors
+        library, actors = self.library, [*self.actors, *self.lost]
         if actors and self._connected():
             # A call made after the kill fails as soon as Ray knows the actor is dead: waiting
             # for those failures is waiting for Ray to confirm that no actor is left.
@@ -476,6 +550,7 @@ class RayExecutor(Confirming):
                 confirms = [actor.__ray_ready__.remote() for actor in actors]
                 library.wait(confirms, num_returns=len(confirms), timeout=SHUTDOWN_TIMEOUT)
         self.actors = []
+        self.lost = []
         self.placements = []
         self.owed = []
         self.ready.clear()

@@ -86,9 +86,11 @@ BUILT_IN: dict[str, tuple[ExecutorFactory, bool]] = {
         _mp,
         Capabilities(poll_from_any_thread=True, replaces_workers=True, kills_stuck_workers=True),
     ),
-    "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True)),
+    "thread": _built_in(_thread, Capabilities(poll_from_any_thread=True, replaces_workers=True)),
     # Ray is imported when a loader starts its actors, not when the name is looked up.
-    "ray": _built_in(_ray, Capabilities(confirms_answers=True)),
+    "ray": _built_in(
+        _ray, Capabilities(confirms_answers=True, replaces_workers=True, kills_stuck_workers=True)
+    ),
 }
 """name -> (factory, whether it loads in the calling thread, as the factory declares)."""
 

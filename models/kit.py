@@ -13,6 +13,13 @@ accepts (a registered name or a factory):
 2. The Hypothesis machine (`statecore.models.conformance.executor_machine`): configurations
    and consumer behaviour drawn at random, checked step by step against torch, with the
    scheduler's invariants checked between steps and no child process left at the end.
+3. For an executor that declares `Capabilities.replaces_workers`, the replacement cases
+   (`replace_cases`, `check_replacing`): the executor driven by hand, as the driver drives it,
+   through `ReplaceWorker` commands. A replacement says `WorkerStarted` with its incarnation
+   before anything else of it; every answer of it carries that incarnation; every task sent
+   to it again is answered exactly once, in the order sent, with the right batch (for an
+   iterable dataset, from where the mark it was given left its worker's part); and after a
+   replacement, whatever still comes from the lost incarnation carries the lost one's number.
 
 The first difference raises `ConformanceError` naming the configuration and both outcomes.
 """
@@ -20,28 +27,62 @@ The first difference raises `ConformanceError` naming the configuration and both
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
 import torch.utils.data
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
+from torch.utils.data import default_collate
+from torch.utils.data.dataloader import _DatasetKind
 
-from statecore.executors._protocol import ExecutorFactory
+from statecore import (
+    Event,
+    ReplaceWorker,
+    SendTask,
+    TaskCompleted,
+    TaskFailed,
+    WorkerDied,
+    WorkerExhausted,
+    WorkerStarted,
+)
+from statecore.executors._protocol import (
+    ExecutorFactory,
+    Launch,
+    capabilities_of,
+    confirmer_of,
+    replacer_of,
+)
+from statecore.executors._registry import resolve_executor
+from statecore.executors._worker import WorkerSetup
 from statecore.models.conformance import (
     ConformanceError,
     MapDataset,
     Outcome,
     ShardedIterable,
+    canonical,
     executor_machine,
     loads_in_process,
     stop_torch_workers,
     take_outcome,
 )
 
-__all__ = ["Case", "KitReport", "Records", "check_executor", "matrix", "run_case", "tagged"]
+__all__ = [
+    "Case",
+    "KitReport",
+    "Records",
+    "ReplaceCase",
+    "check_executor",
+    "check_replacing",
+    "declares_replacing",
+    "matrix",
+    "replace_cases",
+    "run_case",
+    "tagged",
+]
 
 SEED = 20241122
 
@@ -267,11 +308,18 @@ class KitReport:
     cases: tuple[str, ...]
     max_examples: int
     """The machine's example budget (Hypothesis may stop sooner once it has seen enough)."""
+    replace_cases: tuple[str, ...] = ()
+    """The replacement cases run: none for an executor that does not replace workers."""
 
     def describe(self) -> str:
+        replaced = (
+            f", and its {len(self.replace_cases)} replacement cases passed"
+            if self.replace_cases
+            else ""
+        )
         return (
             f"executor {self.executor}: {len(self.cases)} configurations matched torch's, "
-            f"and the conformance machine passed (up to {self.max_examples} drawn runs)"
+            f"the conformance machine passed (up to {self.max_examples} drawn runs){replaced}"
         )
 
 
@@ -288,7 +336,8 @@ def check_executor(
     `in_process` says whether the executor loads in the calling thread (num_workers=0); left
     out, `loads_in_process(executor)` decides. `workers` is the most workers a configuration uses.
     `settings` tunes the Hypothesis machine (default: 10 derandomized examples of 6 steps; each
-    starts real loaders, so keep it small). `cases` replaces the matrix.
+    starts real loaders, so keep it small). `cases` replaces the matrix. An executor that
+    declares `replaces_workers` also runs the replacement cases (`replace_cases`).
     """
     if in_process is None:
         in_process = loads_in_process(executor)
@@ -300,8 +349,271 @@ def check_executor(
     )
     machine = executor_machine(executor, in_process=in_process, max_workers=workers)
     run_state_machine_as_test(machine, settings=machine_settings)  # type: ignore[no-untyped-call, unused-ignore]
+    replaced = check_replacing(executor) if not in_process and declares_replacing(executor) else ()
     return KitReport(
         executor=repr(executor),
         cases=tuple(case.name for case in chosen),
         max_examples=machine_settings.max_examples,
+        replace_cases=replaced,
     )
+
+
+# --- replacing workers ----------------------------------------------------------------------------
+
+ANSWER_WITHIN = 60.0
+"""How long a replacement case waits for the executor's next event before it fails."""
+
+
+def declares_replacing(executor: str | ExecutorFactory) -> bool:
+    """Whether `executor` (a name or a factory, loading in workers) declares
+    `Capabilities.replaces_workers`."""
+    factory, _ = resolve_executor(executor, num_workers=2)
+    return capabilities_of(factory).replaces_workers
+
+
+def _map_setup(workers: int) -> WorkerSetup:
+    """Workers loading `MapDataset`: the batch for index [i] is tensor([i])."""
+    return WorkerSetup(
+        dataset=MapDataset(32),
+        dataset_kind=_DatasetKind.Map,
+        auto_collation=True,
+        collate_fn=default_collate,
+        drop_last=False,
+        base_seed=SEED,
+        num_workers=workers,
+    )
+
+
+def _iterable_setup(workers: int) -> WorkerSetup:
+    """Workers loading a `ShardedIterable` of 8 items each: worker w's k-th is 100 * w + k."""
+    return attrs.evolve(
+        _map_setup(workers),
+        dataset=ShardedIterable((8,) * workers),
+        dataset_kind=_DatasetKind.Iterable,
+    )
+
+
+class _Driven:
+    """An executor driven by hand as the driver drives it, every event it said checked as it
+    comes against the incarnations the case started, and kept."""
+
+    def __init__(self, executor: str | ExecutorFactory, setup: WorkerSetup, case: str) -> None:
+        self.case = case
+        self.name = repr(executor)
+        factory, _ = resolve_executor(executor, setup.num_workers)
+        self.executor = factory(Launch(setup, setup.num_workers))
+        self.confirm = confirmer_of(self.executor)
+        replacer = replacer_of(self.executor)
+        if replacer is None:
+            self.fail(
+                "the executor it made does not declare replaces_workers, though its factory does"
+            )
+        self.replacer = replacer
+        self.incarnations = [0] * setup.num_workers
+        self.sent: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        """(worker, incarnation) -> the tasks sent to that incarnation, in order."""
+        self.events: list[Event] = []
+        self.executor.start()
+
+    def fail(self, problem: str) -> NoReturn:
+        seen = "\n  ".join(repr(event) for event in getattr(self, "events", ()))
+        raise ConformanceError(
+            f"replacement case {self.case!r}, executor={self.name}: {problem}\n"
+            f"events so far:\n  {seen}"
+        )
+
+    def send(self, worker: int, task: int, index: Any) -> None:
+        self.sent[worker, self.incarnations[worker]].append(task)
+        self.executor.dispatch(SendTask(worker, task, index))
+
+    def replace(self, worker: int, mark: Any = None) -> int:
+        incarnation = self.incarnations[worker] = self.incarnations[worker] + 1
+        self.replacer.replace(ReplaceWorker(worker, incarnation, 0), mark)
+        return incarnation
+
+    def until(self, done: Callable[[], bool], waiting_for: str) -> None:
+        """Poll until `done()`; fail if no event comes within `ANSWER_WITHIN` seconds."""
+        while not done():
+            deadline = time.monotonic() + ANSWER_WITHIN
+            while True:
+                event = self.executor.poll(min(1.0, max(0.0, deadline - time.monotonic())))
+                if event is not None:
+                    break
+                if time.monotonic() >= deadline:
+                    self.fail(f"no event within {ANSWER_WITHIN:.0f} s, waiting for {waiting_for}")
+            if self.confirm is not None:
+                self.confirm()
+            self.events.append(event)
+            self._check(event)
+
+    def _check(self, event: Event) -> None:
+        worker = getattr(event, "worker", None)
+        if worker is None:
+            self.fail(f"{event!r} is no worker's event")
+        incarnation = getattr(event, "incarnation", 0)
+        if incarnation > self.incarnations[worker]:
+            self.fail(f"{event!r} carries an incarnation never started in worker {worker}'s slot")
+        if type(event) is WorkerStarted:
+            if event.incarnation != self.incarnations[worker] or any(
+                getattr(seen, "worker", None) == worker
+                and getattr(seen, "incarnation", 0) == incarnation
+                for seen in self.events[:-1]
+            ):
+                self.fail(
+                    f"{event!r} is not the first event of the incarnation {worker}'s slot was "
+                    "last given"
+                )
+        elif incarnation > 0 and not self.started(worker, incarnation):
+            self.fail(f"{event!r} came before WorkerStarted({worker}, {incarnation})")
+        task = getattr(event, "task", None)
+        if task is not None:
+            sent = self.sent[worker, incarnation]
+            answered = [a.task for a in self.answers(worker, incarnation)]  # type: ignore[attr-defined]
+            if answered.count(task) > sent.count(task):
+                self.fail(
+                    f"{event!r} answers task {task}, which incarnation {incarnation} of worker "
+                    f"{worker} was sent {sent.count(task)} time(s) (it was sent {sent})"
+                )
+        if type(event) is WorkerDied and incarnation == self.incarnations[worker]:
+            # A lost incarnation's death may be told (under its own number); no other.
+            self.fail(f"{event!r}: no worker of this case dies")
+
+    def started(self, worker: int, incarnation: int) -> bool:
+        return WorkerStarted(worker, incarnation) in self.events
+
+    def answers(self, worker: int, incarnation: int) -> list[Event]:
+        """The answers (not WorkerStarted) of that incarnation of `worker`, in order."""
+        return [
+            event
+            for event in self.events
+            if type(event) in (TaskCompleted, TaskFailed, WorkerExhausted)
+            and getattr(event, "worker", None) == worker
+            and getattr(event, "incarnation", 0) == incarnation
+        ]
+
+    def expect_answers(
+        self, worker: int, incarnation: int, expected: list[tuple[int, Any]], sent_before: int
+    ) -> list[TaskCompleted]:
+        """Check that incarnation `incarnation` of `worker` answered exactly `expected` (task,
+        batch), in that order, and that any answer of an earlier incarnation is to a task that
+        was sent to it (numbered below `sent_before`), each at most once."""
+        got = self.answers(worker, incarnation)
+        if [type(event) for event in got] != [TaskCompleted] * len(got) or [
+            (event.task, canonical(event.payload))  # type: ignore[attr-defined]
+            for event in got
+        ] != [(task, canonical(batch)) for task, batch in expected]:
+            self.fail(
+                f"incarnation {incarnation} of worker {worker} should have answered each of "
+                f"{expected} exactly once, in that order, and answered {got}"
+            )
+        for earlier in range(incarnation):
+            tasks = [event.task for event in self.answers(worker, earlier)]  # type: ignore[attr-defined]
+            if len(tasks) != len(set(tasks)) or any(task >= sent_before for task in tasks):
+                self.fail(
+                    f"the lost incarnation {earlier} of worker {worker} answered tasks {tasks}: "
+                    f"only tasks sent to it (below {sent_before}), each once"
+                )
+        return got  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for worker in range(len(self.incarnations)):
+            self.executor.stop_worker(worker)
+        self.executor.shutdown()
+
+
+def _answered(driven: _Driven, worker: int, incarnation: int, count: int) -> Callable[[], bool]:
+    return lambda: len(driven.answers(worker, incarnation)) >= count
+
+
+def _start(driven: _Driven, worker: int, mark: Any = None) -> int:
+    """Replace `worker` and wait for its replacement to say it started; its incarnation."""
+    incarnation = driven.replace(worker, mark)
+    driven.until(
+        lambda: driven.started(worker, incarnation), f"WorkerStarted({worker}, {incarnation})"
+    )
+    return incarnation
+
+
+def _replaced_holding_tasks(executor: str | ExecutorFactory) -> None:
+    driven = _Driven(executor, _map_setup(2), "a replacement answers the tasks sent to it again")
+    try:
+        # Worker 0 holds six tasks as it is replaced (it may have answered some: as the lost
+        # incarnation, which the scheduler drops); worker 1 holds three.
+        held = [0, 2, 3, 5, 6, 8]
+        for task in range(9):
+            driven.send(0 if task in held else 1, task, [task])
+        incarnation = _start(driven, 0)
+        for task in held:
+            driven.send(0, task, [task])
+        driven.until(_answered(driven, 0, incarnation, len(held)), "the tasks sent again")
+        driven.until(_answered(driven, 1, 0, 3), "worker 1's tasks")
+        driven.expect_answers(0, incarnation, [(t, torch.tensor([t])) for t in held], 9)
+        driven.expect_answers(1, 0, [(t, torch.tensor([t])) for t in (1, 4, 7)], 9)
+    finally:
+        driven.close()
+
+
+def _replaced_twice(executor: str | ExecutorFactory) -> None:
+    driven = _Driven(executor, _map_setup(1), "a slot replaced twice numbers each incarnation")
+    try:
+        driven.send(0, 0, [0])
+        for _ in range(2):
+            incarnation = _start(driven, 0)
+            driven.send(0, 0, [0])
+            driven.send(0, incarnation, [incarnation])
+            driven.until(_answered(driven, 0, incarnation, 2), "the tasks sent to it")
+            batches = [(0, torch.tensor([0])), (incarnation, torch.tensor([incarnation]))]
+            driven.expect_answers(0, incarnation, batches, incarnation + 1)
+    finally:
+        driven.close()
+
+
+def _replaced_at_its_mark(executor: str | ExecutorFactory) -> None:
+    driven = _Driven(
+        executor, _iterable_setup(2), "a replacement goes on from the mark it is given"
+    )
+    pair = [None, None]
+    try:
+        driven.send(0, 0, pair)
+        driven.send(0, 1, pair)
+        driven.until(_answered(driven, 0, 0, 2), "worker 0's first two batches")
+        mark = driven.answers(0, 0)[-1].mark  # type: ignore[attr-defined]
+        driven.send(0, 2, pair)
+        # Lost holding its third batch: the replacement restores its part to the second's mark.
+        incarnation = _start(driven, 0, mark)
+        driven.send(0, 2, pair)
+        driven.send(0, 3, pair)
+        driven.until(_answered(driven, 0, incarnation, 2), "the batches after the mark")
+        driven.expect_answers(
+            0, incarnation, [(2, torch.tensor([4, 5])), (3, torch.tensor([6, 7]))], 3
+        )
+    finally:
+        driven.close()
+
+
+@attrs.frozen
+class ReplaceCase:
+    """One replacement case: `check(executor)` raises `ConformanceError` on a broken promise."""
+
+    name: str
+    check: Callable[[str | ExecutorFactory], None]
+
+
+def replace_cases() -> list[ReplaceCase]:
+    """The cases an executor that declares `replaces_workers` must pass."""
+    # The slot replaced twice first: it sends a replacement a task its lost incarnation never
+    # had, so answers that are not stamped fail it at once rather than after `ANSWER_WITHIN`.
+    return [
+        ReplaceCase("a slot replaced twice numbers each incarnation", _replaced_twice),
+        ReplaceCase("a replacement answers the tasks sent to it again", _replaced_holding_tasks),
+        ReplaceCase("a replacement goes on from the mark it is given", _replaced_at_its_mark),
+    ]
+
+
+def check_replacing(executor: str | ExecutorFactory) -> tuple[str, ...]:
+    """Run the replacement cases on `executor` (one that declares `replaces_workers` and loads
+    in workers); raise `ConformanceError` on the first broken promise. Returns their names."""
+    cases = replace_cases()
+    for case in cases:
+        case.check(executor)
+    return tuple(case.name for case in cases)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import attrs
 
-from statecore import Event, TaskCompleted
+from statecore import Event, ReplaceWorker, TaskCompleted, WorkerStarted
 from statecore.executors._inline import InlineExecutor
+from statecore.executors._thread.executor import ThreadExecutor
+from statecore.executors._worker import Mark
 
 
 class Blanking(InlineExecutor):
@@ -16,3 +18,19 @@ class Blanking(InlineExecutor):
         if isinstance(event, TaskCompleted):
             return attrs.evolve(event, payload=None)
         return event
+
+
+class Misnumbering(ThreadExecutor):
+    """A broken replacer: each replacement starts under the number after the one it was given."""
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        super().replace(attrs.evolve(command, incarnation=command.incarnation + 1), mark)
+
+
+class Unstamped(ThreadExecutor):
+    """A broken replacer: a replacement's answers say incarnation 0, as the first worker's do."""
+
+    def _answer(self, event: Event) -> None:
+        if type(event) is not WorkerStarted and getattr(event, "incarnation", 0):
+            event = attrs.evolve(event, incarnation=0)
+        super()._answer(event)

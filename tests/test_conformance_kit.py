@@ -6,13 +6,24 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _broken import Blanking
+from _broken import Blanking, Misnumbering, Unstamped
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from statecore.executors import pinned
+from statecore import ReplaceWorker, WorkerDied
+from statecore.executors import available, pinned
 from statecore.executors._inline import InlineExecutor
+from statecore.executors._thread.executor import ThreadExecutor
+from statecore.executors._worker import Mark
 from statecore.models.conformance import ConformanceError, loads_in_process
-from statecore.models.kit import Case, check_executor, matrix, run_case
+from statecore.models.kit import (
+    Case,
+    check_executor,
+    check_replacing,
+    declares_replacing,
+    matrix,
+    replace_cases,
+    run_case,
+)
 
 MANY_WORKERS = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -30,11 +41,66 @@ def pinning_clones(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_every_built_in_executor_passes_the_kit(name: str) -> None:
     report = check_executor(name)  # raises ConformanceError on any difference from torch
     assert repr(name) in report.describe()
+    # The replacement cases ran for those that declare they replace workers, and only those.
+    replaces = name != "inline" and declares_replacing(name)
+    assert report.replace_cases == (tuple(c.name for c in replace_cases()) if replaces else ())
+
+
+REPLACERS = [
+    name
+    for name in available()
+    # Ray's need a cluster: tests/test_ray_restarts.py runs them on one.
+    if name != "ray" and not loads_in_process(name) and declares_replacing(name)
+]
+
+
+@pytest.mark.timeout(120)
+@MANY_WORKERS
+# "pinned" (where it passes replacing on) warns that it has no accelerator: it pins nothing.
+@pytest.mark.filterwarnings("ignore:the pinned executor found no accelerator:UserWarning")
+@pytest.mark.parametrize("name", REPLACERS)
+def test_every_executor_that_replaces_workers_passes_the_replacement_cases(name: str) -> None:
+    assert check_replacing(name) == tuple(case.name for case in replace_cases())
+
+
+def test_the_thread_executor_declares_that_it_replaces_workers() -> None:
+    assert "thread" in REPLACERS
+
+
+class TellsTheLostOnesDeath(ThreadExecutor):
+    """The thread executor, also reporting each lost incarnation's end under its own number, as
+    a process executor may (the process it killed)."""
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        lost = self.incarnations[command.worker]
+        super().replace(command, mark)
+        self._answer(WorkerDied(command.worker, None, -9, incarnation=lost))
+
+
+@pytest.mark.timeout(120)
+def test_the_replacement_cases_let_a_lost_incarnation_report_its_death_under_its_number() -> None:
+    check_replacing(TellsTheLostOnesDeath)
+
+
+@pytest.mark.timeout(120)
+def test_the_replacement_cases_fail_a_replacement_started_under_another_number() -> None:
+    with pytest.raises(ConformanceError, match=r"WorkerStarted\(worker=0, incarnation=2\).*never"):
+        check_replacing(Misnumbering)
+
+
+@pytest.mark.timeout(120)
+def test_the_replacement_cases_fail_a_replacement_whose_answers_are_not_stamped() -> None:
+    with pytest.raises(ConformanceError, match=r"incarnation 0 of worker 0 was sent"):
+        check_replacing(Unstamped)
 
 
 @pytest.mark.timeout(300)
 @MANY_WORKERS
-@pytest.mark.parametrize("inner", ["inline", "mp", "thread"])
+# The kit over mp alone is above, and the pinned executor over mp in tests/test_pinned.py; the
+# exhaustive tier runs the kit over the pair too.
+@pytest.mark.parametrize(
+    "inner", ["inline", pytest.param("mp", marks=pytest.mark.exhaustive), "thread"]
+)
 def test_the_pinned_executor_passes_the_kit_over_each_inner_executor(
     inner: str, pinning_clones: None
 ) -> None:

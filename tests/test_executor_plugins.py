@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launch import launch
 
 import statecore
 from statecore import Event, SendTask
@@ -24,6 +25,7 @@ from statecore.executors import (
 )
 from statecore.executors._inline import InlineExecutor
 from statecore.executors._mp import MultiprocessExecutor
+from statecore.executors._protocol import replacer_of
 from statecore.executors._registry import BUILT_IN, loads_in_process
 from statecore.executors._thread.executor import ThreadExecutor
 from statecore.models.kit import check_executor, matrix
@@ -121,6 +123,24 @@ def test_the_registry_says_what_each_built_in_factory_declares() -> None:
     # What an executor itself declares is read from the executor.
     for executor_class in (InlineExecutor, ThreadExecutor, MultiprocessExecutor, PinnedExecutor):
         assert capabilities_of(executor_class).confirms_answers, executor_class
+
+
+def test_the_thread_executor_declares_it_replaces_workers_it_cannot_kill() -> None:
+    for declarer in (BUILT_IN["thread"][0], ThreadExecutor):
+        declared = capabilities_of(declarer)
+        assert declared.replaces_workers and not declared.kills_stuck_workers, declarer
+    assert not capabilities_of(BUILT_IN["inline"][0]).replaces_workers
+
+
+class ClaimsToReplace(InlineExecutor):
+    """Declares replaces_workers, and has neither replace() nor report()."""
+
+    capabilities = Capabilities(in_process=True, replaces_workers=True)
+
+
+def test_a_plugin_declaring_replaces_workers_without_the_methods_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"declares replaces_workers but lacks replace"):
+        replacer_of(ClaimsToReplace(launch(list(range(4)), 1)))
 
 
 def make_inline(launch: Launch) -> InlineExecutor:

@@ -500,3 +500,16 @@ def test_the_mp_executor_declares_that_it_replaces_and_kills_workers() -> None:
     for declarer in (MultiprocessExecutor, BUILT_IN["mp"][0]):
         declared = capabilities_of(declarer)
         assert declared.replaces_workers and declared.kills_stuck_workers
+
+
+def test_a_worker_not_listening_yet_is_reported_starting_not_stuck(tmp_path: Path) -> None:
+    # A spawned worker importing its modules has not written its stack file's header: the
+    # driver then watches it again instead of replacing it (tests/test_driver_restarts.py).
+    from statecore.executors._mp import stacks
+
+    path = str(tmp_path / "stack-0-0")
+    assert not stacks.listening(path)
+    Path(path).write_text("")
+    assert not stacks.listening(path)
+    Path(path).write_text("listening\n")  # what a worker's `stacks.listen` writes first
+    assert stacks.listening(path)

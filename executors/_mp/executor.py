@@ -379,6 +379,8 @@ class MultiprocessExecutor(Confirming):
         if process is None or self.home is None:
             return WorkerReport()
         path = stacks.stack_file(self.home.tempdir, worker, self.incarnations.get(worker, 0))
+        if not stacks.listening(path):
+            return WorkerReport(process.pid, starting=True)
         return WorkerReport(process.pid, stacks.ask(path, process.pid))
 
     def stop_worker(self, worker: int) -> None:

@@ -62,6 +62,15 @@ def listen(path: str) -> None:
     _listening = dump
 
 
+def listening(path: str) -> bool:
+    """Whether the worker dumping to `path` got as far as listening: before, it is starting
+    (a spawned one importing its modules), and not stuck on any task."""
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
 def ask(path: str, pid: int) -> str | None:
     """In the main process: the stack of the worker `pid` that dumps to `path`, as a traceback;
     None if it is not listening yet, or gave no dump within `ASK_WITHIN`."""

@@ -58,24 +58,52 @@ What differs from worker processes:
   with a `WorkerDiedError` naming the thread and the exception (its cause), raised in the
   task's turn. The other workers go on.
 
-Shutdown asks each thread to stop and waits a bounded time; a thread stuck inside user code is
-a daemon and does not keep the interpreter alive.
+Workers that come and go (`DataLoader(worker_restarts=N)`, `Launch.worker_restarts`): a worker
+thread so ended is a worker lost. Its thread ends, and it is reported with `WorkerDied` (no pid;
+the executor's account names the thread and the exception), so that the scheduler replaces it
+(`replace`): a new thread in the same slot, started as the first was (the same worker id and
+WorkerInfo, its generators seeded from the same seed, `worker_init_fn`), from a copy of the
+dataset as the loader's iterator first copied it, set up for the epoch and datapipe seed of the
+slot's last `ResumeWorker`, and its dataset restored to the mark the scheduler gives through the
+path a checkpoint's resume takes (`WorkerSetup.resume`). It says `WorkerStarted` first, and
+stamps every answer with its incarnation. A lost thread still running (the scheduler may
+replace a worker that is still there) is told to stop and abandoned; whatever it still says
+carries its own incarnation, which the scheduler drops.
+
+A stuck worker thread (`worker_timeout`) cannot be killed, so it cannot be replaced: the
+executor declares `kills_stuck_workers=False`, and the loader fails with `WorkerHungError`
+showing the thread's stack (`report`, from `sys._current_frames()`). Shutdown asks each thread
+to stop and waits a bounded time in all (`JOIN_TIMEOUT`), and not at all for a thread reported
+stuck: threads are daemons, so one stuck inside user code is abandoned and does not keep the
+interpreter alive.
 """
 
 from __future__ import annotations
 
 import functools
 import queue
+import sys
 import threading
+import time
+import traceback
 import warnings
 from typing import Any, ClassVar
 
 import torch.utils.data._utils.worker as torch_worker
 
-from statecore import Event, ResumeWorker, SendTask, WorkerDied, WorkerDiedError
+from statecore import (
+    Event,
+    ReplaceWorker,
+    ResumeWorker,
+    SendTask,
+    WorkerDied,
+    WorkerDiedError,
+    WorkerStarted,
+)
 from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
-from statecore.executors._protocol import Capabilities, Launch
+from statecore.executors._incarnation import replacement_setup, stamped
+from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._thread.copies import own_copy, rebound
 from statecore.executors._thread.hooks import (
@@ -89,11 +117,14 @@ from statecore.executors._thread.reseed import (
     install_reseed_watch,
 )
 from statecore.executors._thread.storages import StoragePool
-from statecore.executors._worker import WorkerRuntime, WorkerSetup
+from statecore.executors._worker import Mark, WorkerRuntime, WorkerSetup
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 
 JOIN_TIMEOUT = 5.0
+"""How long shutdown waits, in all, for the worker threads to end."""
+
+Inbox = queue.SimpleQueue[SendTask | ResumeWorker | None]
 
 
 def _ended(worker: int, error: BaseException, where: str) -> WorkerDiedError:
@@ -111,6 +142,39 @@ def _ended(worker: int, error: BaseException, where: str) -> WorkerDiedError:
     )
     ended.__cause__ = error
     return ended
+
+
+def _death(worker: int, incarnation: int, ended: WorkerDiedError) -> WorkerDied:
+    """The report of a worker thread `ended` (see `_ended`) in a loader that replaces lost
+    workers: the thread is gone, and its slot's next incarnation takes over its tasks."""
+    cause = ended.__cause__
+    code = ended.exitcode
+    return WorkerDied(
+        worker,
+        None,
+        code,
+        reason=f"DataLoader worker thread {worker} ({threading.current_thread().name}) was "
+        f"ended by {cause!r}; a thread so ended runs none of the dataset's code after it",
+        incarnation=incarnation,
+    )
+
+
+def _ended_in_start(worker: int, error: BaseException, where: str) -> WorkerDiedError:
+    """`_ended`, for a worker thread's start-up (its seat's `ended`), noted for `_run`, which
+    reports the thread lost where the loader replaces workers."""
+    ended = per_thread.ended = _ended(worker, error, where)
+    return ended
+
+
+def _untouched(dataset: Any) -> Any:
+    """A copy of `dataset` that no worker loads from, for replacements to copy theirs from;
+    `dataset` itself if it cannot be copied (the workers' copies already said so, or failed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return own_copy(dataset)
+        except Exception:
+            return dataset
 
 
 def _tell(info: torch_worker.WorkerInfo) -> None:
@@ -136,13 +200,28 @@ def _doing(setup: WorkerSetup, command: SendTask | ResumeWorker) -> str:
 class ThreadExecutor(Confirming):
     """Runs each worker in its own thread of this process."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(confirms_answers=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        confirms_answers=True, replaces_workers=True, kills_stuck_workers=False
+    )
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
         self.results: Handoff[Event] = Handoff()
-        self.inboxes: list[queue.SimpleQueue[SendTask | ResumeWorker | None]] = []
+        self.inboxes: list[Inbox] = []
         self.threads: list[threading.Thread] = []
+        """Per worker slot, the thread of its current incarnation."""
+        self.incarnations: list[int] = []
+        """Per worker slot, its current incarnation: a thread of an earlier one stops."""
+        self.resumed: list[ResumeWorker | None] = []
+        """Per worker slot, the last `ResumeWorker` it was given: a replacement's epoch."""
+        self.lost: list[threading.Thread] = []
+        """Threads of replaced incarnations: told to stop, perhaps still running."""
+        self.stuck: set[threading.Thread] = set()
+        """Threads reported stuck (`report`): shutdown does not wait for them."""
+        self.prepared: set[threading.Thread] = set()
+        """Threads done with their start-up (`worker_init_fn` included)."""
+        self.original: Any = None
+        """The dataset as the loader's iterator found it (a copy): what replacements copy."""
         self.stopped: set[int] = set()
         self.closed = False
         workers = launch.num_workers
@@ -160,17 +239,67 @@ class ThreadExecutor(Confirming):
         # not seen, as with worker processes.
         dataset = self.launch.setup.dataset
         copies = [self._copy_for(worker, dataset) for worker in range(self.launch.num_workers)]
+        if self.launch.worker_restarts:
+            # One more, untouched by any worker, for replacements to copy theirs from.
+            self.original = _untouched(dataset)
         for worker, own in enumerate(copies):
-            inbox: queue.SimpleQueue[SendTask | ResumeWorker | None] = queue.SimpleQueue()
-            thread = threading.Thread(
-                target=self._run,
-                args=(worker, inbox, *own),
-                name=f"statecore-worker-{worker}",
-                daemon=True,
-            )
+            inbox: Inbox = queue.SimpleQueue()
+            thread = self._thread(worker, 0, self.launch.setup, inbox, *own)
             self.inboxes.append(inbox)
             self.threads.append(thread)
+            self.incarnations.append(0)
+            self.resumed.append(None)
             thread.start()
+
+    def _thread(
+        self,
+        worker: int,
+        incarnation: int,
+        setup: WorkerSetup,
+        inbox: Inbox,
+        dataset: Any,
+        init_error: BaseException | None,
+    ) -> threading.Thread:
+        suffix = f".{incarnation}" if incarnation else ""
+        return threading.Thread(
+            target=self._run,
+            args=(worker, incarnation, setup, inbox, dataset, init_error),
+            name=f"statecore-worker-{worker}{suffix}",
+            daemon=True,
+        )
+
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        """Start incarnation `command.incarnation` of `command.worker` in a new thread (see
+        the module docstring); the lost one, if it still runs, is told to stop and abandoned,
+        since a thread cannot be killed."""
+        worker, incarnation = command.worker, command.incarnation
+        self.inboxes[worker].put(None)
+        self.lost.append(self.threads[worker])
+        self.stopped.discard(worker)
+        self.incarnations[worker] = incarnation
+        original = self.original
+        if original is None:
+            # An executor not told of restarts (the conformance kit's, say): copied now.
+            original = self.original = _untouched(self.launch.setup.dataset)
+        dataset, init_error = self._copy_for(worker, original)
+        inbox: Inbox = queue.SimpleQueue()
+        setup = replacement_setup(self.launch.setup, worker, mark, self.resumed[worker])
+        thread = self._thread(worker, incarnation, setup, inbox, dataset, init_error)
+        self.inboxes[worker] = inbox
+        self.threads[worker] = thread
+        thread.start()
+
+    def report(self, worker: int) -> WorkerReport:
+        """No pid (a thread), where the worker's thread is now (its stack, innermost call
+        last), and whether it is still starting (in `worker_init_fn`, say). A thread reported
+        stuck past its start is not waited for at shutdown."""
+        thread = self.threads[worker]
+        starting = thread.is_alive() and thread not in self.prepared
+        if not starting:
+            self.stuck.add(thread)
+        frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
+        stack = None if frame is None else "".join(traceback.format_stack(frame))
+        return WorkerReport(pid=None, stack=stack, starting=starting)
 
     def _copy_for(self, worker: int, dataset: Any) -> tuple[Any, BaseException | None]:
         try:
@@ -185,35 +314,51 @@ class ThreadExecutor(Confirming):
     def _run(
         self,
         worker: int,
-        inbox: queue.SimpleQueue[SendTask | ResumeWorker | None],
+        incarnation: int,
+        setup: WorkerSetup,
+        inbox: Inbox,
         dataset: Any,
         init_error: BaseException | None,
     ) -> None:
-        setup = self.launch.setup
+        # Without restarts a worker thread that SystemExit ended answers on with that error,
+        # as it always has; with them it is a worker lost, reported so that it is replaced.
+        replaced = self.launch.worker_restarts > 0
+        incarnations = self.incarnations
         try:
-            runtime = self._prepare(worker, dataset, init_error)
+            runtime = self._prepare(worker, setup, dataset, init_error)
+            self.prepared.add(threading.current_thread())
+            ended = getattr(per_thread, "ended", None)
+            if replaced and ended is not None:
+                self._answer(_death(worker, incarnation, ended))
+                return
+            if incarnation:
+                self._answer(WorkerStarted(worker, incarnation))
             while True:
                 command = inbox.get()
-                if command is None:
-                    return
+                if command is None or incarnations[worker] != incarnation:
+                    return  # stopped, or replaced: what it still holds is its successor's
                 try:
                     event = runtime.answer(command)
                 except BaseException as error:
                     # answer() catches every Exception: this is SystemExit or the like, which
                     # ends the worker (see the module docstring).
-                    runtime.fail_every_task(_ended(worker, error, _doing(setup, command)))
+                    died = _ended(worker, error, _doing(setup, command))
+                    if replaced:
+                        self._answer(_death(worker, incarnation, died))
+                        return
+                    runtime.fail_every_task(died)
                     event = runtime.answer(command)
-                self._answer(event)
+                self._answer(stamped(event, incarnation))
         except BaseException:
             # Only a fault of our own gets here: the thread is gone, and the scheduler must hear
             # of it, or it would wait for the thread's answers forever.
-            self._answer(WorkerDied(worker, None, None))
+            self._answer(WorkerDied(worker, None, None, incarnation=incarnation))
             raise
         finally:
             per_thread.__dict__.clear()
 
     def _prepare(
-        self, worker: int, dataset: Any, init_error: BaseException | None
+        self, worker: int, setup: WorkerSetup, dataset: Any, init_error: BaseException | None
     ) -> WorkerRuntime:
         """Make this thread worker `worker`, loading from its own copy `dataset`, through the
         start-up every worker takes, seated as a thread (which cannot seed the process-wide
@@ -224,10 +369,11 @@ class ThreadExecutor(Confirming):
             note=f"Raised in DataLoader worker thread {worker}",
             tell=_tell,
             doing=_now_doing,
-            ended=_ended,
+            ended=_ended_in_start,
         )
-        setup = rebound(self.launch.setup, dataset)
-        return start_worker(setup, worker, seat, dataset=dataset, init_error=init_error)
+        return start_worker(
+            rebound(setup, dataset), worker, seat, dataset=dataset, init_error=init_error
+        )
 
     def _saw_reseed(self, worker: int, label: str) -> None:
         # In the worker's thread. Two workers racing here both find None: either report will do.
@@ -266,6 +412,7 @@ class ThreadExecutor(Confirming):
         self.inboxes[command.worker].put(command)
 
     def resume(self, command: ResumeWorker) -> None:
+        self.resumed[command.worker] = command
         self.inboxes[command.worker].put(command)
 
     def poll(self, timeout: float | None) -> Event | None:
@@ -290,6 +437,8 @@ class ThreadExecutor(Confirming):
         self.closed = True
         for worker in range(len(self.threads)):
             self.stop_worker(worker)
-        for thread in self.threads:
-            thread.join(JOIN_TIMEOUT)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        for thread in (*self.threads, *self.lost):
+            if thread not in self.stuck:
+                thread.join(max(0.0, deadline - time.monotonic()))
         self.storages.clear()
