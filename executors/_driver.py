@@ -133,13 +133,15 @@ class Driver:
         observers: Iterable[Observer] = (),
         marked: bool = False,
         worker_timeout: float = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`draw` draws the next index from the sampler (StopIteration at its end); it is given
         the scheduler's state as the draw is asked (where the consumer stands, for a sampler's
         checkpoint). `marked`: the workers' answers carry marks though the dataset is map-style
         (its state per worker, see `WorkerRuntime`); an iterable dataset's always do.
         `worker_timeout`: seconds the consumer may wait for one task before its worker is
-        reported stuck (`WorkerStuck`); 0 never."""
+        reported stuck (`WorkerStuck`); 0 never. `clock`: what that wait is timed with (the
+        models pass a clock of their own, to find a worker stuck without waiting)."""
         self.state: State = initial_state(config)
         self.executor = executor
         self.draw = draw
@@ -164,6 +166,7 @@ class Driver:
         """The executor, if it can replace a lost worker."""
         self.worker_timeout: float | None = worker_timeout if worker_timeout > 0 else None
         self.killable = capabilities_of(executor).kills_stuck_workers
+        self.clock = clock
         self.watch: tuple[int, int, float] | None = None
         """(task, incarnation, deadline): the task the consumer waits for and when its worker is
         reported stuck. A clock, not a state: left out of `snapshot`."""
@@ -449,7 +452,7 @@ class Driver:
         consumer has waited `worker_timeout` for `task` in this `next()` call."""
         assert self.worker_timeout is not None
         incarnation = self.state.life.incarnations[worker]
-        now = time.monotonic()
+        now = self.clock()
         watch = self.watch
         if watch is None or watch[:2] != (task, incarnation):
             watch = self.watch = (task, incarnation, now + self.worker_timeout)
@@ -457,10 +460,10 @@ class Driver:
         limit = None if self.timeout is None else now + self.timeout
         while True:
             until = deadline if limit is None else min(deadline, limit)
-            event = self.executor.poll(max(0.0, until - time.monotonic()))
+            event = self.executor.poll(max(0.0, until - self.clock()))
             if event is not None:
                 return event
-            now = time.monotonic()
+            now = self.clock()
             if limit is not None and now >= limit:
                 assert self.timeout is not None
                 return TimedOut(self.timeout)

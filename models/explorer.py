@@ -2,15 +2,18 @@
 
 Where the Hypothesis machines sample runs, the explorer visits every world reachable from the
 start of a scenario: every order in which workers answer, every moment at which the consumer
-asks, a worker dies, a wait times out or is interrupted, the sampler raises, the executor
-breaks, the consumer closes or starts another epoch, all through the real driver. Every world
+asks, a worker dies or is found stuck (and is replaced while restarts are left, a late answer of
+the lost one arriving at any moment after), a wait times out or is interrupted, the sampler
+raises, the executor breaks, the consumer closes or starts another epoch, all through the real
+driver. Every world
 is checked as it is reached (all the checks of `World.apply`), and two more are made here:
 
 - no world is stuck: a waiting consumer always has some worker that owes it an answer;
 - a world from which nothing more can happen has reached an end (an epoch completed, or an
   error raised or a close).
 
-Task numbers only grow and every budget (deaths, closes, interrupts, epochs) only shrinks, so
+Task numbers only grow and every budget (deaths, hangs, restarts, closes, interrupts, epochs)
+only shrinks, so
 the space is finite and a breadth-first search ends. Exploring breadth first means the first
 violation found comes with one of the shortest traces that reach it.
 """
@@ -43,6 +46,7 @@ __all__ = [
     "explore",
     "explore_all",
     "representative_scenarios",
+    "restart_scenarios",
 ]
 
 
@@ -209,11 +213,66 @@ def default_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
         if workers == 1 and prefetch == 1 and not persistent:
             # Loading in the calling thread: one worker, reading the sampler only on demand.
             yield Scenario(attrs.evolve(config, lazy=True), dataset, interrupts=1)
+    # Last, so that each mutant's witness stays the first scenario that shows its bug.
+    yield from restart_scenarios(bounds)
+
+
+_RESTARTS = {1: 2, 2: 2, 3: 1}
+"""Restarts per number of workers in `restart_scenarios`: two where one slot may lose a
+replacement too (its worker restored twice), one with three workers, where the worlds multiply."""
+
+
+def restart_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
+    """Workers that come and go: every combination of workers, dataset kind, order and
+    persistence in `bounds` (prefetch 1), with restarts (`_RESTARTS`), and one loss more than
+    restarts (a death, or a hang: the worker the consumer waits for found stuck), so that the
+    restarts are spent and the last loss fails the loader. The answers a lost worker had sent
+    may arrive late. Persistent scenarios run two epochs of two batches. Then a loss with no
+    restart (torch's default), and a stuck worker that cannot be killed (a thread): fatal.
+    """
+    combos = itertools.product(bounds.workers, (False, True), (True, False), (False, True))
+    for workers, iterable, in_order, persistent in combos:
+        if workers == 1 and not in_order:
+            continue  # one worker answers in order anyway
+        restarts = _RESTARTS.get(workers, 1)
+        config = Config(
+            num_workers=workers,
+            prefetch_factor=1,
+            in_order=in_order,
+            iterable=iterable,
+            persistent_workers=persistent,
+            restarts=restarts,
+        )
+        dataset: MapSpec | IterableSpec
+        if iterable:
+            dataset = IterableSpec(
+                _shard_lengths(workers, bounds.batches // 2), frozenset({(0, 1)})
+            )
+        else:
+            dataset = MapSpec(bounds.batches - 2, frozenset({1}))
+        if persistent:
+            dataset = _short(dataset)
+        yield Scenario(
+            config,
+            dataset,
+            epochs=2 if persistent else 1,
+            deaths=restarts + 1,
+            hangs=1,
+            timeouts=False,
+            closes=False,
+        )
+    for restarts, killable in ((0, True), (1, False)):
+        config = Config(num_workers=2, prefetch_factor=1, restarts=restarts)
+        yield Scenario(
+            config, MapSpec(bounds.batches - 2, frozenset({1})), hangs=1, killable=killable
+        )
 
 
 def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     """The default scenarios without the largest: out of order only with one worker, and three
-    workers only without persistence.
+    workers only without persistence; of those where workers come and go
+    (`restart_scenarios`), those of two workers out of order or persistent, and of three
+    persistent on an iterable dataset.
 
     Out-of-order runs of several workers, and persistent runs of three, are where the worlds
     multiply (one three-worker persistent scenario alone has more worlds than all of these
@@ -224,7 +283,16 @@ def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     """
     for scenario in default_scenarios(bounds):
         config = scenario.config
-        if (config.in_order or config.num_workers == 1) and (
+        if config.restarts or scenario.hangs:
+            # Workers that come and go: all but where these worlds multiply, two workers (with
+            # two restarts) out of order or persistent, three with a persistent iterable.
+            two = config.num_workers == 2 and config.restarts == 2
+            if two and (config.persistent_workers or not config.in_order):
+                continue
+            if config.num_workers == 3 and config.iterable and config.persistent_workers:
+                continue
+            yield scenario
+        elif (config.in_order or config.num_workers == 1) and (
             config.num_workers <= 2 or not config.persistent_workers
         ):
             yield scenario

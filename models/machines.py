@@ -1,7 +1,8 @@
 """Hypothesis state machines that drive the scheduler through a simulated world.
 
 `scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
-world's actions (a consumer asking, a worker answering or dying, a timeout, an interrupt, the
+world's actions (a consumer asking, a worker answering, dying or found stuck, a lost worker's
+late answer, a timeout, an interrupt, the
 sampler raising, the executor breaking, a close, a new epoch, a checkpoint resumed in a fresh
 loader with any number of workers) and whose invariants are every
 check of `statecore.models.world`, made on the real driver (`statecore.executors._driver`)
@@ -33,11 +34,13 @@ from statecore.models.world import (
     Expire,
     Interrupt,
     Kill,
+    Late,
     Next,
     Preempt,
     Restart,
     SamplerRaises,
     Scenario,
+    Stall,
     StepFunction,
     Violation,
     Work,
@@ -62,6 +65,7 @@ def scenarios(
         iterable=draw(st.booleans(), label="iterable"),
         persistent_workers=persistent,
         lazy=draw(st.booleans(), label="lazy") if workers == 1 else False,
+        restarts=draw(st.integers(0, 2), label="restarts"),
     )
     dataset: MapSpec | IterableSpec
     if config.iterable:
@@ -85,7 +89,10 @@ def scenarios(
         config,
         dataset,
         epochs=epochs,
-        deaths=draw(st.integers(0, 1), label="deaths"),
+        # Up to one loss more than the restarts, to spend them all and fail the loader.
+        deaths=draw(st.integers(0, config.restarts + 1), label="deaths"),
+        hangs=draw(st.integers(0, 1), label="hangs"),
+        killable=draw(st.booleans(), label="killable"),
         timeouts=draw(st.booleans(), label="timeouts"),
         closes=draw(st.booleans(), label="closes"),
         interrupts=draw(st.integers(0, 2), label="interrupts"),
@@ -136,6 +143,17 @@ def scheduler_machine(
         def worker_dies(self, choice: int) -> None:
             options = self._enabled(Kill)
             self._apply(options[choice % len(options)])
+
+        @precondition(lambda self: bool(self._enabled(Late)))
+        @rule(choice=st.integers(0, 7))
+        def lost_worker_answers_late(self, choice: int) -> None:
+            options = self._enabled(Late)
+            self._apply(options[choice % len(options)])
+
+        @precondition(lambda self: bool(self._enabled(Stall)))
+        @rule()
+        def awaited_worker_is_found_stuck(self) -> None:
+            self._apply(Stall())
 
         @precondition(lambda self: bool(self._enabled(Expire)))
         @rule()

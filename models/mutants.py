@@ -37,7 +37,9 @@ from statecore import (
     Progress,
     RaiseError,
     Ready,
+    Slot,
     State,
+    WorkerLoss,
     WorkerStatus,
     policy_replaced,
 )
@@ -133,6 +135,52 @@ def _death_loses_tasks() -> dict[str, object]:
         return False
 
     return {"death_is_fatal": death_is_fatal}
+
+
+def _resent_task_delivered_twice() -> dict[str, object]:
+    def resent(window: tuple[Slot, ...], worker: int) -> tuple[int, ...]:
+        # Hands the replacement every task in the window still unanswered, as if they were all
+        # the lost worker's: those other workers hold are computed, and delivered, twice.
+        return tuple(i for i, slot in enumerate(window) if type(slot) is Pending)
+
+    return {"resent": resent}
+
+
+def _late_answer_accepted() -> dict[str, object]:
+    def lost(incarnation: int, current: int) -> bool:
+        # Forgets to compare incarnations: what a lost worker sent before it died, arriving
+        # after its replacement started, is taken for the replacement's.
+        return False
+
+    return {"lost": lost}
+
+
+def _lost_tasks_never_resent() -> dict[str, object]:
+    def resent(window: tuple[Slot, ...], worker: int) -> tuple[int, ...]:
+        # Starts the replacement afresh, with nothing owed: the tasks its slot holds (the lost
+        # worker's) are never sent again.
+        return ()
+
+    return {"resent": resent}
+
+
+def _sent_before_started() -> dict[str, object]:
+    def sent_at_once(status: WorkerStatus) -> bool:
+        # Takes a replacement for running as soon as it was asked for: a task given to it goes
+        # out before it has started.
+        return status is WorkerStatus.ACTIVE or status is WorkerStatus.STARTING
+
+    return {"sent_at_once": sent_at_once}
+
+
+def _restarts_not_counted() -> dict[str, object]:
+    real = DEFAULT_POLICY.may_replace
+
+    def may_replace(restarts: int, replaced: tuple[WorkerLoss, ...], loss: WorkerLoss) -> bool:
+        # Reads worker_restarts as "replace lost workers", never counting the replacements.
+        return restarts > 0 and real(restarts, (), loss)
+
+    return {"may_replace": may_replace}
 
 
 def _finishes_before_asked() -> dict[str, object]:
@@ -332,8 +380,8 @@ _FAILURES: dict[str, Any] = {
 """...or instead the sampler raising and the executor breaking (one or two workers)."""
 
 
-def _config(workers: int, **flags: bool) -> Config:
-    return Config(num_workers=workers, prefetch_factor=1, **flags)
+def _config(workers: int, restarts: int = 0, **flags: bool) -> Config:
+    return Config(num_workers=workers, prefetch_factor=1, restarts=restarts, **flags)
 
 
 _ONE_WORKER = Scenario(_config(1), _SIX, **_FAULTS)
@@ -342,6 +390,13 @@ _TWO_ITERABLE = Scenario(
     _config(2, iterable=True), IterableSpec((4, 0), frozenset({(0, 1)})), **_FAULTS
 )
 """Two iterable workers, the second with an empty shard."""
+_COME_AND_GO: dict[str, Any] = {"deaths": 3, "hangs": 1, "timeouts": False, "closes": False}
+"""What may go wrong where workers come and go (`restart_scenarios`): with two restarts, three
+deaths and a hang."""
+_ONE_WORKER_RESTARTED = Scenario(_config(1, restarts=2), MapSpec(4, frozenset({1})), **_COME_AND_GO)
+_TWO_WORKERS_RESTARTED = Scenario(
+    _config(2, restarts=2), MapSpec(4, frozenset({1})), **_COME_AND_GO
+)
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -472,6 +527,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "a checkpoint keeps each iterable worker's latest state, past batches not yet handed over",
         _worker_marks_count_prefetched_batches,
         witness=_TWO_ITERABLE,
+    ),
+    Mutant(
+        "resent-task-delivered-twice",
+        "a started replacement is sent the tasks other workers hold too: each would come twice",
+        _resent_task_delivered_twice,
+        witness=_TWO_WORKERS_RESTARTED,
+    ),
+    Mutant(
+        "late-answer-accepted",
+        "news a lost worker sent before it ended (an answer, its death), arriving late, is taken "
+        "for its replacement's",
+        _late_answer_accepted,
+        witness=_ONE_WORKER_RESTARTED,
+    ),
+    Mutant(
+        "lost-tasks-never-resent",
+        "the tasks a lost worker held are never sent to its replacement",
+        _lost_tasks_never_resent,
+        witness=_ONE_WORKER_RESTARTED,
+    ),
+    Mutant(
+        "sent-before-started",
+        "a task given to a replacement goes out before the replacement has started",
+        _sent_before_started,
+        # Only a slot with room takes a task while its replacement starts: one lost while the
+        # workers resume for a new epoch, holding nothing.
+        witness=Scenario(
+            _config(1, restarts=2, persistent_workers=True),
+            MapSpec(2, frozenset({1})),
+            epochs=2,
+            **_COME_AND_GO,
+        ),
+    ),
+    Mutant(
+        "restarts-not-counted",
+        "lost workers are replaced however many were before: worker_restarts is never spent",
+        _restarts_not_counted,
+        witness=_ONE_WORKER_RESTARTED,
     ),
 )
 

@@ -2,9 +2,10 @@
 
 The world runs the code that runs in a loader: `statecore.executors._driver.Driver` over the
 core's `step`, with the world itself as the driver's executor and sampler. It lets the caller
-choose what happens next: which worker answers, when the consumer asks, when a worker dies, when
-a wait times out or is interrupted (Ctrl-C), when the sampler raises or the executor breaks, when
-the consumer closes or starts a new epoch. The Hypothesis machines pick those choices at random
+choose what happens next: which worker answers, when the consumer asks, when a worker dies or is
+found stuck, when a lost worker's late answer arrives, when a wait times out or is interrupted
+(Ctrl-C), when the sampler raises or the executor breaks, when the consumer closes or starts a
+new epoch. The Hypothesis machines pick those choices at random
 (`statecore.models.machines`); the explorer tries every one (`statecore.models.explorer`).
 
 A consumer's call runs the driver until it returns, raises, or waits on the executor with
@@ -16,6 +17,14 @@ answers its work first in, first out, every task exactly once (a dry iterable wo
 waits, since the driver polls only then; a death may come at any time, and waits in the
 executor's outbox until the driver polls.
 
+Workers come and go as our executors promise (`executors._protocol`): the world's executor
+replaces a lost worker (`ReplaceWorker`), ending a stuck one if the scenario lets it kill one,
+starts the new incarnation set up as the lost one was (an iterable part restored to the mark the
+driver gives), answers `WorkerStarted` for it, and stamps every event with the incarnation that
+sent it. What a lost incarnation had sent may still arrive after its loss was reported (`Late`).
+A worker is found stuck by the real driver's own watch (`worker_timeout`), timed on the world's
+clock, which moves only when a wait runs out (`Stall`, `Expire`).
+
 Every action is checked. `World.apply` raises `Violation` when the core refuses an event,
 breaks its own invariants (`statecore.violations`), moves along an edge missing from the
 transition table, or when the consumer or the workers can see something wrong: a batch out of
@@ -24,7 +33,10 @@ worker, over the prefetch bound, or before every resume was acknowledged; an epo
 match the reference model, or finished (or its workers stopped) other than by the request told
 that it ended; a failure (a death, a timeout, the sampler or the executor) not raised to the
 consumer in its turn, or a call that goes on after it; work after shutdown; or a consumer left
-waiting with nothing that could answer it.
+waiting with nothing that could answer it. Where workers come and go: a task sent to an
+incarnation that has not started, or again to anyone but the replacement of the one it was
+lost with; a late answer handed over; a loss not replaced while restarts are left, or replaced
+past them; a failure, once they are spent, that does not name every loss.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from statecore import (
     Phase,
     Progress,
     ProtocolError,
+    ReplaceWorker,
     ResumeWorker,
     SamplerFailed,
     SendTask,
@@ -56,11 +69,16 @@ from statecore import (
     WorkerDied,
     WorkerDiedError,
     WorkerExhausted,
+    WorkerHungError,
     WorkerResumed,
+    WorkerStarted,
+    WorkerStuck,
     violations,
 )
 from statecore import step as core_step
 from statecore.executors._driver import Driver, DriverState, handed_task
+from statecore.executors._protocol import Capabilities, WorkerReport
+from statecore.executors._worker import Mark
 from statecore.models.reference import (
     IterableSpec,
     MapSpec,
@@ -80,11 +98,13 @@ __all__ = [
     "Expire",
     "Interrupt",
     "Kill",
+    "Late",
     "Next",
     "Restart",
     "SamplerRaises",
     "Saved",
     "Scenario",
+    "Stall",
     "StepFunction",
     "Violation",
     "Work",
@@ -98,6 +118,9 @@ EdgeObserver = Callable[[Phase, type, Phase], None]
 """Called with (phase before, event type, phase after) for every event fed to the scheduler."""
 
 _TIMEOUT = 5.0
+_WORKER_TIMEOUT = 1.0
+"""The loader's `worker_timeout` in scenarios where workers may hang: shorter than `_TIMEOUT`, so
+that a wait finds the worker stuck before it times out."""
 
 
 class Violation(AssertionError):
@@ -115,11 +138,12 @@ class Blocked(Exception):
 
 
 class _TaskError(Exception):
-    """What a worker raised for one task, as the consumer receives it."""
+    """What a worker raised for one task, as the consumer receives it. `late`: raised by an
+    incarnation already lost, and sent after its loss was reported."""
 
-    def __init__(self, task: int, worker: int, value: object) -> None:
-        super().__init__(task, worker, value)
-        self.task, self.worker, self.value = task, worker, value
+    def __init__(self, task: int, worker: int, value: object, late: bool = False) -> None:
+        super().__init__(task, worker, value, late)
+        self.task, self.worker, self.value, self.late = task, worker, value, late
 
 
 class _SamplerError(Exception):
@@ -148,6 +172,11 @@ class Scenario:
     """Times the sampler may raise (on the draw after the action that arms it)."""
     executor_failures: int = 0
     """Times the executor may break (every later call to it raises)."""
+    hangs: int = 0
+    """Times the worker the waiting consumer waits for may be found stuck (the driver runs with
+    a `worker_timeout`). A lost worker, dead or stuck, is replaced while `config.restarts` last."""
+    killable: bool = True
+    """Whether the executor can kill a stuck worker (a process), or not (a thread)."""
 
     def __attrs_post_init__(self) -> None:
         if self.config.iterable != isinstance(self.dataset, IterableSpec):
@@ -177,9 +206,26 @@ class Work:
 
 @attrs.frozen
 class Kill:
-    """`worker` dies (SIGKILL)."""
+    """`worker` dies (SIGKILL): its running incarnation, started or still starting. What it
+    was given and had not answered is lost with it, but answers it had already sent may still
+    arrive after its death was reported (`Late`)."""
 
     worker: int
+
+
+@attrs.frozen
+class Late:
+    """The oldest answer still on its way from a lost incarnation of `worker` arrives now,
+    after its loss was reported: a batch, an exhaustion, a resume or a start it sent before it
+    died, or the death of a stuck one its replacement ended."""
+
+    worker: int
+
+
+@attrs.frozen
+class Stall:
+    """The worker holding the task the consumer waits for is found stuck: the consumer has waited
+    the loader's `worker_timeout` for it (the driver's own watch, on the world's clock)."""
 
 
 @attrs.frozen
@@ -231,16 +277,41 @@ class Saved:
     marks: tuple[tuple[int, Any] | None, ...] | None
 
 
-Action = Next | Work | Kill | Expire | Interrupt | SamplerRaises | Break | Close | Restart | Preempt
+Action = (
+    Next
+    | Work
+    | Kill
+    | Late
+    | Stall
+    | Expire
+    | Interrupt
+    | SamplerRaises
+    | Break
+    | Close
+    | Restart
+    | Preempt
+)
 
 _TASK = "task"
 _RESUME = "resume"
-Item = tuple[object, ...]  # (_TASK, task, index) or (_RESUME, epoch)
+_START = "start"
+Item = tuple[object, ...]  # (_TASK, task, index), (_RESUME, epoch) or (_START, epoch)
 
 # What a consumer's call ended with, as the world records it.
 _BATCH, _ERROR, _END, _RETURNED = "batch", "error", "end", "returned"
 _DEATH, _TIMEOUT_KIND, _SAMPLER, _EXECUTOR = "death", "timeout", "sampler", "executor"
-_FATAL = (_DEATH, _TIMEOUT_KIND, _EXECUTOR)
+_HANG = "hang"
+_FATAL = (_DEATH, _HANG, _TIMEOUT_KIND, _EXECUTOR)
+
+
+def _pid(worker: int, incarnation: int) -> int:
+    """The world's process id of one incarnation of a worker: three digits, each its own."""
+    return 100 * (worker + 1) + incarnation
+
+
+def _stack(worker: int, incarnation: int) -> str:
+    """The stack the world's executor reports of a stuck worker."""
+    return f'  File "dataset.py", line 7, in __getitem__ (worker {worker}.{incarnation} stuck)\n'
 
 
 @attrs.frozen
@@ -264,6 +335,29 @@ class World:
     shards: tuple[tuple[int, int], ...]
     """Per worker, (epoch of its dataset iterator, batches it has yielded from it)."""
     alive: tuple[bool, ...]
+    incarnations: tuple[int, ...]
+    """Per worker slot, the incarnation running in it: 0, then one more for each replacement."""
+    started: tuple[bool, ...]
+    """Per worker slot, whether its incarnation has answered `WorkerStarted` (the first has)."""
+    ghosts: tuple[tuple[Event, ...], ...]
+    """Per worker slot, answers of its lost incarnations still on their way, oldest first."""
+    sent: frozenset[tuple[int, int, int, object]]
+    """(task, worker, incarnation, index) sent this epoch and not yet resolved."""
+    numbers: frozenset[int]
+    """The task numbers sent this epoch."""
+    unsent: tuple[object, ...]
+    """Indices the sampler gave out this epoch that were not sent yet: held for a replacement
+    still starting, or on their way."""
+    restarts: int
+    """Lost workers the scheduler had replaced so far."""
+    losses: tuple[int, ...]
+    """The pids of the lost workers it replaced, in order: a failure once the restarts are spent
+    names them all."""
+    named: tuple[str, ...]
+    """What the failure the consumer is owed must say: every loss, earlier ones included."""
+    watching: bool
+    """The driver's last poll watched the task the consumer waits for (it read the clock): its
+    worker may be found stuck."""
     open_tasks: frozenset[tuple[int, int]]
     """(task, worker) sent this epoch and not yet resolved, as the consumer sees it."""
     answers: frozenset[tuple[int, Outcome]]
@@ -294,6 +388,7 @@ class World:
     shut: bool
     broken: bool
     deaths_left: int
+    hangs_left: int
     closes_left: int
     interrupts_left: int
     sampler_failures_left: int
@@ -321,6 +416,16 @@ class World:
             outbox=(),
             shards=((1, 0),) * n,
             alive=(True,) * n,
+            incarnations=(0,) * n,
+            started=(True,) * n,
+            ghosts=((),) * n,
+            sent=frozenset(),
+            numbers=frozenset(),
+            unsent=(),
+            restarts=0,
+            losses=(),
+            named=(),
+            watching=False,
             open_tasks=frozenset(),
             answers=frozenset(),
             skipped=frozenset(),
@@ -339,6 +444,7 @@ class World:
             shut=False,
             broken=False,
             deaths_left=scenario.deaths,
+            hangs_left=scenario.hangs,
             closes_left=2 if scenario.closes else 0,
             interrupts_left=scenario.interrupts,
             sampler_failures_left=scenario.sampler_failures,
@@ -370,6 +476,11 @@ class World:
                 for w in range(n):
                     if self.alive[w] and self.queues[w]:
                         yield Work(w)
+                for w in range(n):
+                    if self.ghosts[w]:
+                        yield Late(w)
+            if self.awaiting and self.watching and self.hangs_left:
+                yield Stall()
             if self.deaths_left:
                 for w in range(n):
                     if self.alive[w]:
@@ -449,6 +560,7 @@ class World:
             scenario = attrs.evolve(
                 scenario,
                 deaths=0,
+                hangs=0,
                 timeouts=False,
                 closes=False,
                 interrupts=0,
@@ -478,6 +590,8 @@ class World:
 
 
 _FIELDS = [a.name for a in attrs.fields(World)]
+_CAPABLE = Capabilities(replaces_workers=True, kills_stuck_workers=True)
+_CAPABLE_UNKILLABLE = Capabilities(replaces_workers=True)
 
 
 class _Sim:
@@ -491,7 +605,6 @@ class _Sim:
             setattr(self, name, getattr(world, name))
         self.step = step
         self.on_edge = on_edge
-        self.pending_index: object = None
         self.violation: Violation | None = None
         self.poll_with: str | None = None
         """What the next poll does instead of reporting: "expire" or "interrupt"."""
@@ -499,15 +612,41 @@ class _Sim:
         self.in_hand: tuple[int, int] | None = None
         """(task, worker) the scheduler handed over in this call: the consumer's, not a load."""
         self.resumed: set[int] = set()
+        self.now = 0.0
+        """The world's clock, which the driver times its watch for stuck workers with: it moves
+        only when a wait runs out (`Expire`, `Stall`)."""
+        self.timed = False
+        """The driver read the clock since the last poll: it watches the task the consumer
+        waits for (whom it watches is its own decision, never worked out here)."""
+        self.stuck_worker: int | None = None
+        """The worker the driver found stuck in this action, asked for its stack."""
+        # As the real executors do: it replaces lost workers, and kills stuck ones if it can.
+        # Declared only where workers may be replaced or found stuck: the driver then checks the
+        # methods on each action's new driver, which costs the other scenarios a tenth.
+        scenario = self.scenario
+        if scenario.config.restarts or scenario.hangs:
+            self.capabilities = _CAPABLE if scenario.killable else _CAPABLE_UNKILLABLE
         # No flight recorder: each action gets a new driver with the world's state put in, so
         # a recording would start from a state it never saw.
-        driver = Driver(self.scenario.config, self, self.draw, _TIMEOUT, step=self.checked_step)
+        driver = Driver(
+            self.scenario.config,
+            self,
+            self.draw,
+            _TIMEOUT,
+            step=self.checked_step,
+            worker_timeout=_WORKER_TIMEOUT if self.scenario.hangs else 0,
+            clock=self.clock,
+        )
         driver.restore(self.driven)
         self.driver = driver
 
     def freeze(self) -> World:
         self.driven = self.driver.snapshot()
         return World(**{name: getattr(self, name) for name in _FIELDS})
+
+    def clock(self) -> float:
+        self.timed = True
+        return self.now
 
     # These annotations let mypy see the fields copied from World.
     scenario: Scenario
@@ -521,6 +660,16 @@ class _Sim:
     outbox: tuple[Event, ...]
     shards: tuple[tuple[int, int], ...]
     alive: tuple[bool, ...]
+    incarnations: tuple[int, ...]
+    started: tuple[bool, ...]
+    ghosts: tuple[tuple[Event, ...], ...]
+    sent: frozenset[tuple[int, int, int, object]]
+    numbers: frozenset[int]
+    unsent: tuple[object, ...]
+    restarts: int
+    losses: tuple[int, ...]
+    named: tuple[str, ...]
+    watching: bool
     open_tasks: frozenset[tuple[int, int]]
     answers: frozenset[tuple[int, Outcome]]
     skipped: frozenset[int]
@@ -539,6 +688,7 @@ class _Sim:
     shut: bool
     broken: bool
     deaths_left: int
+    hangs_left: int
     closes_left: int
     interrupts_left: int
     sampler_failures_left: int
@@ -576,8 +726,8 @@ class _Sim:
             raise self._violate(f"after {event!r}: " + "; ".join(broken))
         kind = type(event)
         late = before.phase in (Phase.FAILED, Phase.CLOSED)
-        if isinstance(event, WorkerDied) and event.exitcode != 0 and not late:
-            self._owe(_DEATH)
+        if kind is WorkerDied or kind is WorkerStuck:
+            self._lost(event, transition, late)  # type: ignore[arg-type]
         elif kind is TimedOut:
             self._owe(_TIMEOUT_KIND)
         elif kind is SamplerFailed:
@@ -588,7 +738,8 @@ class _Sim:
         elif kind is WorkerExhausted:
             # Known to the scheduler from now on: no task may go to the worker any more.
             task, w = event.task, event.worker  # type: ignore[attr-defined]
-            if (task, w) in self.open_tasks:
+            current = event.incarnation == self.incarnations[w]  # type: ignore[attr-defined]
+            if current and (task, w) in self.open_tasks:
                 self.open_tasks = self.open_tasks - {(task, w)}
                 self.skipped = self.skipped | {task}
                 self.dry = self.dry | {w}
@@ -597,12 +748,51 @@ class _Sim:
             if handed is not None:
                 self.in_hand = handed
                 self.handed_in_call = True
+            elif type(command) is ReplaceWorker:
+                if self.restarts >= self.scenario.config.restarts:
+                    raise self._violate(
+                        f"{command!r} after {self.restarts} restart(s), more than the "
+                        f"{self.scenario.config.restarts} allowed"
+                    )
+                self.restarts += 1
         return transition
 
-    def _owe(self, kind: str) -> None:
+    def _lost(self, event: WorkerDied | WorkerStuck, transition: Transition, late: bool) -> None:
+        """A worker's death or hang reached the scheduler: if it is news of the running
+        incarnation, it is a loss, replaced while restarts are left (and, if stuck, while it can
+        be killed), else the loader's failure, naming every loss."""
+        w = event.worker
+        if late or event.incarnation != self.incarnations[w]:
+            return  # after everything stopped, or late news of an incarnation already lost
+        config = self.scenario.config
+        stuck = type(event) is WorkerStuck
+        if stuck and (_TASK, event.task) not in {item[:2] for item in self.queues[w]}:  # type: ignore[union-attr]
+            raise self._violate(f"{event!r}, but worker {w} answered that task or never had it")
+        replaceable = self.restarts < config.restarts and (not stuck or self.scenario.killable)
+        replaced = any(type(c) is ReplaceWorker for c in transition.commands)
+        if replaceable and not replaced:
+            raise self._violate(
+                f"worker {w} was lost ({event!r}) with {config.restarts - self.restarts} "
+                "restart(s) left, and not replaced"
+            )
+        pid = _pid(w, event.incarnation)
+        if replaced:
+            self.losses = self.losses + (pid,)
+            return
+        kind = _HANG if stuck else _DEATH
+        if self._owe(kind):
+            named = [f"pid {p}" for p in (*self.losses, pid)]
+            if stuck:
+                named.append(_stack(w, event.incarnation).rstrip())
+            self.named = tuple(named)
+
+    def _owe(self, kind: str) -> bool:
         # The executor failing is raised in the call that met it, ahead of anything else owed.
         if kind == _EXECUTOR or (self.expect is None and self.told not in _FATAL):
             self.expect = kind
+            self.named = ()
+            return True
+        return False
 
     # --- the executor, as the driver calls it --------------------------------------------------
 
@@ -626,12 +816,42 @@ class _Sim:
             raise self._violate(f"{command!r} sent to worker {w}, which had run dry")
         if not self.alive[w] and not self._death_unreported(w):
             raise self._violate(f"{command!r} sent to worker {w}, which is not running")
-        if command.index != self.pending_index:
-            raise self._violate(f"{command!r} does not carry the index just drawn")
-        if command.task <= self.sent_max:
-            raise self._violate(f"{command!r} reuses or goes back on a task number")
-        self.sent_max = command.task
-        self.pending_index = None
+        incarnation = self.incarnations[w]
+        if not self.started[w]:
+            raise self._violate(
+                f"{command!r} sent to worker {w}'s incarnation {incarnation}, which has not "
+                "answered that it started"
+            )
+        task, index = command.task, command.index
+        if (task, w) in self.open_tasks:
+            # Sent again: only to the replacement of the incarnation it was sent to.
+            earlier = [i for t, v, i, _ in self.sent if (t, v) == (task, w)]
+            if incarnation in earlier:
+                raise self._violate(
+                    f"{command!r} sent twice to worker {w}'s incarnation {incarnation}: its "
+                    "batch would be delivered twice"
+                )
+            if (task, w, max(earlier), index) not in self.sent:
+                raise self._violate(f"{command!r} sent again with another index")
+        else:
+            others = sorted(v for t, v in self.open_tasks if t == task)
+            if others:
+                raise self._violate(
+                    f"{command!r} sent to worker {w} while worker {others[0]} holds it: its "
+                    "batch would be delivered twice"
+                )
+            if task in self.numbers or task <= self.last_task:
+                raise self._violate(f"{command!r} reuses or goes back on a task number")
+            if index not in self.unsent:
+                raise self._violate(
+                    f"{command!r} does not carry an index drawn and not sent yet: "
+                    f"{list(self.unsent)}"
+                )
+            at = self.unsent.index(index)
+            self.unsent = self.unsent[:at] + self.unsent[at + 1 :]
+            self.numbers = self.numbers | {task}
+            self.sent_max = max(self.sent_max, task)
+        self.sent = self.sent | {(task, w, incarnation, index)}
         self.open_tasks = self.open_tasks | {(command.task, w)}
         held = sum(1 for t in self.open_tasks if t[1] == w and t != self.in_hand)
         limit = self.scenario.config.prefetch_factor
@@ -650,12 +870,62 @@ class _Sim:
         self.resumes_owed = self.resumes_owed | {command.worker}
         self.resumed.add(command.worker)
 
+    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+        self._check_working()
+        w = command.worker
+        incarnation = self.incarnations[w]
+        if command.incarnation != incarnation + 1:
+            raise self._violate(
+                f"{command!r} does not number the incarnation after {incarnation}, the one lost"
+            )
+        if self.before + command.epoch != self.epoch:
+            raise self._violate(f"{command!r} names the wrong epoch")
+        if self.stuck_worker == w:
+            if not self.scenario.killable:
+                raise self._violate(f"{command!r} replaces a stuck worker that cannot be killed")
+            # Ended by the replacement (the executor kills it): the news of its death comes late.
+            self.stuck_worker = None
+            self.alive = _replace(self.alive, w, False)
+            self.queues = _replace(self.queues, w, ())
+            death = WorkerDied(w, _pid(w, incarnation), -9, incarnation=incarnation)
+            self.ghosts = _replace(self.ghosts, w, self.ghosts[w] + (death,))
+        elif self.alive[w]:
+            raise self._violate(f"{command!r} replaces worker {w}, which was not lost")
+        self.incarnations = _replace(self.incarnations, w, command.incarnation)
+        self.started = _replace(self.started, w, False)
+        # Set up for the epoch it starts in, it owes no resume; it is sent nothing before it has
+        # started (`dispatch`), and it finds out for itself whether its part has run dry.
+        self.resumes_owed = self.resumes_owed - {w}
+        self.dry = self.dry - {w}
+        self.alive = _replace(self.alive, w, True)
+        self.queues = _replace(self.queues, w, ((_START, command.epoch),))
+        # Set up as the lost one was: an iterable worker's part restored to `mark`, where the
+        # last answer the main process recorded from it left it.
+        since = 0 if mark is None else mark[0]
+        self.shards = _replace(self.shards, w, (self.before + command.epoch, since))
+
+    def report(self, worker: int) -> WorkerReport:
+        w = worker
+        incarnation = self.incarnations[w]
+        held = any(item[0] == _TASK for item in self.queues[w])
+        if not (self.alive[w] and self.started[w] and held):
+            raise self._violate(
+                f"worker {w} was reported stuck, but it holds no task it has not answered"
+            )
+        self.stuck_worker = w
+        return WorkerReport(pid=_pid(w, incarnation), stack=_stack(w, incarnation))
+
     def poll(self, timeout: float | None) -> Event | None:
         self._check_working()
+        self.watching, self.timed = self.timed, False
         what, self.poll_with = self.poll_with, None
         if what == "interrupt":
             raise KeyboardInterrupt
         if what == "expire":
+            self.now += _TIMEOUT
+            return None
+        if what == "stall":
+            self.now += _WORKER_TIMEOUT
             return None
         if not self.outbox:
             raise Blocked
@@ -678,7 +948,9 @@ class _Sim:
         if any(self.alive):
             raise self._violate("Shutdown was emitted while workers were left running")
         self.shut = True
-        self.outbox = ()  # what stopped workers still had to say is dropped with the queues
+        # What stopped workers still had to say is dropped with the queues.
+        self.outbox = ()
+        self.ghosts = ((),) * len(self.ghosts)
 
     # --- the sampler, as the driver calls it ---------------------------------------------------
 
@@ -695,13 +967,17 @@ class _Sim:
             self.drawn += 1
         else:
             index = None  # torch's sampler for iterable datasets yields None forever
-        self.pending_index = index
+        self.unsent = self.unsent + (index,)
         return index
 
     def _death_unreported(self, worker: int) -> bool:
         # A worker may die after the driver polled last: work sent to it then is lost with it,
         # and its death, still to be polled, fails the loader.
-        return any(type(e) is WorkerDied and e.worker == worker for e in self.outbox)
+        incarnation = self.incarnations[worker]
+        return any(
+            type(e) is WorkerDied and e.worker == worker and e.incarnation == incarnation
+            for e in self.outbox
+        )
 
     def _enqueue(self, worker: int, item: Item) -> None:
         if self.alive[worker]:
@@ -728,9 +1004,11 @@ class _Sim:
         except StopIteration:
             result: tuple[Any, ...] = (_END,)
         except _TaskError as error:
-            result = (_ERROR, error.task, error.worker, ("error", error.value))
-        except WorkerDiedError:
-            result = (_DEATH,)
+            result = (_ERROR, error.task, error.worker, ("error", error.value), error.late)
+        except WorkerDiedError as error:
+            result = (_DEATH, str(error))
+        except WorkerHungError as error:
+            result = (_HANG, str(error))
         except LoaderTimeoutError:
             result = (_TIMEOUT_KIND,)
         except _SamplerError:
@@ -745,8 +1023,8 @@ class _Sim:
             if iterating:
                 result = (_RETURNED,)
             else:
-                task, worker, outcome = value
-                result = (_BATCH, task, worker, outcome)
+                task, worker, outcome, late = value
+                result = (_BATCH, task, worker, outcome, late)
         self._raise_violation()
         self.awaiting = False
         self.resetting = False
@@ -788,6 +1066,11 @@ class _Sim:
             if expect in _FATAL or (expect == _SAMPLER and not self.served):
                 raise Violation(f"a batch was handed over although the {expect} was due")
             self.served = False  # the sampler's error comes with the next request
+            if result[4]:
+                raise Violation(
+                    f"task {result[1]} was handed over with an answer worker {result[2]}'s lost "
+                    "incarnation sent after its loss was reported"
+                )
             self._hand_over(result[1], result[2], result[3])
             return
         if in_hand is not None and kind != _EXECUTOR:
@@ -810,7 +1093,13 @@ class _Sim:
             raise Violation(
                 f"the consumer got a {kind} error although {expect or 'nothing'} failed"
             )
-        self.told, self.expect = kind, None
+        for name in self.named:
+            if name not in result[1]:
+                raise Violation(
+                    f"the {kind} error does not name {name!r}, one of the losses that spent "
+                    f"the restarts: {result[1]!r}"
+                )
+        self.told, self.expect, self.named = kind, None, ()
         self.outcome = "failed"
         if not self.shut and not self.broken:
             raise Violation(f"the {kind} was raised but the workers were not shut down")
@@ -860,10 +1149,12 @@ class _Sim:
         elif isinstance(action, Work):
             self._work(action.worker)
         elif isinstance(action, Kill):
-            self.alive = _replace(self.alive, action.worker, False)
-            self.queues = _replace(self.queues, action.worker, ())
-            self.deaths_left -= 1
-            self.outbox = self.outbox + (WorkerDied(action.worker, pid=None, exitcode=-9),)
+            self._kill(action.worker)
+        elif isinstance(action, Late):
+            self._late(action.worker)
+        elif isinstance(action, Stall):
+            self.hangs_left -= 1
+            self.poll_with = "stall"
         elif isinstance(action, Expire):
             self.poll_with = "expire"
         elif isinstance(action, Interrupt):
@@ -890,15 +1181,34 @@ class _Sim:
     def _work(self, w: int) -> None:
         head, *rest = self.queues[w]
         self.queues = _replace(self.queues, w, tuple(rest))
-        if head[0] == _RESUME:
-            epoch = head[1]
-            assert isinstance(epoch, int)
-            self.shards = _replace(self.shards, w, (self.before + epoch, 0))
-            if self.before + epoch == self.epoch:  # not the answer to a reset abandoned since
+        event, shard, outcome = self._answer(w, self.incarnations[w], head, self.shards[w])
+        self.shards = _replace(self.shards, w, shard)
+        kind = type(event)
+        if kind is WorkerResumed:
+            if self.before + head[1] == self.epoch:  # type: ignore[operator]
+                self.resumes_owed = self.resumes_owed - {w}  # not a reset abandoned since
+        elif kind is WorkerStarted:
+            self.started = _replace(self.started, w, True)
+            if self.before + head[1] == self.epoch:  # type: ignore[operator]
+                # One lost while resuming: its replacement is set up for the epoch it starts in.
                 self.resumes_owed = self.resumes_owed - {w}
-            self.outbox = self.outbox + (WorkerResumed(w, epoch),)
-            return
-        _, task, index = head
+        elif outcome is not None and (head[1], w) in self.open_tasks:
+            self.answers = self.answers | {(head[1], outcome)}  # type: ignore[arg-type]
+        self.outbox = self.outbox + (event,)
+
+    def _answer(
+        self, w: int, incarnation: int, item: Item, shard: tuple[int, int], late: bool = False
+    ) -> tuple[Event, tuple[int, int], Outcome | None]:
+        """What incarnation `incarnation` of worker `w`, its part of an iterable dataset at
+        `shard`, answers to `item`; where its part stands after; the task's outcome, if any.
+        `late`: it is lost, and the answer arrives after its loss was reported."""
+        if item[0] == _RESUME:
+            epoch = item[1]
+            assert isinstance(epoch, int)
+            return WorkerResumed(w, epoch, incarnation), (self.before + epoch, 0), None
+        if item[0] == _START:
+            return WorkerStarted(w, incarnation), shard, None
+        _, task, index = item
         assert isinstance(task, int)
         spec = self.scenario.dataset
         if isinstance(spec, MapSpec):
@@ -906,25 +1216,42 @@ class _Sim:
             epoch_of_index, position = index
             outcome: Outcome | None = map_batch(spec, epoch_of_index, position)
         else:
-            shard_epoch, k = self.shards[w]
+            shard_epoch, k = shard
             outcome = iterable_batch(spec, w, shard_epoch, k)
             if outcome is not None:
-                self.shards = _replace(self.shards, w, (shard_epoch, k + 1))
-        current = (task, w) in self.open_tasks
-        event: Event
+                shard = (shard_epoch, k + 1)
         if outcome is None:
-            event = WorkerExhausted(task, w)
+            return WorkerExhausted(task, w, incarnation), shard, None
+        kind, value = outcome
+        # An iterable worker's mark: the batches of its shard yielded so far this epoch.
+        mark = None if isinstance(spec, MapSpec) else (shard[1], None)
+        event: Event
+        if kind == "data":
+            event = TaskCompleted(task, w, (task, w, outcome, late), mark, incarnation=incarnation)
         else:
-            if current:
-                self.answers = self.answers | {(task, outcome)}
-            kind, value = outcome
-            # An iterable worker's mark: the batches of its shard yielded so far this epoch.
-            mark = None if isinstance(spec, MapSpec) else (self.shards[w][1], None)
-            if kind == "data":
-                event = TaskCompleted(task, w, (task, w, outcome), mark)
-            else:
-                event = TaskFailed(task, w, _TaskError(task, w, value), mark)
-        self.outbox = self.outbox + (event,)
+            error = _TaskError(task, w, value, late)
+            event = TaskFailed(task, w, error, mark, incarnation=incarnation)
+        return event, shard, outcome
+
+    def _kill(self, w: int) -> None:
+        """Worker `w`'s running incarnation dies. What it was given and had not answered may
+        still come, late (`Late`): it may have sent the answers just before it died."""
+        incarnation = self.incarnations[w]
+        shard, ghosts = self.shards[w], []
+        for item in self.queues[w]:
+            event, shard, _ = self._answer(w, incarnation, item, shard, late=True)
+            ghosts.append(event)
+        self.ghosts = _replace(self.ghosts, w, self.ghosts[w] + tuple(ghosts))
+        self.alive = _replace(self.alive, w, False)
+        self.queues = _replace(self.queues, w, ())
+        self.deaths_left -= 1
+        death = WorkerDied(w, pid=_pid(w, incarnation), exitcode=-9, incarnation=incarnation)
+        self.outbox = self.outbox + (death,)
+
+    def _late(self, w: int) -> None:
+        head, *rest = self.ghosts[w]
+        self.ghosts = _replace(self.ghosts, w, tuple(rest))
+        self.outbox = self.outbox + (head,)
 
     def _interrupt(self) -> None:
         # The consumer is back in its own code: in the middle of the epoch, or before it, if
@@ -975,7 +1302,12 @@ class _Sim:
         self.skipped = frozenset()
         self.dry = frozenset()
         self.delivered = ()
-        self.last_task = self.sent_max
+        # The epoch left behind numbered its tasks up to the scheduler's send_idx, held ones
+        # too (those owed to a replacement that had not started): never sent, never handed over.
+        self.last_task = max(self.sent_max, self.driver.state.send_idx - 1)
+        self.sent = frozenset()
+        self.numbers = frozenset()
+        self.unsent = ()
         self.ended = False
         self.call(lambda: self.driver.start_epoch(seed=self.epoch), iterating=True)
         everyone = set(range(self.scenario.config.num_workers))

@@ -112,6 +112,27 @@ def may_replace(restarts: int, replaced: tuple[WorkerLoss, ...], loss: WorkerLos
     return len(replaced) < restarts
 
 
+def lost(incarnation: int, current: int) -> bool:
+    """Whether an event of incarnation `incarnation` of a worker slot whose current incarnation
+    is `current` is late news of a worker already lost (and replaced): dropped."""
+    return incarnation < current
+
+
+def sent_at_once(status: WorkerStatus) -> bool:
+    """Whether a task given to a worker in `status` goes out at once. Only to one that runs: a
+    replacement still starting is sent it once it has started (`resent`)."""
+    return status is ACTIVE
+
+
+def resent(window: tuple[Slot, ...], worker: int) -> tuple[int, ...]:
+    """The window positions whose tasks a replacement of `worker` is sent once it has started,
+    in order: every task its slot holds unanswered (those the lost worker was sent and never
+    answered, and those given to the slot while the replacement started), each once."""
+    return tuple(
+        i for i, slot in enumerate(window) if type(slot) is Pending and slot.worker == worker
+    )
+
+
 def sampler_error_now(waiting: bool, resetting: bool) -> bool:
     """Whether the sampler's error goes to the consumer in the call that met it: it does if the
     consumer waits in `next()` or `iter()`; one that was handed a batch gets it next time."""
@@ -165,6 +186,9 @@ class Policy:
     epoch_over: Callable[[tuple[Slot, ...], int | None, bool], bool]
     death_is_fatal: Callable[[tuple[WorkerStatus, ...], int], bool]
     may_replace: Callable[[int, tuple[WorkerLoss, ...], WorkerLoss], bool]
+    lost: Callable[[int, int], bool]
+    sent_at_once: Callable[[WorkerStatus], bool]
+    resent: Callable[[tuple[Slot, ...], int], tuple[int, ...]]
     sampler_error_now: Callable[[bool, bool], bool]
     failed_request: Callable[[Failure, bool], Command]
     interrupt: Callable[[State], State]
@@ -179,6 +203,9 @@ DEFAULT_POLICY = Policy(
     epoch_over=epoch_over,
     death_is_fatal=death_is_fatal,
     may_replace=may_replace,
+    lost=lost,
+    sent_at_once=sent_at_once,
+    resent=resent,
     sampler_error_now=sampler_error_now,
     failed_request=failed_request,
     interrupt=interrupt,

@@ -313,7 +313,7 @@ def _incarnation_started(state: State, event: Event) -> str | None:
 
 def _lost(state: State, event: WorkerResumed | WorkerDied | WorkerStarted) -> bool:
     """Whether `event` is late news of an incarnation already replaced: dropped."""
-    return event.incarnation < state.life.incarnations[event.worker]
+    return _policy.in_force.lost(event.incarnation, state.life.incarnations[event.worker])
 
 
 def _asked_to_resume(state: State, event: Event) -> str | None:
@@ -556,7 +556,7 @@ def _claim(state: State, event: Event, task: int, worker: int, incarnation: int)
     if not 0 <= worker < len(life.workers):
         raise _refuse(state, event, f"there is no worker {worker}")
     current = life.incarnations[worker]
-    if incarnation < current:
+    if _policy.in_force.lost(incarnation, current):
         return None
     if incarnation > current:
         raise _refuse(
@@ -583,10 +583,13 @@ def _claim(state: State, event: Event, task: int, worker: int, incarnation: int)
     raise _refuse(state, event, f"task {task} is not awaiting an answer")
 
 
-def _drop_stale(state: State, task: int, worker: int) -> Transition:
+def _drop_stale(state: State, task: int, worker: int, incarnation: int) -> Transition:
     stale = state.life.stale
-    if (task, worker) not in stale:
-        return Transition(state, ())  # a lost incarnation's answer
+    current = state.life.incarnations[worker]
+    if (task, worker) not in stale or _policy.in_force.lost(incarnation, current):
+        # A lost incarnation's answer. The pair, if any, is its replacement's: the task was
+        # sent to it again before a new epoch began, and its answer is still to be dropped.
+        return Transition(state, ())
     life = attrs.evolve(state.life, stale=stale - {(task, worker)})
     return Transition(state._replace(life=life), ())
 
@@ -694,7 +697,10 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
         window += _PENDING_TAILS[w] if w < _SHARED_PENDINGS else (Pending(w),)
     cursor = (w + 1) % config.num_workers
     # A replacement still starting is sent its tasks once it has started (`_on_started`).
-    out = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),) if status is ACTIVE else ()
+    if status is ACTIVE or _policy.in_force.sent_at_once(status):
+        out: tuple[Command, ...] = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),)
+    else:
+        out = ()
     return _settle(config, life, rcvd_idx, window, tuple(counts), cursor, None, waiting, out)
 
 
@@ -721,7 +727,7 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
         # Slow path: an echo, or impossible.
         claimed = _claim(state, event, task, worker, event.incarnation)
         if claimed is None:
-            return _drop_stale(state, task, worker)
+            return _drop_stale(state, task, worker, event.incarnation)
         i = claimed
     if type(event) is TaskCompleted:
         arrived: Slot = Ready.fast(worker, event.payload)
@@ -736,7 +742,7 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
 def _on_exhausted(state: State, event: WorkerExhausted) -> Transition:
     i = _claim(state, event, event.task, event.worker, event.incarnation)
     if i is None:
-        return _drop_stale(state, event.task, event.worker)
+        return _drop_stale(state, event.task, event.worker, event.incarnation)
     life = state.life
     workers = life.workers
     if workers[event.worker] is ACTIVE:
@@ -826,11 +832,10 @@ def _on_started(state: State, event: WorkerStarted) -> Transition:
     if _lost(state, event) or life.workers[w] is not STARTING:
         return Transition(state, ())  # see `_was_replacing`
     life = attrs.evolve(life, workers=_with(life.workers, w, ACTIVE))
-    rcvd_idx = state.rcvd_idx
+    rcvd_idx, window = state.rcvd_idx, state.window
     out = tuple(
-        SendTask(w, rcvd_idx + i, slot.index)
-        for i, slot in enumerate(state.window)
-        if type(slot) is Pending and slot.worker == w
+        SendTask(w, rcvd_idx + i, window[i].index)  # type: ignore[union-attr]
+        for i in _policy.in_force.resent(window, w)
     )
     return _settle(
         state.config,

@@ -157,8 +157,9 @@ RULES: tuple[Rule, ...] = (
         "every acknowledgement in",
         RESUMING,
         RUNNING,
-        "every persistent worker acknowledged the new epoch: tasks may flow",
-        frozenset({WorkerResumed}),
+        "every persistent worker acknowledged the new epoch (or was lost, and its replacement is "
+        "set up for it): tasks may flow",
+        frozenset({WorkerResumed, WorkerDied}),
     ),
     Rule(
         "no active worker left",

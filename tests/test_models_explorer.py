@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-import statecore
 from statecore import (
     EDGES,
     CloseRequested,
@@ -27,6 +26,8 @@ from statecore import (
     Transition,
     WorkerDied,
     WorkerExhausted,
+    WorkerResumed,
+    WorkerStarted,
     step,
 )
 from statecore.models.explorer import (
@@ -37,16 +38,15 @@ from statecore.models.explorer import (
     representative_scenarios,
 )
 from statecore.models.reference import IterableSpec, MapSpec
-from statecore.models.world import Next, Preempt, Scenario, Work
+from statecore.models.world import Kill, Late, Next, Preempt, Scenario, Work, World, run_to_end
 
 # Edges of the table that the simulated world does not produce, and why. The world answers
 # DrawIndex at once, its workers answer first in, first out, and it starts the first epoch right
 # away; the driver polls only in a wait, never once the workers are stopped, and tells the
 # scheduler of a close only once; the world interrupts waits only. Real executors and signals
 # may race in these ways, so tests/test_step_*.py cover these edges.
-_LATE_REPORT = "a worker's exit reported when the driver no longer polls"
+_LATE_REPORT = "a worker's exit or start reported when the driver no longer polls"
 _INTERRUPT_ELSEWHERE = "an interrupt landing outside a wait"
-_UNTIL_THE_WORLD_REPLACES = "the world does not yet lose a worker with restarts left (issue 28)"
 
 NOT_IN_THE_WORLD = {
     (Phase.DRAINING, IndexDrawn, Phase.DRAINING): "every worker ran dry during a draw",
@@ -71,34 +71,13 @@ NOT_IN_THE_WORLD = {
     # The world resumes a checkpoint whose epoch has ended as the next epoch; the loader does
     # so only once the consumer was told (`complete`), else it resumes the empty end.
     (Phase.IDLE, ResetRequested, Phase.DRAINING): "a resume with every worker dry",
-    # Until the world loses workers with restarts left and finds them stuck (issue 28's world
-    # model, in progress): each of these goes as the world learns it.
-    **{
-        (Phase[phase], getattr(statecore, event), Phase[target]): _UNTIL_THE_WORLD_REPLACES
-        for phase, event, target in (
-            line.split()
-            for line in """
-            CLOSED WorkerStarted CLOSED
-            DRAINING WorkerDied DRAINING
-            DRAINING WorkerResumed DRAINING
-            DRAINING WorkerStarted DRAINING
-            DRAINING WorkerStuck DRAINING
-            DRAINING WorkerStuck FAILED
-            FAILED WorkerStarted FAILED
-            FINISHED WorkerResumed FINISHED
-            FINISHED WorkerStarted FINISHED
-            IDLE WorkerDied IDLE
-            IDLE WorkerStarted IDLE
-            RESUMING WorkerDied RESUMING
-            RESUMING WorkerStarted RESUMING
-            RUNNING WorkerDied RUNNING
-            RUNNING WorkerResumed RUNNING
-            RUNNING WorkerStarted RUNNING
-            RUNNING WorkerStuck FAILED
-            RUNNING WorkerStuck RUNNING
-            """.strip().splitlines()
-        )
-    },
+    (Phase.IDLE, WorkerDied, Phase.IDLE): "a worker died before the first epoch",
+    (Phase.IDLE, WorkerStarted, Phase.IDLE): "a worker died before the first epoch",
+    (Phase.FAILED, WorkerStarted, Phase.FAILED): _LATE_REPORT,
+    (Phase.CLOSED, WorkerStarted, Phase.CLOSED): _LATE_REPORT,
+    # The driver waits in a finished epoch for nothing, so it polls none of these there.
+    (Phase.FINISHED, WorkerResumed, Phase.FINISHED): "a lost worker's resume polled at the end",
+    (Phase.FINISHED, WorkerStarted, Phase.FINISHED): "a replacement's start polled at the end",
 }
 
 
@@ -154,6 +133,12 @@ def test_every_edge_of_the_table_is_explored_or_needs_a_racing_executor(
     assert seen <= _table()  # the world itself checks this on every step
 
 
+@pytest.mark.timeout(600)
+def test_no_edge_the_world_reaches_is_listed_as_out_of_it(reports: list[Report]) -> None:
+    seen = frozenset().union(*(report.edges for report in reports))
+    assert seen & set(NOT_IN_THE_WORLD) == set()
+
+
 @pytest.mark.exhaustive
 @pytest.mark.timeout(900)
 def test_the_default_bounds_reach_no_edge_the_representative_scenarios_miss(
@@ -174,6 +159,19 @@ def test_representative_bounds_cover_both_dataset_kinds_orders_and_persistence(
     assert {(c.iterable, c.in_order, c.persistent_workers) for c in configs} == {
         (i, o, p) for i in (False, True) for o in (False, True) for p in (False, True)
     }
+
+
+@pytest.mark.timeout(600)
+def test_representative_bounds_let_workers_come_and_go(reports: list[Report]) -> None:
+    # Restarts 0 to 2 on one to three workers, in order and not, map-style and iterable.
+    lost = [r.scenario for r in reports if r.scenario.deaths and r.scenario.hangs]
+    assert {s.config.restarts for s in lost} == {0, 1, 2}
+    assert {s.config.num_workers for s in lost if s.config.restarts} == {1, 2, 3}
+    assert {(s.config.iterable, s.config.in_order) for s in lost if s.config.restarts} == {
+        (i, o) for i in (False, True) for o in (False, True)
+    }
+    assert any(s.config.persistent_workers for s in lost if s.config.restarts)
+    assert any(not s.killable for s in lost)
 
 
 def test_the_representative_scenarios_are_default_scenarios() -> None:
@@ -237,6 +235,21 @@ def test_scenarios_refuse_a_dataset_that_does_not_match_the_config() -> None:
         Scenario(Config(num_workers=2, iterable=True), IterableSpec((1,)))
     with pytest.raises(ValueError, match="persistent"):
         Scenario(Config(num_workers=1), MapSpec(2), epochs=2)
+
+
+def test_a_replacement_of_a_replacement_is_restored_to_what_was_recorded_only() -> None:
+    # Worker 0 dies holding task 0; the answer it had sent arrives after its death was told;
+    # its replacement dies before it starts; the next one must still produce batch 0, though
+    # the late answer's mark says the part stood past it.
+    scenario = Scenario(
+        Config(num_workers=2, prefetch_factor=1, iterable=True, restarts=2),
+        IterableSpec((3, 0), frozenset({(0, 1)})),
+        deaths=2,
+    )
+    world = World.start(scenario)
+    for action in (Next(), Kill(0), Late(0), Kill(0), Work(0)):
+        world = world.apply(action)
+    run_to_end(world)  # the reference epoch, batch 0 first
 
 
 def test_a_violation_in_a_resumed_run_ends_its_trace_with_the_checkpoint() -> None:

@@ -25,6 +25,8 @@ from statecore.models.mutants import LOADER_MUTANTS, MUTANTS, LoaderMutant, Muta
 from statecore.models.reference import MapSpec
 from statecore.models.world import (
     Break,
+    Kill,
+    Late,
     Next,
     Scenario,
     Violation,
@@ -231,3 +233,18 @@ def test_a_loader_mutant_is_removed_when_its_block_ends() -> None:
     assert _loader.parse is parse
     assert WorkerRuntime._mark is mark
     assert {name: vars(_loader.DataLoader).get(name) for name in vars(_loader.DataLoader)} == before
+
+
+def test_a_late_answer_taken_for_the_replacements_is_seen_handed_over() -> None:
+    # The world itself tells a late answer from its replacement's: the batch worker 0 had sent
+    # before it died, arriving once its replacement has started, must not reach the consumer.
+    scenario = Scenario(Config(num_workers=1, prefetch_factor=1, restarts=1), MapSpec(2), deaths=1)
+    trace = (Next(), Kill(0), Work(0), Late(0))
+    world = World.start(scenario)
+    for action in trace:
+        world = world.apply(action)  # the real core drops it
+    (mutant,) = [m for m in MUTANTS if m.name == "late-answer-accepted"]
+    with mutant.applied(), pytest.raises(Violation, match="lost incarnation sent after its loss"):
+        world = World.start(scenario)
+        for action in trace:
+            world = world.apply(action)

@@ -230,3 +230,24 @@ def test_a_dry_worker_lost_is_replaced_and_its_tasks_answered_by_the_replacement
 def test_without_restarts_the_window_keeps_no_index() -> None:
     state = _full(restarts=0)
     assert all(slot.index is None for slot in state.window)  # type: ignore[union-attr]
+
+
+def test_a_worker_lost_once_the_others_resumed_lets_the_tasks_flow() -> None:
+    state, _ = start(_config(persistent_workers=True), SamplerExhausted(), NextRequested())
+    state, _ = feed(state, ResetRequested(), WorkerResumed(1, 2))
+    # Its replacement is set up for the new epoch: no acknowledgement is owed any more (the
+    # rule "every acknowledgement in", after the death; `feed` checks the table has the edge).
+    state, commands = feed(state, WorkerDied(worker=0))
+    assert commands[0] == ReplaceWorker(0, 1, 2)
+    assert state.phase is Phase.RUNNING
+
+
+def test_a_late_answer_leaves_the_replacements_answer_of_an_old_epoch_to_be_dropped() -> None:
+    state = _full(persistent_workers=True)
+    state, _ = feed(state, WorkerDied(worker=0), WorkerStarted(0, 1), ResetRequested())
+    # Task 0 went to the replacement too before the reset: two answers of it are owed, the lost
+    # incarnation's (late) and the replacement's, and both are dropped.
+    state, commands = feed(state, TaskCompleted(task=0, worker=0, incarnation=0))
+    assert commands == [] and (0, 0) in state.life.stale
+    state, commands = feed(state, TaskCompleted(task=0, worker=0, incarnation=1))
+    assert commands == [] and (0, 0) not in state.life.stale

@@ -30,7 +30,7 @@ def _config_label(config: Config) -> str:
     sampler = "sampler=on-demand" if config.lazy else "sampler=ahead"
     return (
         f"workers={config.num_workers} prefetch={config.prefetch_factor} "
-        f"{kind:8} {order:9} {persistent:10} {sampler:17}"
+        f"{kind:8} {order:9} {persistent:10} {sampler:17} restarts={config.restarts}"
     )
 
 
@@ -72,7 +72,8 @@ def check(processes: int, bench: bool, verbose: bool, progress_bar: bool = True)
         f"exploring {len(scenarios)} configurations exhaustively "
         f"(workers 1-3, prefetch 1-2, up to {Bounds().batches} batches, map and iterable, "
         "in order and not, persistent and not, the sampler read ahead and on demand; with worker "
-        "deaths, timeouts, closes and an interrupted wait) ...",
+        "deaths, timeouts, closes and an interrupted wait; and workers that come and go: dead or "
+        "stuck, replaced while 0-2 restarts last, late answers of the lost) ...",
         flush=True,
     )
     started = time.perf_counter()
