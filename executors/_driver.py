@@ -544,7 +544,10 @@ class Driver:
                 f"the scheduler replaced a worker ({command!r}) on an executor that cannot"
             )
         marks = self.worker_marks
-        self.replacer.replace(command, None if marks is None else marks.latest(command.worker))
+        mark = (
+            None if marks is None else marks.restoring(command.worker, self.state.config.iterable)
+        )
+        self.replacer.replace(command, mark)
 
     def _draw(self) -> None:
         try:
@@ -668,6 +671,23 @@ class WorkerMarks:
         Where that worker's dataset stands: a worker that takes up its work (a replacement for
         one that died, say) is restored from it."""
         return _get(self.recorded, worker) or _get(self.received, worker)
+
+    def restoring(self, worker: int, iterable: bool) -> Mark | None:
+        """The mark a replacement for `worker` is restored to (None: the executor's own start
+        of the epoch, `Replacing.replace`): `latest`, or, for a map-style dataset's worker
+        that answered nothing yet this epoch but went on into it from the epoch before (a
+        persistent one), its mark in `left`.
+
+        A map-style worker starts an epoch with its dataset as its last answer left it (a new
+        epoch makes a fetcher, nothing else), and its mark is the whole state: restored, it
+        is where the epoch began. Not so for an iterable part: a worker's dataset moved on
+        past `left` (its part run dry, `iter()` called again), and a mark restores a position
+        in an iterator, not that; the executor starts it as the setup has it
+        (docs/fault-tolerance.md, "What is exact")."""
+        mark = self.latest(worker)
+        if mark is None and not iterable:
+            mark = _get(self.left, worker)
+        return mark
 
     def answer(
         self, answer: TaskCompleted | TaskFailed | WorkerExhausted, base: int

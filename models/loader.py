@@ -7,8 +7,16 @@ sees it. `loader_machine(setups)` builds a `RuleBasedStateMachine` that plays a 
 program: it asks for batches, breaks out of its loop, is interrupted in `next()`, saves the
 loader's state (through JSON or `torch.save`/`torch.load(weights_only=True)`, with torch's
 global random state beside it, as a training framework saves it), restarts in a fresh loader
-from a saved state, starts epochs, and (with worker processes) loses a worker to SIGKILL and
-goes on from the state the failed loader gives.
+from a saved state, starts epochs, and (with worker processes) loses a worker to SIGKILL: with
+no restart left, it goes on from the state the failed loader gives; with restarts left
+(`Setup.restarts`, in `loader_machine(replacing=True)`), the loader replaces the worker and
+the program goes on in the same epoch, saving a state right after the kill or right after the
+call that noticed it (the replacement may not have answered yet), and resuming from it at
+once or later.
+
+Every dataset here is exact under a restart: none draws from a worker's random stream (the
+stateful map-style one is seeded by the worker's seed, which a replacement shares, and its
+draws are its state), so a replacement's batches are the uninterrupted run's.
 
 Its oracle is the same configuration run once, uninterrupted, for up to `EPOCHS` epochs,
 breaking out of the epochs the program broke out of (after as many batches): per epoch, the
@@ -43,7 +51,15 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from statecore import DataLoader, Event, ReplaceWorker, ResumeWorker, SendTask, WorkerDiedError
+from statecore import (
+    DataLoader,
+    Event,
+    ReplaceWorker,
+    ResumeWorker,
+    SendTask,
+    WorkerDiedError,
+    WorkerRestartedWarning,
+)
 from statecore.executors import Capabilities, Executor, Launch, capabilities_of
 from statecore.executors._protocol import WorkerReport, confirmer_of, replacer_of
 from statecore.executors._registry import lookup
@@ -61,6 +77,9 @@ __all__ = [
 
 EPOCHS = 3
 """Epochs of the uninterrupted run; the program never goes past them."""
+
+RESTARTS = 1000
+"""A loader's `worker_restarts` where workers are replaced: more than an example kills."""
 
 DATASETS = (
     "map",  # a map-style dataset: index -> index
@@ -336,6 +355,9 @@ class Setup:
     understated: int = 0
     """Map-style: the sampler's __len__ says this many fewer than it yields."""
     seed: int = 0
+    restarts: int = 0
+    """`worker_restarts` (worker processes only): 0, a killed worker fails the loader; more,
+    enough for every kill an example makes, it is replaced."""
 
     @property
     def iterable(self) -> bool:
@@ -377,6 +399,7 @@ class Setup:
             persistent_workers=self.persistent,
             in_order=self.in_order,
             executor=board.factory(self.executor),
+            worker_restarts=self.restarts,
             **options,
         )
 
@@ -449,6 +472,7 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
         in_order=workers < 2 or dataset == "stateful-map" or draw(st.booleans(), label="in_order"),
         understated=understated,
         seed=draw(st.integers(0, 2**16), label="seed"),
+        restarts=RESTARTS if executor == "mp" and draw(st.booleans(), label="restarts") else 0,
     )
 
 
@@ -499,12 +523,29 @@ class _Saved:
     rng: torch.Tensor
 
 
+def _loads_what_a_break_left(setup: Setup, record: _Record) -> bool:
+    """Whether persistent workers of a map-style dataset with a state may still load the tasks
+    of the epoch before, broken out of: a replacement is not sent those (their batches are
+    dropped), so its draws would not be the uninterrupted run's (docs/fault-tolerance.md,
+    "What is exact", the known gap). The loader machine kills no worker then."""
+    return (
+        setup.dataset == "stateful-map"
+        and setup.persistent
+        and record.epoch > 0
+        and record.epoch - 1 not in record.ended
+    )
+
+
 def loader_machine(
-    setup_strategy: st.SearchStrategy[Setup] | None = None,
+    setup_strategy: st.SearchStrategy[Setup] | None = None, *, replacing: bool = False
 ) -> type[RuleBasedStateMachine]:
     """A state machine class driving real loaders built from setups drawn from
     `setup_strategy` (default: inline and thread executors). Run it with
-    `run_state_machine_as_test(loader_machine())` or expose its `TestCase` to pytest."""
+    `run_state_machine_as_test(loader_machine())` or expose its `TestCase` to pytest.
+
+    `replacing`: with the rule that kills a worker the loader replaces (`Setup.restarts`,
+    worker processes). Only there: a rule that is never enabled still changes what
+    Hypothesis draws, and so which examples a fixed budget (a derandomized one) meets."""
     drawn = setups() if setup_strategy is None else setup_strategy
 
     class LoaderMachine(RuleBasedStateMachine):
@@ -515,6 +556,10 @@ def loader_machine(
         iterator: Iterator[Any] | None
         record: _Record
         saved: _Saved | None
+        killed: set[int]
+        """The worker processes the program killed (`a_worker_is_killed_and_replaced`)."""
+        told: set[int]
+        """Those of them a restart warning named, as far as the program caught them."""
 
         @initialize(setup=drawn)
         def start(self, setup: Setup) -> None:
@@ -524,6 +569,7 @@ def loader_machine(
             self.iterator = None
             self.record = _Record()
             self.saved = None
+            self.killed, self.told = set(), set()
             self._rng = torch.get_rng_state()
             torch.manual_seed(setup.seed)
             self._rng_at_begin = torch.get_rng_state()
@@ -619,7 +665,13 @@ def loader_machine(
             self._rng_at_begin = saved.rng
             self.record = saved.record
 
-        @precondition(lambda self: self.setup.executor == "mp" and self.iterator is not None)
+        @precondition(
+            lambda self: (
+                self.setup.executor == "mp"
+                and not self.setup.restarts
+                and self.iterator is not None
+            )
+        )
         @rule(which=st.integers(0, 3))
         def loses_a_worker(self, which: int) -> None:
             # A worker process is killed; the job goes on from the state the loader gives once
@@ -649,6 +701,53 @@ def loader_machine(
                 for batch in iter(self.loader):
                     self.record = self.record.handed(_plain(batch))
             self.record = self.record.end()
+
+        if replacing:
+
+            @precondition(lambda self: self.setup.restarts > 0 and self.iterator is not None)
+            @rule(
+                which=st.integers(0, 3),
+                saves=st.sampled_from(("never", "killed", "noticed")),
+                resumes=st.booleans(),
+            )
+            def a_worker_is_killed_and_replaced(
+                self, which: int, saves: str, resumes: bool
+            ) -> None:
+                # A worker process is killed mid-epoch with restarts left, and the program asks
+                # for its next batch: that call, or a later one (the next epoch's, for a persistent
+                # worker found dead only then), notices the death and replaces the worker, telling
+                # the user once. The invariant holds the batches to the uninterrupted run's:
+                # nothing lost, nothing repeated. A state taken right after the kill (`killed`), or
+                # right after the call (`noticed`, its replacement perhaps not answered yet), is
+                # this rule's to save; `resumes` loads it in a fresh loader at once, and the
+                # rules after may too.
+                pids = self.board.worker_pids()
+                if not pids:
+                    return  # every worker of this epoch stopped (or none started yet)
+                if _loads_what_a_break_left(self.setup, self.record):
+                    return
+                pid = pids[which % len(pids)]
+                os.kill(pid, signal.SIGKILL)
+                self.killed.add(pid)
+                if saves == "killed":
+                    self.saves(through_json=False)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", WorkerRestartedWarning)
+                    self._next(interrupt=False)
+                told = [str(w.message) for w in caught if w.category is WorkerRestartedWarning]
+                # The call may notice an earlier kill too (a persistent worker found dead only
+                # as a later epoch begins): every restart told names a process this program
+                # killed, and none is told twice.
+                named = [
+                    next((p for p in self.killed if f"(pid {p})" in text), None) for text in told
+                ]
+                if None in named or len(set(named)) < len(named) or self.told & set(named):
+                    raise Violation(f"the program killed {sorted(self.killed)}, was told {told}")
+                self.told |= {p for p in named if p is not None}
+                if saves == "noticed":
+                    self.saves(through_json=False)
+                if resumes and saves != "never":
+                    self.restarts_from_its_save()
 
         def _rng_of_the_epoch(self) -> torch.Tensor:
             """torch's global random state where the epoch a state resumes began, which the

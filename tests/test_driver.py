@@ -162,6 +162,23 @@ def test_a_worker_found_dry_is_noted_and_stays_so_in_where_it_was_left() -> None
     assert begun.answer(WorkerExhausted(5, 0), base=8).left_dry == (0, 1)
 
 
+def test_a_map_style_replacement_with_no_answer_this_epoch_is_restored_to_where_it_was_left() -> (
+    None
+):
+    marks = WorkerMarks().answer(TaskCompleted(2, 0, None, (0, {"dataset": 7})), base=0)
+    begun = marks.begin({})
+    # A persistent map-style worker began this epoch with its dataset as its last answer
+    # left it: a replacement lost before answering anything of it starts there.
+    assert begun.restoring(0, iterable=False) == (0, {"dataset": 7})
+    # An iterable part moved on past that mark (run dry, iter() again): not a position in
+    # this epoch's iterator, so the executor's own start of the epoch instead.
+    assert begun.restoring(0, iterable=True) is None
+    # Once it answered this epoch, its own mark, whichever the kind.
+    answered = begun.answer(TaskCompleted(9, 0, None, (0, {"dataset": 8})), base=8)
+    assert answered.restoring(0, iterable=False) == (0, {"dataset": 8})
+    assert answered.restoring(0, iterable=True) == (0, {"dataset": 8})
+
+
 def test_only_a_batch_or_a_tasks_error_hands_a_task_over() -> None:
     failure = TaskFailure(task=5, worker=1, error="boom")
     assert handed_task(Deliver(3, 0, None)) == (3, 0)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from statecore.models.loader import Setup, loader_machine, setups
+from statecore.models.loader import RESTARTS, Setup, loader_machine, setups
 
 
 @pytest.mark.timeout(300)
@@ -24,7 +24,7 @@ def test_inline_and_thread_loaders_hold_under_the_exhaustive_budget() -> None:
 @pytest.mark.timeout(300)
 def test_process_loaders_hand_the_uninterrupted_run_through_worker_deaths() -> None:
     run_state_machine_as_test(
-        loader_machine(setups(executors=("mp",))),
+        loader_machine(setups(executors=("mp",)), replacing=True),
         settings=settings(settings(), max_examples=settings().max_examples // 15),
     )
 
@@ -57,3 +57,39 @@ def test_a_worker_killed_once_every_iterable_worker_ran_dry_leaves_a_state_that_
             assert machine.record.seen == (([0, 1, 2], [3, 4]), ([0, 1, 2], [3, 4]), ())
         finally:
             machine.teardown()
+
+
+@pytest.mark.timeout(300)
+def test_a_persistent_worker_killed_between_epochs_is_replaced_with_its_state() -> None:
+    # The machine's kill-and-restart rule, once: a stateful map-style dataset's worker killed
+    # after the epoch's last batch was handed over, found dead as the next epoch begins, before
+    # answering anything of it. Its replacement draws on from where the lost worker's state
+    # stood, and a state taken right after the kill resumes the same. Whichever epoch notices
+    # the death, the batches are the uninterrupted run's.
+    setup = Setup(
+        executor="mp",
+        workers=2,
+        dataset="stateful-map",
+        counts=(6,),
+        batch_size=1,
+        persistent=True,
+        restarts=RESTARTS,
+    )
+    machine = loader_machine(replacing=True)()
+    machine.start(setup)
+    try:
+        for _ in range(6):
+            machine.asks_for_a_batch()
+        machine.a_worker_is_killed_and_replaced(0, saves="killed", resumes=False)
+        for _ in range(7):
+            machine.asks_for_a_batch()
+        machine.handed_what_the_uninterrupted_run_hands()
+        assert machine.record.ended == {0, 1}
+        machine.restarts_from_its_save()
+        # The state was taken before the first epoch's StopIteration: that comes first.
+        for _ in range(8):
+            machine.asks_for_a_batch()
+        machine.handed_what_the_uninterrupted_run_hands()
+        assert machine.record.ended == {0, 1}
+    finally:
+        machine.teardown()

@@ -116,15 +116,15 @@ class Probe(Dataset):  # type: ignore[type-arg]
 
 class AugmentedKilled(Augmented):
     """Augmented (a map-style dataset with a state: its generator), whose worker loading
-    `index` the first time is killed (with a marker)."""
+    `index` is killed on the loads `faults` numbers (with a marker)."""
 
-    def __init__(self, n: int, index: int, marker: Path) -> None:
+    def __init__(self, n: int, index: int, marker: Path, faults: tuple[int, ...] = (1,)) -> None:
         super().__init__(n)
-        self.index, self.marker = index, marker
+        self.index, self.marker, self.faults = index, marker, faults
 
     def __getitem__(self, index: int) -> list[int]:
         if index == self.index:
-            _fault(self.marker, (1,), "kill")
+            _fault(self.marker, self.faults, "kill")
         return super().__getitem__(index)
 
 
@@ -392,6 +392,26 @@ def test_a_map_style_dataset_with_a_state_is_restored_in_the_replacement(tmp_pat
         **options,
     )
     assert_same(ours, torch_batches(Augmented(40), **options))
+    assert len(told) == 1, told
+
+
+def test_a_persistent_worker_lost_before_its_first_answer_of_an_epoch_keeps_its_state(
+    tmp_path: Path,
+) -> None:
+    # Index 0's second load is worker 0's first task of the second epoch: it dies having
+    # answered nothing of that epoch. Its replacement's generator goes on from where the lost
+    # worker's stood as the epoch began (its last answer of the first), not from its seed.
+    options = dict(batch_size=2, num_workers=2, persistent_workers=True)
+    ours, told = our_batches(
+        AugmentedKilled(40, 0, tmp_path / "load", faults=(2,)),
+        epochs=3,
+        worker_restarts=1,
+        multiprocessing_context="fork",
+        **options,
+    )
+    assert_same(ours, torch_batches(Augmented(40), epochs=3, **options))
+    [(_, worker)] = faulted(tmp_path / "load", "kill")
+    assert worker == 0
     assert len(told) == 1, told
 
 
