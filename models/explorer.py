@@ -279,6 +279,10 @@ def tuning_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     for workers, in_order, deaths in ((2, True, 1), (2, False, 1), (3, True, 0)):
         config = Config(num_workers=workers, prefetch_factor=1, in_order=in_order, restarts=1)
         yield Scenario(config, dataset, deaths=deaths, tunes=2, timeouts=False, closes=False)
+    # Prefetch 2, more batches than the window holds: a retiring worker still holding a task
+    # would have room for another.
+    config = Config(num_workers=2, prefetch_factor=2)
+    yield Scenario(config, MapSpec(bounds.batches), deaths=0, tunes=1, timeouts=False, closes=False)
     config = Config(num_workers=2, prefetch_factor=1, persistent_workers=True)
     yield Scenario(config, _short(dataset), epochs=2, deaths=0, tunes=3, timeouts=False)
 
