@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from statecore import (
+    AddRequested,
     Cancelled,
     CloseRequested,
     Command,
@@ -56,6 +57,7 @@ from statecore import (
     ReplaceWorker,
     ResetRequested,
     ResumeWorker,
+    RetireRequested,
     SamplerExhausted,
     SamplerFailed,
     SamplerFailure,
@@ -295,6 +297,31 @@ class Driver:
         self.ledger = snapshot.ledger
         self.worker_marks = snapshot.worker_marks
         self.confirm_owed = snapshot.confirm_owed
+
+    # --- a tuner's calls, between the consumer's ---------------------------------------------
+
+    def retire(self, worker: int) -> None:
+        """Retire `worker` (map-style datasets only): it is given no new task, and is stopped
+        once it has answered those it holds. Raises `ExecutorError`, changing nothing, where the
+        scheduler refuses (an iterable dataset, a worker not running, the last one running)."""
+        self._tune(RetireRequested(worker))
+
+    def add(self, worker: int) -> None:
+        """Start the retired slot `worker` again; it takes tasks once it has started. Spends no
+        restart. Raises `ExecutorError`, changing nothing, where the slot is not retired."""
+        if self.replacer is None:
+            raise TypeError(
+                f"cannot start worker {worker} again: the executor "
+                f"{type(self.executor).__name__} cannot start a worker (it has no `replace`)"
+            )
+        self._tune(AddRequested(worker))
+
+    def _tune(self, event: Event) -> None:
+        # Told between the consumer's calls: nothing waits, so no outcome is handed over here;
+        # one picked up from commands an interrupt left is kept for the next request.
+        outcome = self.request(event)
+        if outcome is not None:
+            self.ledger = Ledger(outcome, self.ledger.void)
 
     # --- the moves of a call -------------------------------------------------------------------
 

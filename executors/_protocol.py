@@ -99,7 +99,8 @@ class Replacing(Protocol):
         was (worker id, seed, `worker_init_fn`, the epoch `command.epoch` and its seed), its
         dataset restored to `mark` (the last answer the main process recorded from it; None:
         where it stood as the epoch began). Answer `WorkerStarted`, or `WorkerDied` with the
-        new incarnation if it cannot start."""
+        new incarnation if it cannot start. It also starts a retired slot again (one told
+        `stop_worker` earlier, which may have no worker left to end): a tuner's add."""
 
     def report(self, worker: int) -> WorkerReport:
         """The pid and the current Python stack of `worker` (asked of one found stuck, before

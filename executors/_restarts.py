@@ -40,10 +40,10 @@ class RestartBudget:
 
     def _transition(self, before: State, event: Event, transition: Transition) -> None:
         for command in transition.commands:
-            if type(command) is not ReplaceWorker:
-                continue
-            self.spent += 1
             after = transition.state
+            if type(command) is not ReplaceWorker or after.life.added > before.life.added:
+                continue  # a retired slot started again (`AddRequested`) spends no restart
+            self.spent += 1
             loss = after.life.replaced[-1]
             resent = sum(
                 1

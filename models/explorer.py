@@ -47,6 +47,7 @@ __all__ = [
     "explore_all",
     "representative_scenarios",
     "restart_scenarios",
+    "tuning_scenarios",
 ]
 
 
@@ -266,6 +267,24 @@ def restart_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
         yield Scenario(
             config, MapSpec(bounds.batches - 2, frozenset({1})), hangs=1, killable=killable
         )
+    yield from tuning_scenarios(bounds)
+
+
+def tuning_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
+    """A tuner retiring workers and adding them back at any step between the consumer's calls
+    (map-style datasets only): in order and not, over two and three workers, a retiring worker
+    that may die and be replaced, and persistent workers whose next epoch resumes only the slots
+    not retired."""
+    dataset = MapSpec(bounds.batches - 2, frozenset({1}))
+    for workers, in_order, deaths in ((2, True, 1), (2, False, 1), (3, True, 0)):
+        config = Config(num_workers=workers, prefetch_factor=1, in_order=in_order, restarts=1)
+        yield Scenario(config, dataset, deaths=deaths, tunes=2, timeouts=False, closes=False)
+    # Prefetch 2, more batches than the window holds: a retiring worker still holding a task
+    # would have room for another.
+    config = Config(num_workers=2, prefetch_factor=2)
+    yield Scenario(config, MapSpec(bounds.batches), deaths=0, tunes=1, timeouts=False, closes=False)
+    config = Config(num_workers=2, prefetch_factor=1, persistent_workers=True)
+    yield Scenario(config, _short(dataset), epochs=2, deaths=0, tunes=3, timeouts=False)
 
 
 def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
@@ -283,7 +302,7 @@ def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     """
     for scenario in default_scenarios(bounds):
         config = scenario.config
-        if config.restarts or scenario.hangs:
+        if config.restarts or scenario.hangs or scenario.tunes:
             # Workers that come and go: all but where these worlds multiply, two workers (with
             # two restarts) out of order or persistent, three with a persistent iterable.
             two = config.num_workers == 2 and config.restarts == 2

@@ -132,6 +132,21 @@ def _dry_worker_gets_tasks() -> dict[str, object]:
     return {"pick_worker": pick}
 
 
+def _retiring_worker_gets_tasks() -> dict[str, object]:
+    real = DEFAULT_POLICY.pick_worker
+
+    def pick(
+        config: Config, workers: tuple[WorkerStatus, ...], loads: tuple[int, ...], cursor: int
+    ) -> int | None:
+        # Treats "retiring" as "active": the turn of a worker a tuner retired is not passed by.
+        awake = tuple(
+            WorkerStatus.ACTIVE if status is WorkerStatus.RETIRING else status for status in workers
+        )
+        return real(config, awake, loads, cursor)
+
+    return {"pick_worker": pick}
+
+
 def _dispatch_before_resume() -> dict[str, object]:
     def resume_complete(workers: tuple[WorkerStatus, ...]) -> bool:
         return WorkerStatus.ACTIVE in workers  # one acknowledgement, where all were needed
@@ -580,6 +595,19 @@ MUTANTS: tuple[Mutant, ...] = (
         _restarts_not_counted,
         witness=_ONE_WORKER_RESTARTED,
         replacing_only=True,
+    ),
+    Mutant(
+        "retiring-worker-gets-tasks",
+        "a worker a tuner retired still takes its turns, so it is never stopped",
+        _retiring_worker_gets_tasks,
+        witness=Scenario(
+            Config(num_workers=2, prefetch_factor=2),
+            MapSpec(6),
+            deaths=0,
+            tunes=1,
+            timeouts=False,
+            closes=False,
+        ),
     ),
 )
 

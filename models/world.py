@@ -48,6 +48,7 @@ import attrs
 
 from statecore import (
     EDGES,
+    AddRequested,
     Config,
     Event,
     ExecutorFailed,
@@ -72,6 +73,7 @@ from statecore import (
     WorkerHungError,
     WorkerResumed,
     WorkerStarted,
+    WorkerStatus,
     WorkerStuck,
     violations,
 )
@@ -177,6 +179,9 @@ class Scenario:
     a `worker_timeout`). A lost worker, dead or stuck, is replaced while `config.restarts` last."""
     killable: bool = True
     """Whether the executor can kill a stuck worker (a process), or not (a thread)."""
+    tunes: int = 0
+    """Times a tuner may retire a worker or add a retired one back, between the consumer's
+    calls (map-style datasets only: an iterable dataset's workers are never retired)."""
 
     def __attrs_post_init__(self) -> None:
         if self.config.iterable != isinstance(self.dataset, IterableSpec):
@@ -259,6 +264,20 @@ class Restart:
 
 
 @attrs.frozen
+class Retire:
+    """A tuner retires `worker` (`Driver.retire`), between the consumer's calls."""
+
+    worker: int
+
+
+@attrs.frozen
+class Add:
+    """A tuner starts the retired slot `worker` again (`Driver.add`)."""
+
+    worker: int
+
+
+@attrs.frozen
 class Preempt:
     """The program saves the loader's state, and goes on in a fresh loader loaded from it, with
     `workers` workers (an iterable dataset's: as many as before): a preempted job restarted
@@ -290,6 +309,8 @@ Action = (
     | Close
     | Restart
     | Preempt
+    | Retire
+    | Add
 )
 
 _TASK = "task"
@@ -393,6 +414,11 @@ class World:
     interrupts_left: int
     sampler_failures_left: int
     executor_failures_left: int
+    tunes_left: int = 0
+    retiring: frozenset[int] = frozenset()
+    """Workers a tuner retired that were not stopped yet: sent no new task."""
+    retired: frozenset[int] = frozenset()
+    """Worker slots retired and stopped: sent nothing, resumed by no new epoch."""
 
     @classmethod
     def start(
@@ -449,6 +475,7 @@ class World:
             interrupts_left=scenario.interrupts,
             sampler_failures_left=scenario.sampler_failures,
             executor_failures_left=scenario.executor_failures,
+            tunes_left=scenario.tunes,
         )
         if not begin:
             return world
@@ -495,11 +522,27 @@ class World:
                 yield Break()
             # iter() returns once every worker acknowledged the resume, as torch's does; only
             # an interrupted iter() leaves a reset unacknowledged when the next one comes.
+            if self.tunes_left and not blocked:
+                yield from self._tunings()
             restartable = not (blocked or self.expect)
             if restartable and self.epoch < self.scenario.epochs:
                 yield Restart()
         if self.closes_left and not blocked:
             yield Close()
+
+    def _tunings(self) -> Iterator[Action]:
+        """What a tuner may do now: retire a worker the scheduler would let go (running, no
+        index drawn for it, another left to take tasks), or add back a retired slot."""
+        core = self.core
+        if self.scenario.config.iterable or core.phase not in (Phase.RUNNING, Phase.DRAINING):
+            return
+        workers = core.life.workers
+        takers = [w for w, s in enumerate(workers) if s in (_ACTIVE, _STARTING)]
+        for w, status in enumerate(workers):
+            if status is _ACTIVE and core.drawing_for != w and len(takers) > 1:
+                yield Retire(w)
+        for w in sorted(self.retired):
+            yield Add(w)
 
     def apply(
         self, action: Action, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
@@ -590,6 +633,8 @@ class World:
 
 
 _FIELDS = [a.name for a in attrs.fields(World)]
+_ACTIVE = WorkerStatus.ACTIVE
+_STARTING = WorkerStatus.STARTING
 _CAPABLE = Capabilities(replaces_workers=True, kills_stuck_workers=True)
 _CAPABLE_UNKILLABLE = Capabilities(replaces_workers=True)
 
@@ -624,7 +669,7 @@ class _Sim:
         # Declared only where workers may be replaced or found stuck: the driver then checks the
         # methods on each action's new driver, which costs the other scenarios a tenth.
         scenario = self.scenario
-        if scenario.config.restarts or scenario.hangs:
+        if scenario.config.restarts or scenario.hangs or scenario.tunes:
             self.capabilities = _CAPABLE if scenario.killable else _CAPABLE_UNKILLABLE
         # No flight recorder: each action gets a new driver with the world's state put in, so
         # a recording would start from a state it never saw.
@@ -693,6 +738,9 @@ class _Sim:
     interrupts_left: int
     sampler_failures_left: int
     executor_failures_left: int
+    tunes_left: int
+    retiring: frozenset[int]
+    retired: frozenset[int]
 
     def _violate(self, message: str) -> Violation:
         # Kept, because the driver takes an exception from its executor for the executor's own
@@ -749,6 +797,12 @@ class _Sim:
                 self.in_hand = handed
                 self.handed_in_call = True
             elif type(command) is ReplaceWorker:
+                if type(event) is AddRequested:
+                    # A retired slot started again: only a tuner's add does that, and it spends
+                    # no restart.
+                    if command.worker not in self.retired:
+                        raise self._violate(f"{command!r} starts a slot that was not retired")
+                    continue
                 if self.restarts >= self.scenario.config.restarts:
                     raise self._violate(
                         f"{command!r} after {self.restarts} restart(s), more than the "
@@ -764,6 +818,8 @@ class _Sim:
         w = event.worker
         if late or event.incarnation != self.incarnations[w]:
             return  # after everything stopped, or late news of an incarnation already lost
+        if w in self.retired:
+            return  # died once retired and stopped, holding nothing: nothing is lost
         config = self.scenario.config
         stuck = type(event) is WorkerStuck
         if stuck and (_TASK, event.task) not in {item[:2] for item in self.queues[w]}:  # type: ignore[union-attr]
@@ -834,6 +890,8 @@ class _Sim:
             if (task, w, max(earlier), index) not in self.sent:
                 raise self._violate(f"{command!r} sent again with another index")
         else:
+            if w in self.retiring:
+                raise self._violate(f"{command!r}: a new task sent to retiring worker {w}")
             others = sorted(v for t, v in self.open_tasks if t == task)
             if others:
                 raise self._violate(
@@ -891,6 +949,10 @@ class _Sim:
             self.ghosts = _replace(self.ghosts, w, self.ghosts[w] + (death,))
         elif self.alive[w]:
             raise self._violate(f"{command!r} replaces worker {w}, which was not lost")
+        # A retiring worker lost is replaced as a running one (its retirement lapses); a
+        # retired slot is started again.
+        self.retiring = self.retiring - {w}
+        self.retired = self.retired - {w}
         self.incarnations = _replace(self.incarnations, w, command.incarnation)
         self.started = _replace(self.started, w, False)
         # Set up for the epoch it starts in, it owes no resume; it is sent nothing before it has
@@ -940,6 +1002,13 @@ class _Sim:
             raise self._violate(
                 f"worker {worker} was stopped before the consumer asked past the last batch"
             )
+        if worker in self.retiring:
+            held = [item for item in self.queues[worker] if item[0] == _TASK]
+            live = self.driver.state.phase in (Phase.RUNNING, Phase.DRAINING)
+            if held and live:
+                raise self._violate(f"retiring worker {worker} was stopped holding {held}")
+            self.retiring = self.retiring - {worker}
+            self.retired = self.retired | {worker}
         self.alive = _replace(self.alive, worker, False)
         self.queues = _replace(self.queues, worker, ())
 
@@ -1174,6 +1243,17 @@ class _Sim:
         elif isinstance(action, Restart):
             self._restart()
             return
+        elif isinstance(action, Retire):
+            self.tunes_left -= 1
+            self.retiring = self.retiring | {action.worker}
+            self.driver.retire(action.worker)
+            self._raise_violation()
+            return
+        elif isinstance(action, Add):
+            self.tunes_left -= 1
+            self.driver.add(action.worker)
+            self._raise_violation()
+            return
         else:  # pragma: no cover
             raise TypeError(f"unknown action {action!r}")
         self._go_on_if_waiting()
@@ -1310,7 +1390,7 @@ class _Sim:
         self.unsent = ()
         self.ended = False
         self.call(lambda: self.driver.start_epoch(seed=self.epoch), iterating=True)
-        everyone = set(range(self.scenario.config.num_workers))
+        everyone = set(range(self.scenario.config.num_workers)) - self.retired
         if not self.broken and self.resumed != everyone:
             raise Violation(f"a new epoch resumed workers {sorted(self.resumed)}, not every worker")
 

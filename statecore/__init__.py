@@ -39,6 +39,7 @@ from statecore._errors import (
     WorkerRestartedWarning,
 )
 from statecore._events import (
+    AddRequested,
     CloseRequested,
     Event,
     ExecutorFailed,
@@ -46,6 +47,7 @@ from statecore._events import (
     Interrupted,
     NextRequested,
     ResetRequested,
+    RetireRequested,
     SamplerExhausted,
     SamplerFailed,
     TaskCompleted,
@@ -98,6 +100,7 @@ __all__ = [
     "RESOLVED",
     "RULES",
     "TRANSITIONS",
+    "AddRequested",
     "Cancelled",
     "CloseRequested",
     "ClosedError",
@@ -131,6 +134,7 @@ __all__ = [
     "ResetRequested",
     "Resolved",
     "ResumeWorker",
+    "RetireRequested",
     "Rule",
     "SamplerExhausted",
     "SamplerFailed",

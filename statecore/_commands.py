@@ -101,7 +101,9 @@ class ReplaceWorker(Command):
     incarnation `incarnation` in its slot, set up as the one it replaces: the same worker id,
     seed and `worker_init_fn`, at epoch `epoch`, its dataset restored to where the last answer
     the main process recorded from it left it. Answer `WorkerStarted`, or `WorkerDied` if it
-    cannot start. The tasks the lost worker held are sent to it again once it has started."""
+    cannot start. The tasks the lost worker held are sent to it again once it has started.
+
+    It also starts a retired slot again (`AddRequested`): one with no worker to end."""
 
     worker: int
     incarnation: int

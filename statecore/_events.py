@@ -9,7 +9,9 @@ impossible in the current state (see `statecore._errors`):
   `TimedOut`, `ExecutorFailed`;
 - the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
   `WorkerResumed`, `WorkerDied`, `WorkerStarted`;
-- the driver, for a worker it found stuck: `WorkerStuck`.
+- the driver, for a worker it found stuck: `WorkerStuck`;
+- the driver, on a tuner's behalf (changing how many workers load): `RetireRequested`,
+  `AddRequested`.
 
 Every event of a worker names its incarnation: how many times its slot was replaced when the
 worker that sent it was started (0 for the first). An event of an earlier incarnation is late
@@ -23,6 +25,7 @@ import attrs
 from statecore._state import Progress
 
 __all__ = [
+    "AddRequested",
     "CloseRequested",
     "Event",
     "ExecutorFailed",
@@ -30,6 +33,7 @@ __all__ = [
     "Interrupted",
     "NextRequested",
     "ResetRequested",
+    "RetireRequested",
     "SamplerExhausted",
     "SamplerFailed",
     "TaskCompleted",
@@ -251,6 +255,26 @@ class WorkerStuck(Event):
     stack: str | None = None
     killable: bool = True
     """Whether the executor can end the worker (a process can be killed, a thread cannot)."""
+
+
+# --- from the driver, on a tuner's behalf -------------------------------------------------------
+
+
+@attrs.frozen
+class RetireRequested(Event):
+    """Retire `worker` mid-epoch: it is given no new task, finishes those it holds, and is then
+    stopped (`StopWorker`); its slot stays empty until `AddRequested` starts it again. Map-style
+    datasets only: an iterable dataset's worker holds its own part of the data."""
+
+    worker: int
+
+
+@attrs.frozen
+class AddRequested(Event):
+    """Start `worker`'s retired slot again (`ReplaceWorker` with its next incarnation); it takes
+    tasks once it has started (`WorkerStarted`). Spends no restart."""
+
+    worker: int
 
 
 # The slots' own setters, for the `fast` constructors: attrs' frozen `__init__` sets each field

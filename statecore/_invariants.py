@@ -31,9 +31,10 @@ def violations(state: State) -> list[str]:
         found.append(
             f"{len(life.replaced)} lost workers replaced, over the {config.restarts} restarts"
         )
-    if sum(life.incarnations) != len(life.replaced):
+    if sum(life.incarnations) != len(life.replaced) + life.added:
         found.append(
-            f"incarnations {life.incarnations} do not count the {len(life.replaced)} replacements"
+            f"incarnations {life.incarnations} do not count the {len(life.replaced)} "
+            f"replacements and {life.added} retired slots started again"
         )
 
     counted = [0] * n
@@ -45,6 +46,13 @@ def violations(state: State) -> list[str]:
     for w, load in enumerate(state.loads):
         if load > limit:
             found.append(f"worker {w} holds {load} unresolved tasks, over prefetch {limit}")
+        status = life.workers[w]
+        if status is WorkerStatus.STOPPED and load:
+            found.append(f"worker {w} was stopped and still holds {load} unresolved tasks")
+        if status is WorkerStatus.RETIRING and not load:
+            found.append(f"worker {w} retires holding no task, and was not stopped")
+    if WorkerStatus.RETIRING in life.workers and phase not in (Phase.RUNNING, Phase.DRAINING):
+        found.append(f"a worker retires while the loader is {phase.value}")
     if state.outstanding + state.buffered > limit * n:
         found.append("more unresolved tasks than prefetch_factor x workers")
 

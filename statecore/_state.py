@@ -89,7 +89,11 @@ class WorkerStatus(enum.Enum):
     STARTING = "starting"
     """A replacement for a lost worker (dead or stuck) is starting in its slot. It takes its
     turn as the lost one did, but the tasks it is given, and those the lost one held, wait in
-    the window and are sent once it has started (`WorkerStarted`)."""
+    the window and are sent once it has started (`WorkerStarted`). A retired slot started
+    again (`AddRequested`) is starting too."""
+    RETIRING = "retiring"
+    """Asked to retire (`RetireRequested`): it is given no new task and answers those it holds;
+    once it holds none it is told to stop, and its slot is STOPPED (retired)."""
 
     __hash__ = object.__hash__
 
@@ -412,6 +416,9 @@ class Lifecycle:
     event of an earlier incarnation is news of a lost worker, dropped on arrival."""
     replaced: tuple[WorkerLoss, ...] = ()
     """The losses replaced so far, in order: they spend `Config.restarts`."""
+    added: int = 0
+    """Retired slots started again (`AddRequested`): each is a new incarnation of its slot, and
+    spends no restart."""
 
 
 class State(NamedTuple):

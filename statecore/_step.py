@@ -78,6 +78,7 @@ from statecore._commands import (
 from statecore._errors import ClosedError, ExecutorError, MisuseError, ProtocolError
 from statecore._events import (
     CONSUMER_EVENTS,
+    AddRequested,
     CloseRequested,
     Event,
     ExecutorFailed,
@@ -85,6 +86,7 @@ from statecore._events import (
     Interrupted,
     NextRequested,
     ResetRequested,
+    RetireRequested,
     SamplerExhausted,
     SamplerFailed,
     TaskCompleted,
@@ -135,6 +137,7 @@ ACTIVE = WorkerStatus.ACTIVE
 EXHAUSTED = WorkerStatus.EXHAUSTED
 STOPPED = WorkerStatus.STOPPED
 STARTING = WorkerStatus.STARTING
+RETIRING = WorkerStatus.RETIRING
 
 _tuple_new = tuple.__new__
 _DRAW = (DRAW_INDEX,)
@@ -213,6 +216,11 @@ def _why_not(state: State, event: Event) -> str:
         return "no index was asked of the sampler"
     if isinstance(event, TimedOut):
         return "nothing was being waited for"
+    if isinstance(event, (RetireRequested, AddRequested)):
+        return (
+            f"workers are retired and added only while an epoch runs, and the loader is "
+            f"{phase.value}"
+        )
     if isinstance(event, _ANSWERS):
         return "no task is awaiting an answer"
     return f"{type(event).__name__} cannot happen while the loader is {phase.value}"
@@ -295,7 +303,10 @@ def _dataset_iterable(state: State, event: Event) -> str | None:
 
 
 def _known_worker(state: State, event: Event) -> str | None:
-    assert isinstance(event, (WorkerResumed, WorkerDied, WorkerStarted, WorkerStuck))
+    assert isinstance(
+        event,
+        (WorkerResumed, WorkerDied, WorkerStarted, WorkerStuck, RetireRequested, AddRequested),
+    )
     w = event.worker
     return None if 0 <= w < len(state.life.workers) else f"there is no worker {w}"
 
@@ -343,8 +354,9 @@ def _stuck_on_an_awaited_task(state: State, event: Event) -> str | None:
         return f"worker {w}'s incarnation {event.incarnation} is not the one running"
     if not state.waiting:
         return "no consumer waits, so no worker holds it up"
-    if state.life.workers[w] is not ACTIVE:
-        return f"worker {w} is {state.life.workers[w].value}, not running a task"
+    status = state.life.workers[w]
+    if status is not ACTIVE and status is not RETIRING:
+        return f"worker {w} is {status.value}, not running a task"
     i = task - state.rcvd_idx
     slot = state.window[i] if 0 <= i < len(state.window) else None
     if not (type(slot) is Pending and slot.worker == w):
@@ -356,6 +368,50 @@ def _something_awaited(state: State, event: Event) -> str | None:
     if state.waiting or state.life.resetting:
         return None
     return "no consumer is waiting, so nothing can time out"
+
+
+def _map_style(state: State, event: Event) -> str | None:
+    if state.config.iterable:
+        return (
+            f"worker {event.worker} of an iterable dataset holds its own part of the data, "  # type: ignore[attr-defined]
+            "which retiring it would lose: only a map-style dataset's workers can be retired"
+        )
+    return None
+
+
+def _running(state: State, event: Event) -> str | None:
+    assert isinstance(event, RetireRequested)
+    status = state.life.workers[event.worker]
+    if status is not ACTIVE:
+        return f"worker {event.worker} is {status.value}, not running: only a running one retires"
+    return None
+
+
+def _not_drawn_for(state: State, event: Event) -> str | None:
+    assert isinstance(event, RetireRequested)
+    if state.drawing_for == event.worker:
+        return (
+            f"an index is being drawn for worker {event.worker}: carry out the DrawIndex "
+            "first, then retire it"
+        )
+    return None
+
+
+def _another_takes_tasks(state: State, event: Event) -> str | None:
+    assert isinstance(event, RetireRequested)
+    w = event.worker
+    for other, status in enumerate(state.life.workers):
+        if other != w and (status is ACTIVE or status is STARTING):
+            return None
+    return f"worker {w} is the last worker that can take a task: add another before retiring it"
+
+
+def _retired(state: State, event: Event) -> str | None:
+    assert isinstance(event, AddRequested)
+    status = state.life.workers[event.worker]
+    if status is not STOPPED:
+        return f"worker {event.worker} is {status.value}, not retired: only a retired slot is added"
+    return None
 
 
 _DRAW_GUARDS: tuple[Guard, ...] = (_index_asked,)
@@ -380,6 +436,8 @@ GUARDS: Mapping[type[Event], tuple[Guard, ...]] = {
     WorkerDied: (_known_worker, _incarnation_started),
     WorkerStarted: (_known_worker, _incarnation_started, _was_replacing),
     WorkerStuck: (_known_worker, _stuck_on_an_awaited_task),
+    RetireRequested: (_known_worker, _map_style, _running, _not_drawn_for, _another_takes_tasks),
+    AddRequested: (_known_worker, _retired),
 }
 """Per event type, the guards asked before its handler, in order. The answers' own check (is
 this task awaited from this worker?) is `_claim`'s, which finds the task's slot on the way."""
@@ -467,6 +525,15 @@ def _settle(
             loads = _add(loads, slot.worker, -1)
             rcvd_idx, window = _resolve(rcvd_idx, window, i)
             waiting = False
+    if RETIRING in life.workers:
+        # The rule "retired": a retiring worker that holds no task any more is stopped.
+        workers = life.workers
+        for w, status in enumerate(workers):
+            if status is RETIRING and not loads[w]:
+                workers = _with(workers, w, STOPPED)
+                out += (StopWorker(w),)
+        if workers is not life.workers:
+            life = attrs.evolve(life, workers=workers)
     if phase is RUNNING:
         if drawing_for is None and (not config.lazy or (waiting and not window)):
             drawing_for = _policy.in_force.pick_worker(config, life.workers, loads, cursor)
@@ -634,12 +701,20 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         if type(slot) is Pending and life.workers[slot.worker] is not STARTING
     )
     epoch = life.epoch + 1
-    out = tuple(ResumeWorker(w, epoch, event.seed) for w in range(n))
+    # A retired slot stays retired; one still retiring is retired now (its tasks are stale).
+    out: tuple[Command, ...] = tuple(
+        StopWorker(w) for w, status in enumerate(life.workers) if status is RETIRING
+    )
+    workers = tuple(
+        STOPPED if status is STOPPED or status is RETIRING else WorkerStatus.RESUMING
+        for status in life.workers
+    )
+    out += tuple(ResumeWorker(w, epoch, event.seed) for w in range(n) if workers[w] is not STOPPED)
     life = Lifecycle(
         phase=phase,
         epoch=epoch,
         base=send_idx,
-        workers=(WorkerStatus.RESUMING,) * n,
+        workers=workers,
         stale=stale,
         skipped=0,
         dropped=0,
@@ -647,6 +722,7 @@ def _on_reset(state: State, event: ResetRequested) -> Transition:
         resetting=True,
         incarnations=life.incarnations,
         replaced=life.replaced,
+        added=life.added,
     )
     return _settle(config, life, send_idx, (), (0,) * n, 0, None, False, out)
 
@@ -690,8 +766,9 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
     index = event.index
     counts = [*loads]  # `_add(loads, w, 1)`, less a call on every batch
     counts[w] += 1
-    if config.restarts:
-        # Kept to send again, should the worker be lost before it answers.
+    if config.restarts or status is not ACTIVE:
+        # Kept to send again, should the worker be lost before it answers; or to send once a
+        # slot started again (`AddRequested`) has started, which needs no restart.
         window += (Pending(w, index),)
     else:
         window += _PENDING_TAILS[w] if w < _SHARED_PENDINGS else (Pending(w),)
@@ -850,6 +927,42 @@ def _on_started(state: State, event: WorkerStarted) -> Transition:
     )
 
 
+def _on_retire(state: State, event: RetireRequested) -> Transition:
+    """A worker retires: it is given no new task (`pick_worker` passes it by) and is stopped
+    by the rule "retired" once it holds none, at once if it holds none now."""
+    life = state.life
+    life = attrs.evolve(life, workers=_with(life.workers, event.worker, RETIRING))
+    return _settle_same(state, life, state.drawing_for, state.waiting)
+
+
+def _on_add(state: State, event: AddRequested) -> Transition:
+    """A retired slot is started again, as its next incarnation, set up as a replacement is;
+    it takes its turns while it starts, and is sent its tasks once it has started."""
+    w = event.worker
+    life = state.life
+    incarnation = life.incarnations[w] + 1
+    life = attrs.evolve(
+        life,
+        workers=_with(life.workers, w, STARTING),
+        incarnations=life.incarnations[:w] + (incarnation,) + life.incarnations[w + 1 :],
+        # The retired incarnation's late answers are dropped as a lost one's: none is owed.
+        stale=frozenset(pair for pair in life.stale if pair[1] != w),
+        added=life.added + 1,
+    )
+    out = (ReplaceWorker(w, incarnation, life.epoch),)
+    return _settle(
+        state.config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.drawing_for,
+        state.waiting,
+        out,
+    )
+
+
 def _on_timeout(state: State, event: TimedOut) -> Transition:
     return _fail(state, event, Timeout(event.seconds))
 
@@ -920,6 +1033,8 @@ _HANDLERS: Mapping[type[Event], _Handler] = {
     WorkerDied: _on_died,  # type: ignore[dict-item]
     WorkerStuck: _on_stuck,  # type: ignore[dict-item]
     WorkerStarted: _on_started,  # type: ignore[dict-item]
+    RetireRequested: _on_retire,  # type: ignore[dict-item]
+    AddRequested: _on_add,  # type: ignore[dict-item]
 }
 
 

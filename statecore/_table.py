@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import attrs
 
 from statecore._events import (
+    AddRequested,
     CloseRequested,
     Event,
     ExecutorFailed,
@@ -20,6 +21,7 @@ from statecore._events import (
     Interrupted,
     NextRequested,
     ResetRequested,
+    RetireRequested,
     SamplerExhausted,
     SamplerFailed,
     TaskCompleted,
@@ -51,6 +53,10 @@ _LIVE = (IDLE, RESUMING, RUNNING, DRAINING, FINISHED)
 # The legal moves: phase -> event type -> the phase the move leads to. Where the state after the
 # move decides more (every acknowledgement in, no active worker left, the epoch over, a lost
 # worker with no restart left), a rule takes it on from there (`RULES`).
+#
+# A worker retired (`RetireRequested`, map-style datasets only) is given no new task and is
+# stopped by the rule "retired" once it holds none; `AddRequested` starts a retired slot again.
+# Neither changes the phase.
 #
 # A worker lost (`WorkerDied`, `WorkerStuck`) in a live phase is replaced in its slot, and the
 # phase stays; the rule "restarts spent" fails the loader instead when none is left, which with
@@ -85,6 +91,8 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         WorkerDied: RUNNING,
         WorkerStuck: RUNNING,
         WorkerStarted: RUNNING,
+        RetireRequested: RUNNING,
+        AddRequested: RUNNING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: RUNNING,
         ResetRequested: RESUMING,
@@ -101,6 +109,8 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         WorkerDied: DRAINING,
         WorkerStuck: DRAINING,
         WorkerStarted: DRAINING,
+        RetireRequested: DRAINING,
+        AddRequested: DRAINING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: DRAINING,
         ResetRequested: RESUMING,
@@ -167,6 +177,17 @@ RULES: tuple[Rule, ...] = (
         DRAINING,
         "every worker ran dry (or a checkpoint resumed them all dry): nothing more is sent",
         frozenset({WorkerExhausted, ResetRequested}),
+    ),
+    *(
+        Rule(
+            "retired",
+            phase,
+            phase,
+            "a retiring worker holds no unresolved task: it is told to stop (StopWorker) and its "
+            "slot is retired (STOPPED) until AddRequested starts it again",
+            frozenset({RetireRequested, NextRequested, TaskCompleted, TaskFailed}),
+        )
+        for phase in (RUNNING, DRAINING)
     ),
     Rule(
         "the epoch over",

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from statecore import (
     EDGES,
+    AddRequested,
     CloseRequested,
     Command,
     Config,
@@ -21,6 +22,7 @@ from statecore import (
     Interrupted,
     NextRequested,
     ResetRequested,
+    RetireRequested,
     SamplerExhausted,
     SamplerFailed,
     State,
@@ -100,5 +102,7 @@ ONE_OF_EACH: tuple[Event, ...] = (
     WorkerDied(worker=0),
     WorkerStarted(worker=0, incarnation=1),
     WorkerStuck(worker=0, task=0, seconds=1.0),
+    RetireRequested(worker=0),
+    AddRequested(worker=0),
 )
 """One representative event of every event type."""

@@ -188,12 +188,14 @@ def test_only_a_batch_or_a_tasks_error_hands_a_task_over() -> None:
     assert handed_task(None) is None
 
 
-# What the models' world may use of the driver: the consumer's calls, the rest of a call that
-# waited, the state a checkpoint records, and the driver's state as one value.
+# What the models' world may use of the driver: the consumer's calls, a tuner's, the rest of a
+# call that waited, the state a checkpoint records, and the driver's state as one value.
 _DRIVER_SURFACE = {
     "start_epoch",
     "next",
     "close",
+    "retire",
+    "add",
     "go_on",
     "progress",
     "marks",

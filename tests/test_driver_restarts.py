@@ -194,3 +194,36 @@ def test_a_worker_still_starting_is_not_stuck() -> None:
     assert _epoch(_driver(executor, restarts=1, worker_timeout=0.01)) == [0, 1, 2, 3, 4, 5]
     assert not [c for c in executor.told if isinstance(c, ReplaceWorker)]
     assert executor.asked >= 3
+
+
+@pytest.mark.timeout(60)
+def test_a_tuner_retires_a_worker_and_adds_it_back_between_calls() -> None:
+    executor = _Killable()
+    driver = _driver(executor, restarts=0)
+    driver.start_epoch()
+    got = [driver.next()]
+    driver.retire(1)
+    while ("stop", 1) not in executor.told:
+        got.append(driver.next())
+    driver.add(1)
+    while True:
+        try:
+            got.append(driver.next())
+        except StopIteration:
+            break
+    assert got == [0, 1, 2, 3, 4, 5]
+    assert ReplaceWorker(1, 1, 1) in executor.told
+    assert driver.state.life.added == 1
+
+
+@pytest.mark.timeout(60)
+def test_adding_a_worker_on_an_executor_that_cannot_start_one_says_so() -> None:
+    class _Plain(_Scripted):
+        replace = None  # type: ignore[assignment]
+
+    driver = _driver(_Plain(), restarts=0)
+    driver.start_epoch()
+    before = driver.state
+    with pytest.raises(TypeError, match="cannot start worker 1 again"):
+        driver.add(1)
+    assert driver.state is before

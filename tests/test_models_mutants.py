@@ -117,6 +117,10 @@ RARE_FOR_THE_MACHINE = {
     # world (a resumed loader's epochs misnumbered, now fixed) reported them instead.
     "abandoned-acknowledgements-count",
     "sampler-error-passes-iter",
+    # It needs the one tuning scenario with prefetch 2 and more batches than the window, a
+    # retire while the retired worker still holds a task, and a draw after it: one run of the
+    # machine did not report it within 400 s, so it is not claimed.
+    "retiring-worker-gets-tasks",
 }
 
 

@@ -73,7 +73,8 @@ def check(processes: int, bench: bool, verbose: bool, progress_bar: bool = True)
         f"(workers 1-3, prefetch 1-2, up to {Bounds().batches} batches, map and iterable, "
         "in order and not, persistent and not, the sampler read ahead and on demand; with worker "
         "deaths, timeouts, closes and an interrupted wait; and workers that come and go: dead or "
-        "stuck, replaced while 0-2 restarts last, late answers of the lost) ...",
+        "stuck, replaced while 0-2 restarts last, late answers of the lost, retired and added "
+        "back by a tuner) ...",
         flush=True,
     )
     started = time.perf_counter()

@@ -332,8 +332,11 @@ class MultiprocessExecutor(Confirming):
         failure: BaseException | None = None
         # As in `_launch`: a start cut short would leave a process nobody recorded.
         with self.signals_held, self.launching, self.reading:
-            if self.closed or worker in self.stopping:
+            if self.closed:
                 return
+            # A slot told to stop and started again is a retired one added back (the core
+            # orders a shutdown's stops after every replacement, never before one).
+            self.stopping.discard(worker)
             self._retire(worker)
             self.incarnations[worker] = incarnation
             self.unstartable.discard(worker)
