@@ -45,7 +45,7 @@ from statecore import (
 )
 from statecore import progress as core_progress
 from statecore.executors._driver import Driver
-from statecore.models.explorer import default_scenarios, restart_scenarios
+from statecore.models.explorer import default_scenarios, restart_scenarios, tuning_scenarios
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import Scenario
 
@@ -63,15 +63,16 @@ class Mutant:
     witness: Scenario = attrs.field(repr=False)
     """A default scenario (`statecore.models.explorer.default_scenarios`) whose exploration
     reports the bug: the first one a scan of `scope` in order meets."""
-    replacing_only: bool = False
-    """The bug differs from the real policy only where a lost worker was replaced (an
-    incarnation past 0, a slot starting, a replacement's tasks, the restarts' count), which
-    needs restarts: the exhaustive scan looks for it in the scenarios with restarts
-    (`restart_scenarios`), not in the ninety-odd without, where it cannot act."""
+    acts_in: Callable[[], Iterator[Scenario]] | None = attrs.field(default=None, repr=False)
+    """Where alone the bug can act, if it differs from the real policy only in states few
+    scenarios reach: a mutant of replacing (an incarnation past 0, a slot starting, a
+    replacement's tasks, the restarts' count) acts only with restarts (`restart_scenarios`), one
+    of retiring only where a tuner retires (`tuning_scenarios`). The exhaustive scan looks for it
+    there, not in the ninety-odd scenarios where it cannot act."""
 
     def scope(self) -> list[Scenario]:
         """The default scenarios, in order, that a scan for this bug explores."""
-        return list(restart_scenarios() if self.replacing_only else default_scenarios())
+        return list((self.acts_in or default_scenarios)())
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -558,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a started replacement is sent the tasks other workers hold too: each would come twice",
         _resent_task_delivered_twice,
         witness=_TWO_WORKERS_RESTARTED,
-        replacing_only=True,
+        acts_in=restart_scenarios,
     ),
     Mutant(
         "late-answer-accepted",
@@ -566,14 +567,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "for its replacement's",
         _late_answer_accepted,
         witness=_ONE_WORKER_RESTARTED,
-        replacing_only=True,
+        acts_in=restart_scenarios,
     ),
     Mutant(
         "lost-tasks-never-resent",
         "the tasks a lost worker held are never sent to its replacement",
         _lost_tasks_never_resent,
         witness=_ONE_WORKER_RESTARTED,
-        replacing_only=True,
+        acts_in=restart_scenarios,
     ),
     Mutant(
         "sent-before-started",
@@ -587,14 +588,14 @@ MUTANTS: tuple[Mutant, ...] = (
             epochs=2,
             **_COME_AND_GO,
         ),
-        replacing_only=True,
+        acts_in=restart_scenarios,
     ),
     Mutant(
         "restarts-not-counted",
         "lost workers are replaced however many were before: worker_restarts is never spent",
         _restarts_not_counted,
         witness=_ONE_WORKER_RESTARTED,
-        replacing_only=True,
+        acts_in=restart_scenarios,
     ),
     Mutant(
         "retiring-worker-gets-tasks",
@@ -608,6 +609,7 @@ MUTANTS: tuple[Mutant, ...] = (
             timeouts=False,
             closes=False,
         ),
+        acts_in=tuning_scenarios,
     ),
 )
 
