@@ -6,8 +6,10 @@ executor wrapper raises around it), so that the interrupt lands in a wait, not i
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -20,7 +22,15 @@ from statecore.executors import Executor, Launch
 from statecore.executors._registry import lookup
 from statecore.models.loader import Forwarding
 
-__all__ = ["WAIT", "TimeLimit", "interrupt_main_once", "shared_flag", "time_limit", "watched"]
+__all__ = [
+    "WAIT",
+    "TimeLimit",
+    "collector_off",
+    "interrupt_main_once",
+    "shared_flag",
+    "time_limit",
+    "watched",
+]
 
 # Long enough for a loaded two-core machine; the waits end as soon as their condition holds.
 WAIT = 30.0
@@ -61,6 +71,25 @@ def interrupt_main_once(main: int, polling: Any, marker: Path, signum: int) -> N
     marker.touch()
     assert wait_until(lambda: bool(polling[0]), WAIT), "the main process never waited"
     os.kill(main, signum)
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """No automatic garbage collection while a signal may land in the main thread.
+
+    Python runs a signal's handler wherever the main thread is, a collector's callback included
+    (Hypothesis installs one to time collections), and an exception raised there, such as
+    Ctrl-C's KeyboardInterrupt, is only reported as unraisable and then dropped: the test would
+    see no interrupt at all. That is Python's behaviour, not the loader's, so these tests keep
+    the collector off while they wait for their interrupt.
+    """
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def shared_flag() -> Any:

@@ -21,10 +21,16 @@ from typing import Any
 import pytest
 import torch
 from _datasets import InterruptingSampler, InterruptsAt, InterruptsInMainThread, InterruptsResume
-from _interrupting import WAIT, TimeLimit, shared_flag, time_limit, watched
+from _interrupting import WAIT, TimeLimit, collector_off, shared_flag, time_limit, watched
 from _processes import wait_until
 
 from statecore import DataLoader
+
+
+@pytest.fixture(autouse=True)
+def _no_collection_while_interrupts_land() -> Iterator[None]:
+    with collector_off():
+        yield
 
 
 def _consume(iterator: Iterator[Any], interrupt: type[BaseException]) -> tuple[list[int], int]:
