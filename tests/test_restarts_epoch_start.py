@@ -44,6 +44,18 @@ EXECUTORS = [
 ]
 """(executor, start method): how a worker is lost differs (a process SIGKILLs itself, a thread's
 runtime ends with SystemExit); the replacement's setup is the same."""
+RAY = pytest.param("ray", None, id="ray", marks=pytest.mark.exhaustive)
+"""An actor SIGKILLs its own process; against a local Ray instance (`ray_cluster`)."""
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray instance for this module's Ray tests (tests/_ray_local.py); skipped where
+    Ray is not installed. Asked for only by them, so the others need no Ray."""
+    pytest.importorskip("ray")
+    from _ray_local import local_cluster
+
+    yield from local_cluster()
 
 
 def lose_worker(marker: Path | None, loads: int, executor: str) -> None:
@@ -52,7 +64,7 @@ def lose_worker(marker: Path | None, loads: int, executor: str) -> None:
     if marker is None or load_number(marker) != loads:
         return
     info = get_worker_info()
-    how = "kill" if executor == "mp" else "exit"
+    how = "exit" if executor == "thread" else "kill"
     Path(f"{marker}-{how}-{os.getpid()}").write_text(str(None if info is None else info.id))
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -151,7 +163,7 @@ def lost_and_unbroken(run: Run, executor: str, tmp_path: Path) -> tuple[list[Any
     marker = tmp_path / "read"
     got, told = run(marker)
     unbroken, _ = run(None)
-    [(_, worker)] = faulted(marker, "kill" if executor == "mp" else "exit")
+    [(_, worker)] = faulted(marker, "exit" if executor == "thread" else "kill")
     assert worker == 0
     assert len(told) == 1, told
     return got, unbroken
@@ -161,10 +173,13 @@ def lost_and_unbroken(run: Run, executor: str, tmp_path: Path) -> tuple[list[Any
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("executor", "method"), EXECUTORS)
+@pytest.mark.parametrize(("executor", "method"), [*EXECUTORS, RAY])
 def test_a_worker_lost_before_its_first_answer_of_a_later_epoch_counts_on_from_its_epochs(
-    executor: str, method: str | None, tmp_path: Path
+    executor: str, method: str | None, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    if executor == "ray":
+        request.getfixturevalue("ray_cluster")
+
     def run(marker: Path | None) -> tuple[list[Any], list[str]]:
         return epochs(loader(CountsEpochsLost(20, 0, marker, executor), executor, method), 3)
 
