@@ -43,10 +43,10 @@ class RestartBudget:
         if not afresh:
             return Observer(transition=self._transition, owner=self)
 
-        def transition(before: State, event: Event, transition: Transition) -> None:
-            self._transition(before, event, transition, afresh=True)
+        def warn_afresh(before: State, event: Event, made: Transition) -> None:
+            self._transition(before, event, made, afresh=True)
 
-        return Observer(transition=transition, owner=self)
+        return Observer(transition=warn_afresh, owner=self)
 
     def _transition(
         self, before: State, event: Event, transition: Transition, afresh: bool = False
