@@ -88,6 +88,7 @@ from statecore import (
     progress,
     step,
 )
+from statecore.executors._incarnation import Carried, Standing
 from statecore.executors._observe.seam import Observer, observed
 from statecore.executors._protocol import (
     Executor,
@@ -663,9 +664,12 @@ class Driver:
                 f"the scheduler replaced a worker ({command!r}) on an executor that cannot"
             )
         marks = self.worker_marks
-        mark = (
-            None if marks is None else marks.restoring(command.worker, self.state.config.iterable)
-        )
+        mark: Standing = None
+        if marks is not None:
+            # A driver's epochs after its first are a persistent iterator's: its workers went
+            # on into them with their datasets.
+            carried = command.epoch > 1
+            mark = marks.restoring(command.worker, self.state.config.iterable, carried)
         self.replacer.replace(command, mark)
 
     def _draw(self) -> None:
@@ -808,19 +812,24 @@ class WorkerMarks:
         one that died, say) is restored from it."""
         return _get(self.recorded, worker) or _get(self.received, worker)
 
-    def restoring(self, worker: int, iterable: bool) -> Mark | None:
-        """The mark a replacement for `worker` is restored to (None: the executor's own start
-        of the epoch, `Replacing.replace`): `latest`, or, for a map-style dataset's worker
-        that answered nothing yet this epoch but went on into it from the epoch before (a
-        persistent one), its mark in `left`.
+    def restoring(self, worker: int, iterable: bool, carried: bool = False) -> Standing:
+        """Where a replacement for `worker` is restored to (None: the executor's own start of
+        the epoch, `Replacing.replace`): `latest`, or, for a worker that went on into this
+        epoch from the epoch before (`carried`: a persistent iterator's epoch after its first),
+        where it stood as this epoch began.
 
         A map-style worker starts an epoch with its dataset as its last answer left it (a new
-        epoch makes a fetcher, nothing else), and its mark is the whole state: restored, it
-        is where the epoch began. Not so for an iterable part: a worker's dataset moved on
-        past `left` (its part run dry, `iter()` called again), and a mark restores a position
-        in an iterator, not that; the executor starts it as the setup has it
-        (docs/fault-tolerance.md, "What is exact")."""
+        epoch makes a fetcher, nothing else), and its mark is the whole state: its mark in
+        `left`, restored, is where the epoch began. Not so for an iterable part: the worker's
+        dataset moved on past `left` (its part run dry, or read as far as `left` after a
+        `break`, and `iter()` called again), and a mark restores a position in an iterator,
+        not that. So its replacement is told both, `Carried`, and brought there as a
+        checkpoint of this epoch brings a worker (`WorkerSetup.ended`), then to `latest`.
+        """
         mark = self.latest(worker)
+        if carried and iterable:
+            open_ = worker not in self.left_dry
+            return Carried(_get(self.left, worker), open_, mark)
         if mark is None and not iterable:
             mark = _get(self.left, worker)
         return mark

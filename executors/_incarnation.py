@@ -2,7 +2,8 @@
 
 - `replacement_setup`: the setup a replacement starts from, so that it is set up as the worker
   it replaces was, at the epoch it starts in, its dataset restored through the path a resumed
-  checkpoint takes (`WorkerSetup.resume`).
+  checkpoint takes (`WorkerSetup.resume`, and `WorkerSetup.ended` for what a persistent
+  worker's dataset carried into a later epoch: `Carried`).
 - `stamped`: a worker's runtime (`executors._worker.WorkerRuntime`) knows nothing of
   replacements, and its events say incarnation 0. The executor stamps each event of a
   replacement with the replacement's number before handing it out, so that the scheduler can
@@ -27,7 +28,32 @@ from statecore import (
 )
 from statecore.executors._worker import Mark, WorkerSetup
 
-__all__ = ["replacement_setup", "stamped"]
+__all__ = ["Carried", "Standing", "replacement_setup", "restored", "stamped"]
+
+
+@attrs.frozen
+class Carried:
+    """Where a persistent worker's iterable dataset stands in an epoch after its first, for its
+    replacement: the dataset lived on from the epoch before, which a fresh copy of it did not.
+
+    Told as a checkpoint taken in that epoch tells it (`WorkerSetup.ended`, `.ended_open` and
+    `.resume`), and restored the same way: brought to `ended`, run dry (or, `open`, read only
+    to it), `iter()` called again, which is where the worker stood as this epoch began; then
+    to `mark`, if it answered in this epoch already.
+    """
+
+    ended: Mark | None
+    """The mark of its last answer of the epoch before recorded (None: it had none)."""
+    open: bool
+    """The epoch before was left (a `break`) before this worker's part ran dry."""
+    mark: Mark | None
+    """The mark of its last answer of this epoch recorded (None: it answered nothing yet)."""
+
+
+Standing = Mark | Carried | None
+"""Where a lost worker's dataset stood, as the driver tells `Replacing.replace`: the mark of its
+last answer of this epoch the main process recorded, None for where the executor started the
+epoch, or `Carried` for a persistent worker's iterable dataset in a later epoch."""
 
 _SLOTS: dict[type[Event], Callable[[Any, int], None]] = {
     kind: kind.__dict__["incarnation"].__set__
@@ -46,24 +72,46 @@ def stamped(event: Event, incarnation: int) -> Event:
 
 
 def replacement_setup(
-    setup: WorkerSetup, worker: int, mark: Mark | None, resumed: ResumeWorker | None
+    setup: WorkerSetup, worker: int, mark: Standing, resumed: ResumeWorker | None
 ) -> WorkerSetup:
     """The setup of a replacement of `worker`, whose executor started from `setup`.
 
     `resumed` is the last `ResumeWorker` the slot was given (None: still the epoch the executor
     started in): the replacement starts in that epoch, a datapipe reseeded with its seed. Its
-    dataset is restored to `mark`, the last answer the main process recorded from the slot, as a
-    checkpoint's resume restores a worker (None: where the epoch began; in the first epoch, that
-    may be a checkpoint's position, and what carried over into it from the epoch before, which
-    `setup` holds). A persistent worker's dataset that changed its own state in earlier epochs
-    is restored only as far as this epoch's marks say.
+    dataset is restored as `restored` says.
     """
-    marks: list[Mark | None] = [None] * setup.num_workers
-    if resumed is None and setup.resume is not None:
-        marks = list(setup.resume)
-    if mark is not None:
-        marks[worker] = mark
     if resumed is None:
-        return attrs.evolve(setup, resume=tuple(marks))
+        return restored(setup, worker, mark, later_epoch=False)
     seed = setup.shared_seed if resumed.seed is None else resumed.seed
-    return attrs.evolve(setup, resume=tuple(marks), ended=None, shared_seed=seed)
+    return attrs.evolve(restored(setup, worker, mark, later_epoch=True), shared_seed=seed)
+
+
+def restored(setup: WorkerSetup, worker: int, mark: Standing, later_epoch: bool) -> WorkerSetup:
+    """`setup` with `worker`'s dataset restored to `mark`, as a checkpoint's resume restores a
+    worker: a mark goes where a checkpoint's per-worker position goes (`WorkerSetup.resume`),
+    and a `Carried` also where a checkpoint's epoch before goes (`WorkerSetup.ended`).
+
+    None is where the epoch began as the executor started it: in its first epoch that may be a
+    checkpoint's position, and what carried over into it from the epoch before, which `setup`
+    holds; in a `later_epoch` those are past, and the setup's dataset is the start.
+    """
+    resume, ended, ended_open = setup.resume, setup.ended, setup.ended_open
+    if later_epoch:
+        resume, ended, ended_open = None, None, frozenset()
+    if isinstance(mark, Carried):
+        ended = _placed(ended, worker, mark.ended, setup.num_workers)
+        ended_open = ended_open | {worker} if mark.open else ended_open - {worker}
+        mark = mark.mark
+    if mark is not None:
+        resume = _placed(resume, worker, mark, setup.num_workers)
+    return attrs.evolve(setup, resume=resume, ended=ended, ended_open=ended_open)
+
+
+def _placed(
+    marks: tuple[Mark | None, ...] | None, worker: int, mark: Mark | None, workers: int
+) -> tuple[Mark | None, ...]:
+    """`marks` (None: none yet) with `worker`'s now `mark`, one per worker."""
+    placed = list(marks or ())
+    placed += [None] * (workers - len(placed))
+    placed[worker] = mark
+    return tuple(placed)

@@ -24,6 +24,7 @@ import attrs
 import multiprocess.context
 import torch.utils.data
 from torch._C._autograd import _profiler_enabled
+from torch.utils.data import IterDataPipe
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase, Progress, State, can_restart
@@ -836,12 +837,20 @@ class _Iterator(_BaseDataLoaderIter):
         self._opening = _opening_mark(self._dataset) if in_process and resume is None else None
         tracer = loader._tracer_for(workers, config.persistent_workers)
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
+        # A persistent worker's replacement in a later epoch cannot be given what its copy of
+        # such a dataset carried into the epoch; a datapipe's is its epoch's seed, which it is.
+        afresh = (
+            config.persistent_workers
+            and self._dataset_kind == _ITER
+            and not has_state(self._dataset)
+            and not isinstance(self._dataset, IterDataPipe)
+        )
         self._driver = Driver(
             config,
             executor,
             _drawer(self),
             self._timeout,
-            observers=(*observers(config, tracer), loader._restarts.observer()),
+            observers=(*observers(config, tracer), loader._restarts.observer(afresh)),
             marked=marked,
             worker_timeout=0 if in_process else loader.worker_timeout,
         )

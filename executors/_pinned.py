@@ -47,6 +47,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 from statecore import Event, ReplaceWorker, ResumeWorker, SendTask, TaskCompleted, TaskFailed
 from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
+from statecore.executors._incarnation import Standing
 from statecore.executors._protocol import (
     Capabilities,
     Executor,
@@ -57,7 +58,6 @@ from statecore.executors._protocol import (
     confirmer_of,
     replacer_of,
 )
-from statecore.executors._worker import Mark
 
 __all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
 
@@ -210,7 +210,7 @@ class PinnedExecutor(Confirming):
     def stop_worker(self, worker: int) -> None:
         self.inner.stop_worker(worker)
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         # Declared only over an executor that replaces: the driver calls it on no other.
         replacer = replacer_of(self.inner)
         assert replacer is not None

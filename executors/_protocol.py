@@ -33,7 +33,8 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from statecore import Event, ReplaceWorker, ResumeWorker, SendTask
-from statecore.executors._worker import Mark, WorkerSetup
+from statecore.executors._incarnation import Standing
+from statecore.executors._worker import WorkerSetup
 
 __all__ = [
     "Capabilities",
@@ -93,12 +94,14 @@ class WorkerReport:
 class Replacing(Protocol):
     """The methods of an executor that declares `Capabilities.replaces_workers`."""
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         """End `command.worker`'s current incarnation if it still runs (kill it: it may be
         stuck) and start incarnation `command.incarnation` in its slot, set up as the lost one
         was (worker id, seed, `worker_init_fn`, the epoch `command.epoch` and its seed), its
         dataset restored to `mark` (the last answer the main process recorded from it; None:
-        where it stood as the epoch began). Answer `WorkerStarted`, or `WorkerDied` with the
+        where it stood as the epoch began; a `Carried`, for a persistent worker's iterable
+        dataset in a later epoch: both, which `executors._incarnation.replacement_setup`
+        puts where a checkpoint would). Answer `WorkerStarted`, or `WorkerDied` with the
         new incarnation if it cannot start. It also starts a retired slot again (one told
         `stop_worker` earlier, which may have no worker left to end): a tuner's add."""
 

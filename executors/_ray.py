@@ -69,14 +69,14 @@ from statecore import (
     WorkerStarted,
 )
 from statecore.executors._confirm import Confirming
-from statecore.executors._incarnation import replacement_setup, stamped
+from statecore.executors._incarnation import Standing, replacement_setup, stamped
 from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._registry import NEEDS
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._timing import ClockSkew, TaskTiming
-from statecore.executors._worker import Mark, WorkerSetup
+from statecore.executors._worker import WorkerSetup
 
 __all__ = ["RayExecutor", "RayOptions", "RayUnavailableError", "ray"]
 
@@ -385,7 +385,7 @@ class RayExecutor(Confirming):
         options = self.options.actor_options()
         return _actor_class(self.library).options(**options).remote(setup, worker)
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         """Kill `command.worker`'s actor if it still runs, forget its calls, and start a new
         actor in its slot (see the module docstring); its start is told as `WorkerStarted`."""
         worker, incarnation = command.worker, command.incarnation

@@ -61,9 +61,9 @@ from statecore import (
     WorkerRestartedWarning,
 )
 from statecore.executors import Capabilities, Executor, Launch, capabilities_of
+from statecore.executors._incarnation import Standing
 from statecore.executors._protocol import WorkerReport, confirmer_of, replacer_of
 from statecore.executors._registry import lookup
-from statecore.executors._worker import Mark
 
 __all__ = [
     "DATASETS",
@@ -300,7 +300,7 @@ class Forwarding:
     def stop_worker(self, worker: int) -> None:
         self.inner.stop_worker(worker)
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         # Called only where the inner executor declares that it replaces workers.
         replacer = replacer_of(self.inner)
         assert replacer is not None

@@ -79,8 +79,8 @@ from statecore import (
 )
 from statecore import step as core_step
 from statecore.executors._driver import Driver, DriverState, handed_task
+from statecore.executors._incarnation import Carried, Standing
 from statecore.executors._protocol import Capabilities, WorkerReport
-from statecore.executors._worker import Mark
 from statecore.models.reference import (
     IterableSpec,
     MapSpec,
@@ -928,7 +928,7 @@ class _Sim:
         self.resumes_owed = self.resumes_owed | {command.worker}
         self.resumed.add(command.worker)
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         self._check_working()
         w = command.worker
         incarnation = self.incarnations[w]
@@ -962,7 +962,10 @@ class _Sim:
         self.alive = _replace(self.alive, w, True)
         self.queues = _replace(self.queues, w, ((_START, command.epoch),))
         # Set up as the lost one was: an iterable worker's part restored to `mark`, where the
-        # last answer the main process recorded from it left it.
+        # last answer the main process recorded from it left it. This world's parts keep no
+        # state from one epoch to the next: of a `Carried`, only this epoch's mark counts.
+        if isinstance(mark, Carried):
+            mark = mark.mark
         since = 0 if mark is None else mark[0]
         self.shards = _replace(self.shards, w, (self.before + command.epoch, since))
 

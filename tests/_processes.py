@@ -3,6 +3,9 @@
 The leak tests take a `Snapshot` before they start a loader and another once it is gone, and
 compare the two. Processes end asynchronously, so `wait_until` polls (for a bounded time, in
 short steps) instead of sleeping for a guessed time: it returns as soon as the condition holds.
+
+A fault test's dataset ends its worker on a chosen load, once: `load_number` counts the loads
+across processes and threads with files, and `faulted` reads back which workers a fault ended.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "Snapshot",
     "alive",
     "children",
     "cmdline",
+    "faulted",
     "kill_all",
     "leaks",
+    "load_number",
     "open_fds",
     "shm_entries",
     "state",
@@ -187,3 +193,32 @@ def kill_all(pids: Iterable[int]) -> None:
         if alive(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
+
+
+# --- faults a dataset brings about in its worker, once ------------------------------------------
+
+
+def load_number(marker: Path) -> int:
+    """Count this load of the chosen index (or item) across every process and thread: 1 for
+    the first. Files next to `marker` keep the count, so that a replacement worker, which
+    loads it again, is told it is not the first."""
+    count = 1
+    while True:
+        try:
+            Path(f"{marker}-{count}").touch(exist_ok=False)
+        except FileExistsError:
+            count += 1
+            continue
+        return count
+
+
+def faulted(marker: Path, how: str) -> list[tuple[int, int]]:
+    """(pid, worker id) of each worker a dataset faulted (`how`: "kill", "hang", ...), from
+    the file each fault leaves next to `marker`, `<marker>-<how>-<pid>`, holding the worker
+    id; in no particular order."""
+    prefix = f"{marker.name}-{how}-"
+    return [
+        (int(path.name[len(prefix) :]), int(path.read_text()))
+        for path in marker.parent.iterdir()
+        if path.name.startswith(prefix)
+    ]

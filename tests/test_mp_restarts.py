@@ -27,7 +27,7 @@ import torch
 import torch.utils.data
 from _datasets import Augmented
 from _launch import launch
-from _processes import Snapshot, wait_no_leaks
+from _processes import Snapshot, faulted, load_number, wait_no_leaks
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
@@ -64,21 +64,9 @@ def mark_init(worker_id: int) -> None:
     _INIT[:] = [1000 + worker_id]
 
 
-def _load_number(marker: Path) -> int:
-    """Count this load of the chosen index across every process: 1 for the first."""
-    count = 1
-    while True:
-        try:
-            Path(f"{marker}-{count}").touch(exist_ok=False)
-        except FileExistsError:
-            count += 1
-            continue
-        return count
-
-
 def _fault(marker: Path | None, faults: tuple[int, ...], how: str) -> None:
     """Kill or hang this process on the loads of the chosen index that `faults` numbers."""
-    if marker is None or _load_number(marker) not in faults:
+    if marker is None or load_number(marker) not in faults:
         return
     info = get_worker_info()
     Path(f"{marker}-{how}-{os.getpid()}").write_text(str(None if info is None else info.id))
@@ -215,16 +203,6 @@ def assert_same(ours: list[list[Any]], theirs: list[list[Any]]) -> None:
         assert len(mine) == len(torchs), f"epoch {epoch}"
         for batch, (a, b) in enumerate(zip(mine, torchs, strict=True)):
             assert equal(a, b), f"epoch {epoch}, batch {batch}: {a} != {b}"
-
-
-def faulted(marker: Path, how: str) -> list[tuple[int, int]]:
-    """(pid, worker id) of each process the dataset killed or hung, in no particular order."""
-    prefix = f"{marker.name}-{how}-"
-    return [
-        (int(path.name[len(prefix) :]), int(path.read_text()))
-        for path in marker.parent.iterdir()
-        if path.name.startswith(prefix)
-    ]
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ from statecore import (
     WorkerDied,
 )
 from statecore.executors._confirm import Confirming
+from statecore.executors._incarnation import Standing
 from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
@@ -77,7 +78,7 @@ from statecore.executors._mp.worker import Home, Restart, worker_main
 from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import HeldSignals
-from statecore.executors._worker import Mark, WorkerSetup
+from statecore.executors._worker import WorkerSetup
 
 __all__ = ["MultiprocessExecutor", "preload_in_forkserver", "resolve_context"]
 
@@ -321,7 +322,7 @@ class MultiprocessExecutor(Confirming):
 
     # --- lost workers ------------------------------------------------------------------------
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         """Kill the worker's process if it still runs (it may be stuck), release what it held,
         and start incarnation `command.incarnation` in its slot (see `Restart`)."""
         worker, incarnation = command.worker, command.incarnation

@@ -38,6 +38,7 @@ import torch
 from torch.utils.data._utils import HAS_NUMPY
 
 from statecore import Event, SendTask, WorkerStarted
+from statecore.executors._incarnation import Standing, restored
 from statecore.executors._mp import stacks
 from statecore.executors._mp.pool import Batch, BufferSender
 from statecore.executors._mp.wire import (
@@ -50,7 +51,7 @@ from statecore.executors._mp.wire import (
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import restore_in_child
 from statecore.executors._startup import Seat, start_worker
-from statecore.executors._worker import Mark, WorkerRuntime, WorkerSetup
+from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 
 def _freeze_what_a_spawned_worker_inherits() -> None:
@@ -133,25 +134,18 @@ class Restart:
     incarnation: int
     shared_seed: int | None
     """The epoch's shared seed: the last `ResumeWorker`'s, or the setup's for its first epoch."""
-    mark: Mark | None = attrs.field(eq=False)
+    mark: Standing = attrs.field(eq=False)
     """Where the lost worker's dataset stood after its last answer the main process recorded
-    (None: where it stood as the epoch began)."""
+    (None: where it stood as the epoch began; `Carried`: what it carried into a later epoch)."""
     later_epoch: bool
     """The epoch is not the setup's first: the checkpoint positions in the setup are past."""
 
     def setup_for(self, setup: WorkerSetup, worker_id: int) -> WorkerSetup:
         """`setup` as the lost worker's was at the moment it was lost: the mark goes where a
         checkpoint's per-worker position goes, so the runtime restores it and fast-forwards
-        as it resumes a checkpoint."""
-        resume, ended = setup.resume, setup.ended
-        if self.later_epoch:
-            resume = ended = None
-        if self.mark is not None:
-            marks = list(resume or ())
-            marks += [None] * (setup.num_workers - len(marks))
-            marks[worker_id] = self.mark
-            resume = tuple(marks)
-        return attrs.evolve(setup, shared_seed=self.shared_seed, resume=resume, ended=ended)
+        as it resumes a checkpoint (`executors._incarnation.restored`)."""
+        placed = restored(setup, worker_id, self.mark, self.later_epoch)
+        return attrs.evolve(placed, shared_seed=self.shared_seed)
 
 
 def _adopt_tempdir(tempdir: str) -> None:

@@ -102,7 +102,7 @@ from statecore import (
 )
 from statecore.executors._confirm import Confirming
 from statecore.executors._handoff import Handoff
-from statecore.executors._incarnation import replacement_setup, stamped
+from statecore.executors._incarnation import Standing, replacement_setup, stamped
 from statecore.executors._protocol import Capabilities, Launch, WorkerReport
 from statecore.executors._startup import Seat, start_worker
 from statecore.executors._thread.copies import own_copy, rebound
@@ -117,7 +117,7 @@ from statecore.executors._thread.reseed import (
     install_reseed_watch,
 )
 from statecore.executors._thread.storages import StoragePool
-from statecore.executors._worker import Mark, WorkerRuntime, WorkerSetup
+from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
 
@@ -268,7 +268,7 @@ class ThreadExecutor(Confirming):
             daemon=True,
         )
 
-    def replace(self, command: ReplaceWorker, mark: Mark | None) -> None:
+    def replace(self, command: ReplaceWorker, mark: Standing) -> None:
         """Start incarnation `command.incarnation` of `command.worker` in a new thread (see
         the module docstring); the lost one, if it still runs, is told to stop and abandoned,
         since a thread cannot be killed."""
