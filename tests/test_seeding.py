@@ -185,14 +185,17 @@ def test_a_worker_killed_mid_epoch_and_replaced_leaves_the_batches_as_they_were(
 
 def _resumed(taken_with: int, resumed_with: int, after: int, **kwargs: Any) -> list[Any]:
     """The first epoch of a loader with `taken_with` workers, its state taken after `after`
-    batches and loaded into a fresh loader with `resumed_with` workers, which goes on."""
+    batches and loaded into a fresh loader with `resumed_with` workers, which goes on.
 
-    def loader(num_workers: int) -> statecore.DataLoader[Any]:
+    The fresh loader's generator is seeded otherwise: what it draws again comes from the state.
+    """
+
+    def loader(num_workers: int, seed: int = SEED) -> statecore.DataLoader[Any]:
         return statecore.DataLoader(
             Augmenting(),
             batch_size=BATCH,
             shuffle=True,
-            generator=torch.Generator().manual_seed(SEED),
+            generator=torch.Generator().manual_seed(seed),
             num_workers=num_workers,
             seeding="per-batch",
             **kwargs,
@@ -203,7 +206,7 @@ def _resumed(taken_with: int, resumed_with: int, after: int, **kwargs: Any) -> l
     head = [as_lists(next(iterator)) for _ in range(after)]
     state = first.state_dict()
     del iterator
-    second = loader(resumed_with)
+    second = loader(resumed_with, seed=SEED + 1)
     second.load_state_dict(state)
     return head + [as_lists(batch) for batch in second]
 
@@ -224,12 +227,12 @@ def test_a_checkpoint_taken_loading_in_the_calling_thread_carries_its_base_seed(
 def test_a_persistent_loaders_later_epoch_resumes_with_that_epochs_seeds() -> None:
     # Persistent workers keep the base seed of their iterator's first epoch, as torch's do: the
     # count of epochs, which the state carries, tells the epochs' seeds apart.
-    def loader(num_workers: int) -> statecore.DataLoader[Any]:
+    def loader(num_workers: int, seed: int = SEED) -> statecore.DataLoader[Any]:
         return statecore.DataLoader(
             Augmenting(),
             batch_size=BATCH,
             shuffle=True,
-            generator=torch.Generator().manual_seed(SEED),
+            generator=torch.Generator().manual_seed(seed),
             num_workers=num_workers,
             persistent_workers=True,
             seeding="per-batch",
@@ -246,9 +249,26 @@ def test_a_persistent_loaders_later_epoch_resumes_with_that_epochs_seeds() -> No
     assert state["seed_epoch"] == 2
     del iterator
     first._iterator._shutdown()  # type: ignore[attr-defined]
-    second = loader(3)
+    second = loader(3, seed=SEED + 1)
     second.load_state_dict(state)
     assert head + [as_lists(batch) for batch in second] == expected[1]
+
+
+@WORKERS
+def test_persistent_workers_seed_each_epoch_afresh() -> None:
+    # They keep their iterator's base seed (torch draws none for a later epoch): the epoch's
+    # count makes another epoch's seeds.
+    loader = statecore.DataLoader(
+        Seeds(),
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(SEED),
+        num_workers=2,
+        persistent_workers=True,
+        seeding="per-batch",
+    )
+    epochs = [{as_lists(batch)[1][0] for batch in loader} for _ in range(2)]
+    assert len(epochs[0]) == len(epochs[1]) == N // BATCH
+    assert not epochs[0] & epochs[1]
 
 
 # --- the seed a batch is made under --------------------------------------------------------------
