@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy
 import pytest
 import torch
@@ -321,3 +322,17 @@ def test_loading_in_the_calling_thread_leaves_the_programs_generators_as_they_we
 
     expected = loop(torch.utils.data.DataLoader, Numbers(N))
     assert loop(statecore.DataLoader, Augmenting(), seeding="per-batch") == expected
+
+
+# --- its cost, measured by the benchmark ---------------------------------------------------------
+
+
+def test_the_benchmarks_per_batch_workload_seeds_statecores_loaders_only() -> None:
+    from statecore.tools.workloads import measure, select
+
+    (workload,) = select(["processes-b64-per-batch"])
+    small = attrs.evolve(workload, num_workers=0, batches=3)
+    assert small.ours == {"seeding": "per-batch"}
+    # torch's loader takes no `seeding`: it gets the workload's common arguments only.
+    assert measure(small, torch.utils.data.DataLoader).work == 2
+    assert measure(small, statecore.DataLoader).work == 2
