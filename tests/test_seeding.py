@@ -27,7 +27,8 @@ from _side_by_side import QUIET, SEED, WORKERS, as_lists, kw, run
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
-from statecore.executors._seeding import batch_seed, epoch_seed
+from statecore import Config, Progress, SendTask, initial_state
+from statecore.executors._seeding import BatchSeeds, batch_seed, epoch_seed
 
 pytestmark = QUIET
 
@@ -272,7 +273,31 @@ def test_persistent_workers_seed_each_epoch_afresh() -> None:
     assert not epochs[0] & epochs[1]
 
 
+@WORKERS
+def test_out_of_order_resumed_under_another_num_workers_gives_the_same_batches() -> None:
+    # in_order=False: a batch may be handed over before those ahead of it, and a checkpoint
+    # then records positions handed over beyond `done`; each batch is still seeded by its own.
+    got = _resumed(3, 2, after=5, in_order=False)
+    assert sorted(got) == sorted(_batches(0, epochs=1)[0])
+
+
 # --- the seed a batch is made under --------------------------------------------------------------
+
+
+def test_a_resumed_epochs_tasks_are_seeded_for_the_positions_they_stand_for() -> None:
+    # Resumed after position 2, with position 3 handed over out of order before the checkpoint:
+    # the resumed run numbers its tasks from its own base, and skips position 3.
+    life = attrs.evolve(
+        initial_state(Config(num_workers=2)).life, base=10, resumed=Progress(2, frozenset({3}))
+    )
+    seeds = BatchSeeds.of(_first_base_seed(), 1)
+    sent = [seeds.task(SendTask(0, task, [task]), life) for task in (10, 11, 12)]
+    assert [task.seed for task in sent] == [batch_seed(seeds.epoch_seed, p) for p in (2, 4, 5)]
+    assert [(task.worker, task.task, task.index) for task in sent] == [
+        (0, 10, [10]),
+        (0, 11, [11]),
+        (0, 12, [12]),
+    ]
 
 
 @WORKERS
