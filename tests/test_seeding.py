@@ -27,7 +27,7 @@ from _side_by_side import QUIET, SEED, WORKERS, as_lists, kw, run
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import statecore
-from statecore import Config, Progress, SendTask, initial_state
+from statecore import Config, Progress, SendTask, WorkerStatus, initial_state
 from statecore.executors._seeding import BatchSeeds, batch_seed, epoch_seed
 
 pytestmark = QUIET
@@ -183,6 +183,34 @@ def test_a_worker_killed_mid_epoch_and_replaced_leaves_the_batches_as_they_were(
         got = _batches(2, "mp", dataset=dataset, worker_restarts=1)
     assert marker.exists()  # a worker was killed, and replaced
     assert got == _batches(2, "mp")
+
+
+@WORKERS
+@pytest.mark.parametrize("executor", ["mp", "thread"])
+def test_a_worker_retired_then_added_back_mid_epoch_leaves_the_batches_as_they_were(
+    executor: str,
+) -> None:
+    # What a tuner does (`num_workers="auto"`): fewer workers for a while, then more again.
+    loader = statecore.DataLoader(
+        Augmenting(),
+        batch_size=BATCH,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(SEED),
+        num_workers=3,
+        executor=executor,
+        seeding="per-batch",
+    )
+    iterator = iter(loader)
+    driver = iterator._driver  # type: ignore[attr-defined]
+    got = [as_lists(next(iterator)) for _ in range(2)]
+    driver.retire(1)
+    while driver.state.life.workers[1] is not WorkerStatus.STOPPED:
+        got.append(as_lists(next(iterator)))
+    got += [as_lists(next(iterator)) for _ in range(2)]
+    driver.add(1)
+    got += [as_lists(batch) for batch in iterator]
+    assert driver.state.life.added == 1
+    assert got == _batches(1, executor, epochs=1)[0]
 
 
 def _resumed(taken_with: int, resumed_with: int, after: int, **kwargs: Any) -> list[Any]:
