@@ -75,11 +75,13 @@ def resolve_seeding(seeding: object, num_workers: object, iterable: bool = False
 
 
 _MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+"""splitmix64's increment: its state moves on by this much per output."""
 
 
 def _mix(value: int) -> int:
     """One step of splitmix64: a 64-bit value whose every bit depends on every bit of `value`."""
-    z = (value + 0x9E3779B97F4A7C15) & _MASK
+    z = (value + _GAMMA) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)
@@ -96,9 +98,10 @@ def epoch_seed(base_seed: int, epoch: int) -> int:
 
 def batch_seed(seed_of_epoch: int, position: int) -> int:
     """The seed of the batch at `position` (0 first) of the epoch whose seed is
-    `seed_of_epoch`: 63 bits, a non-negative int64 as torch's seeds are. Mixed, not added:
+    `seed_of_epoch`: output `position` of a splitmix64 generator seeded with it, less its
+    lowest bit (63 bits, a non-negative int64 as torch's seeds are). Mixed, not added:
     `base_seed + position` would be the seed of another epoch's worker or batch."""
-    return _mix(seed_of_epoch ^ _mix(position)) >> 1
+    return _mix((seed_of_epoch + position * _GAMMA) & _MASK) >> 1
 
 
 @attrs.frozen
@@ -110,6 +113,23 @@ class SeededTask(SendTask):
     """
 
     seed: int
+
+    @classmethod
+    def fast(cls, worker: int, task: int, index: object, seed: int) -> SeededTask:  # type: ignore[override]
+        """`SeededTask(worker, task, index, seed)`, built as `SendTask.fast` builds its own (one
+        per batch, without attrs' frozen `__init__`)."""
+        command: SeededTask = object.__new__(cls)
+        _SET_WORKER(command, worker)
+        _SET_TASK(command, task)
+        _SET_INDEX(command, index)
+        _SET_SEED(command, seed)
+        return command
+
+
+_SET_WORKER = SendTask.__dict__["worker"].__set__
+_SET_TASK = SendTask.__dict__["task"].__set__
+_SET_INDEX = SendTask.__dict__["index"].__set__
+_SET_SEED = SeededTask.__dict__["seed"].__set__
 
 
 @attrs.frozen
@@ -128,7 +148,7 @@ class BatchSeeds:
         afresh) get the seeds of the positions they stand for."""
         position = _position(life.resumed, command.task - life.base)
         seed = batch_seed(self.epoch_seed, position)
-        return SeededTask(command.worker, command.task, command.index, seed)
+        return SeededTask.fast(command.worker, command.task, command.index, seed)
 
 
 def seed_globals(seed: int) -> None:
