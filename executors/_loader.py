@@ -84,8 +84,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     `seeding="per-batch"` seeds `random`, torch and numpy before each batch from the epoch's
     seed and the batch's position in the epoch, so that a map-style dataset's random draws do
-    not depend on how many workers there are (docs/checkpointing.md, "Seeds"); None is
-    "per-worker", torch's.
+    not depend on how many workers there are (docs/checkpointing.md, "Seeding per batch");
+    None is "per-worker", torch's.
 
     Like torch's, the class is generic in what it yields: `statecore.DataLoader[Batch]`.
     Every argument is kept as the public attribute of the same name (`executor` as given),
