@@ -122,6 +122,26 @@ def test_per_batch_seeding_is_refused_for_an_iterable_dataset_saying_why() -> No
         statecore.DataLoader(Stream(), num_workers=2, seeding="per-batch")
 
 
+def test_a_seeding_set_after_construction_is_checked_by_iter() -> None:
+    # Frameworks rebuild loaders from their attributes, and programs set them.
+    loader = statecore.DataLoader(Numbers(4))
+    loader.seeding = "per-epoch"
+    with pytest.raises(ValueError, match="'per-epoch'"):
+        iter(loader)
+
+
+@pytest.mark.parametrize("seed_epoch", [0, -1, True, 1.0, "2"])
+def test_a_state_whose_seed_epoch_is_not_a_count_from_1_is_refused_by_name(
+    seed_epoch: Any,
+) -> None:
+    taken = statecore.DataLoader(Numbers(8), batch_size=2, seeding="per-batch")
+    iterator = iter(taken)
+    next(iterator)
+    state = {**taken.state_dict(), "seed_epoch": seed_epoch}
+    with pytest.raises(ValueError, match="seed_epoch"):
+        statecore.DataLoader(Numbers(8), batch_size=2, seeding="per-batch").load_state_dict(state)
+
+
 # --- the same batches whatever the workers -------------------------------------------------------
 
 
