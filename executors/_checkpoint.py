@@ -227,6 +227,10 @@ class Resume:
     sampler: Any
     num_yielded: int
     seeded: bool = True
+    seed_epoch: int = 1
+    """The epochs seeded from `base_seed` up to the checkpoint's, which it includes: more than 1
+    for a persistent iterator's later epoch, whose batches a loader seeding per batch seeds
+    from both (`_seeding.epoch_seed`)."""
     workers: tuple[Mark | None, ...] | None = None
     """An iterable dataset's, or a map-style dataset's with a state: per worker, the mark of
     its last batch handed over."""
@@ -248,6 +252,7 @@ def snapshot(
     sampler: Any,
     num_yielded: int,
     seeded: bool = True,
+    seed_epoch: int = 1,
     workers: list[Mark | None] | None = None,
     carried: list[Mark | None] | None = None,
     carried_open: frozenset[int] = frozenset(),
@@ -273,6 +278,10 @@ def snapshot(
         "num_yielded": num_yielded,
         "seeded": seeded,
     }
+    if seed_epoch != 1:
+        # Absent where 1: the epoch drew its base seed (every epoch but a persistent
+        # iterator's later ones), and states written before it existed.
+        state["seed_epoch"] = seed_epoch
     if workers is not None:
         state["workers"] = _plain_marks(workers)
     if carried is not None:
@@ -536,6 +545,7 @@ def parse(
     # Whether the epoch's iter() drew its seeds from the global generator (False for a
     # persistent iterator's later epochs); states written before it existed drew them.
     seeded = _bool(state.get("seeded", True), "seeded")
+    seed_epoch = _int(state.get("seed_epoch", 1), "seed_epoch", low=1)
     sampler = _get(state, "sampler", "sampler")
     if (
         facts.get("dataset_kind") != "iterable"
@@ -561,6 +571,7 @@ def parse(
         sampler=sampler,
         num_yielded=num_yielded,
         seeded=seeded,
+        seed_epoch=seed_epoch,
         workers=workers,
         carried=carried,
         carried_open=frozenset(carried_open),

@@ -98,6 +98,7 @@ from statecore.executors._protocol import (
     replacer_of,
 )
 from statecore.executors._remote import RemoteError
+from statecore.executors._seeding import BatchSeeds
 from statecore.executors._signals import HeldSignals, is_interrupt
 from statecore.executors._worker import Mark
 
@@ -188,6 +189,8 @@ class Driver:
         self.confirm_owed = False
         """The state holds the answer the executor returned last, and the executor may not have
         been told yet: an interrupt cut the driver's `confirm` call short."""
+        self.seeds: BatchSeeds | None = None
+        """The epoch's seeds where the loader seeds per batch: each task goes out seeded."""
 
     # --- the consumer's calls ----------------------------------------------------------------
 
@@ -196,12 +199,15 @@ class Driver:
         seed: int | None = None,
         resume: Progress | None = None,
         marks: dict[int, Any] | None = None,
+        seeds: BatchSeeds | None = None,
     ) -> None:
         """Start an epoch: return once iter() is done (workers resumed, first tasks out).
 
         `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`,
-        and an iterable dataset's workers where `marks` (the checkpoint's) say.
+        and an iterable dataset's workers where `marks` (the checkpoint's) say. `seeds`: the
+        epoch's seeds, where the loader seeds per batch.
         """
+        self.seeds = seeds
         try:
             self.ledger = _NO_LEDGER  # an outcome of the epoch being left behind, and the void
             if self.worker_marks is not None:
@@ -615,7 +621,9 @@ class Driver:
                 call: Callable[[Any], None]
                 argument: Any
                 if kind is SendTask:
-                    call, argument = executor.dispatch, command
+                    seeds = self.seeds
+                    call = executor.dispatch
+                    argument = command if seeds is None else seeds.task(command, self.state.life)  # type: ignore[arg-type]
                 elif kind is ResumeWorker:
                     call, argument = executor.resume, command
                 elif kind is StopWorker:

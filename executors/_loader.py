@@ -55,6 +55,7 @@ from statecore.executors._protocol import (
 )
 from statecore.executors._registry import resolve_executor
 from statecore.executors._restarts import RestartBudget
+from statecore.executors._seeding import PER_BATCH, BatchSeeds, resolve_seeding
 from statecore.executors._worker import Mark, WorkerSetup, has_state
 
 __all__ = ["DataLoader", "EpochOverWarning"]
@@ -81,6 +82,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     `num_workers>0` in worker processes. Built-in names: "inline", "mp", "thread" and
     "pinned"; `pin_memory=True` puts the pin-memory stage over whichever executor loads.
     `multiprocessing_context` also takes a context of the `multiprocess` package.
+
+    `seeding="per-batch"` seeds `random`, torch and numpy before each batch from the epoch's
+    seed and the batch's position in the epoch, so that a map-style dataset's random draws do
+    not depend on how many workers there are (docs/checkpointing.md, "Seeding per batch");
+    None is "per-worker", torch's.
 
     Like torch's, the class is generic in what it yields: `statecore.DataLoader[Batch]`.
     Every argument is kept as the public attribute of the same name (`executor` as given),
@@ -113,6 +119,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         trace: bool | None = None,
         worker_restarts: int = 0,
         worker_timeout: float = 0,
+        seeding: str | None = None,
     ) -> None:
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
@@ -174,6 +181,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             )
         self.worker_restarts = worker_restarts
         self.worker_timeout = worker_timeout
+        self.seeding = seeding
+        self._seeding_in_force()  # a bad value is refused now, not at iter()
         self._restarts = RestartBudget(worker_restarts)
         """The restarts this loader's iterators spent: `worker_restarts` is per loader."""
         self._tracer: Tracer | None = None
@@ -182,6 +191,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """The latest iterator while it lives: its epoch's position is read from it."""
         self._trail = _Trail()
         """Where the latest iterator left its epoch once it was shut down or dropped."""
+
+    def _seeding_in_force(self) -> str:
+        """The seeding this loader's iterators use: `seeding`, None resolved."""
+        return resolve_seeding(self.seeding, self.num_workers, self._dataset_kind == _ITER)
 
     def __getstate__(self) -> dict[str, Any]:
         # What torch's DataLoader pickles: its attributes, so a used loader pickles too. The
@@ -551,13 +564,16 @@ class _Position:
     progress: Progress
     complete: bool
     base_seed: int | None
-    """None where no worker is seeded from it: loading in the calling thread."""
+    """None where no worker or batch is seeded from it: loading in the calling thread, seeded
+    per worker (torch's single-process loading seeds nothing)."""
     rng_epoch_start: torch.Tensor | None
     """None where the sampler draws no random number."""
     seeded: bool
     sampler: Any
     num_yielded: int
     workers: list[Any] | None
+    seed_epoch: int = 1
+    """The epochs seeded from `base_seed` so far, this one included (see `_seeding.epoch_seed`)."""
     carried: list[Any] | None = None
     """Per worker, where its dataset stood as the epoch before ended, where it lived on."""
     carried_open: frozenset[int] = frozenset()
@@ -745,12 +761,18 @@ class _Iterator(_BaseDataLoaderIter):
                 # it stood before iter() draws its seeds, as the original's stood then (a state
                 # that is torch's global generator's is then put where the checkpoint found it).
                 _load_main_dataset(loader, self._carried)
+        # Epochs seeded from this iterator's base seed before its first (see `_seeding.epoch_seed`):
+        # a resumed epoch is the checkpoint's; after a checkpoint taken between epochs, the next.
+        self._seed_epoch = 0 if resume is None else resume.seed_epoch - 1
         if resume is not None and resume.complete:
             # The generator is put where the checkpoint found it (torch's global one too, so
             # the program goes on with the original's stream), and the epoch draws from it.
             _between_epochs(loader, resume)
             resume = None
             seed = seed if persistent else None
+            self._seed_epoch += 1
+        if seed is None:
+            self._seed_epoch = 0  # a base seed of its own, drawn by iter()
         self._resume = resume
         self._start(loader, resume, seed, undraw)
 
@@ -765,6 +787,7 @@ class _Iterator(_BaseDataLoaderIter):
         if seed is not None:
             self._base_seed = seed
         in_process = self._in_process = loader.loads_in_process
+        self._per_batch = loader._seeding_in_force() == PER_BATCH
         # A map-style dataset in the main process is the loader's own: `_reset` loads its state.
         in_main = in_process and self._dataset_kind != _ITER
         self._drawless = self._dataset_kind != _ITER and draws_nothing(self._index_sampler)
@@ -916,8 +939,10 @@ class _Iterator(_BaseDataLoaderIter):
         # `_log` again on its own: the drawer reads it on every draw.
         self._epoch, self._log = record, record.log
         assert self._driver is not None
+        self._seed_epoch += 1
+        seeds = BatchSeeds.of(int(self._base_seed), self._seed_epoch) if self._per_batch else None
         self._driver.start_epoch(
-            None if first_iter else self._shared_seed, resume=start, marks=marks
+            None if first_iter else self._shared_seed, resume=start, marks=marks, seeds=seeds
         )
 
     def _positioned(
@@ -998,9 +1023,11 @@ class _Iterator(_BaseDataLoaderIter):
         return _Position(
             progress=done,
             complete=complete,
-            base_seed=None if self._in_process else int(self._base_seed),
+            # In the calling thread only batches seeded per batch are seeded from it.
+            base_seed=None if self._in_process and not self._per_batch else int(self._base_seed),
             rng_epoch_start=None if self._drawless else record.rng,
             seeded=record.seeded,
+            seed_epoch=self._seed_epoch,
             sampler=sampler_state,
             num_yielded=self._num_yielded,
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],

@@ -15,7 +15,9 @@ makes it differ. In torch's order, a worker:
    `worker_info`, the one place that builds one;
 4. calls `worker_init_fn(worker_id)`;
 5. builds its `WorkerRuntime`, which restores the dataset's state from a checkpoint and makes
-   the dataset's fetcher.
+   the dataset's fetcher, and is told how its seat seeds a batch where the loader seeds per
+   batch (`executors._seeding.seeder_for`: the caller's thread too, which puts its generators
+   back after each batch).
 
 An `Exception` in steps 2 to 5 does not stop the worker: the runtime answers its first task
 with it, so that it reaches the consumer in that task's turn, as torch does. In the loader's
@@ -37,6 +39,7 @@ from torch.utils.data._utils import HAS_NUMPY
 from torch.utils.data._utils import worker as torch_worker
 
 from statecore.executors._remote import RemoteError
+from statecore.executors._seeding import seeder_for
 from statecore.executors._worker import WorkerRuntime, WorkerSetup, capture, prepare_dataset
 
 __all__ = [
@@ -215,7 +218,9 @@ def start_worker(
     which the worker answers its first task.
     """
     if seat.kind is SeatKind.CALLER:
-        return WorkerRuntime(setup, worker_id, None, note=seat.note)
+        caller = WorkerRuntime(setup, worker_id, None, note=seat.note)
+        caller.seeder = seeder_for(seat.kind.value)
+        return caller
     if seat.kind is SeatKind.PROCESS:
         seed_worker(setup.base_seed, worker_id)
     start = _Start(seat, worker_id, init_error)
@@ -241,6 +246,7 @@ def start_worker(
         )
     if runtime is None:
         runtime = WorkerRuntime(setup, worker_id, seat.pid, own, start.failed, seat.note)
+    runtime.seeder = seeder_for(seat.kind.value)
     seat.doing("while loading")
     return runtime
 

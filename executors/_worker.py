@@ -36,6 +36,7 @@ from statecore import (
     WorkerResumed,
 )
 from statecore.executors._remote import RemoteError
+from statecore.executors._seeding import SeededTask, Seeder
 from statecore.executors._timing import CPU_SAMPLED_EVERY, FAST_TASK, TaskTiming, TimedFetch
 
 __all__ = ["WorkerRuntime", "WorkerSetup", "capture", "prepare_dataset"]
@@ -193,6 +194,10 @@ class WorkerRuntime:
         its dataset prepared), told with its first answer, then None."""
         self.cpu_skip = 0
         """For a traced loader: tasks to go before the next whose CPU time is read."""
+        self.seeder: Seeder | None = None
+        """How this worker seeds itself for a batch of a loader that seeds per batch (a
+        `SeededTask`), as its seat allows (`_seeding.seeder_for`); set by the start-up. None:
+        its tasks are loaded unseeded."""
         if dataset is None:
             dataset = setup.dataset
             if init_error is None:
@@ -399,13 +404,9 @@ class WorkerRuntime:
         if self.exhausted:
             return WorkerExhausted(task, worker)
         if not self.iterable:
-            if self.stateful_map:
-                return self._answer_stateful_map(command)
-            try:
-                data = self.fetch(command.index)
-            except Exception as error:
-                return TaskFailed(task, worker, self._capture(error, command.index))
-            return TaskCompleted.fast(task, worker, data)
+            if type(command) is SeededTask and self.seeder is not None:
+                return self._answer_seeded(command)
+            return self._answer_map(command)
         try:
             if self.skip:
                 self._fast_forward(command.index)
@@ -431,6 +432,26 @@ class WorkerRuntime:
                 task, worker, self._capture(error, command.index, where), self._counted()
             )
         return TaskCompleted.fast(task, worker, data, mark)
+
+    def _answer_seeded(self, command: SeededTask) -> Event:
+        """A map-style task loaded under its batch's own seed (seeding per batch): the one
+        place where every worker, whatever runs it, seeds for a batch."""
+        assert self.seeder is not None
+        restore = self.seeder(command.seed)
+        try:
+            return self._answer_map(command)
+        finally:
+            if restore is not None:
+                restore()
+
+    def _answer_map(self, command: SendTask) -> Event:
+        if self.stateful_map:
+            return self._answer_stateful_map(command)
+        try:
+            data = self.fetch(command.index)
+        except Exception as error:
+            return TaskFailed(command.task, self.worker_id, self._capture(error, command.index))
+        return TaskCompleted.fast(command.task, self.worker_id, data)
 
     def _answer_stateful_map(self, command: SendTask) -> Event:
         """A map-style task whose answer carries the dataset's state after it (its mark)."""

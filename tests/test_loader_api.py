@@ -42,10 +42,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 def test_signature_is_torchs_plus_keyword_only_executor_snapshot_option_and_trace() -> None:
     ours = inspect.signature(statecore.DataLoader.__init__).parameters
     theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
-    extras = ["executor", "snapshot_every_n_steps", "trace", "worker_restarts", "worker_timeout"]
+    extras = [
+        "executor",
+        "snapshot_every_n_steps",
+        "trace",
+        "worker_restarts",
+        "worker_timeout",
+        "seeding",
+    ]
     assert list(ours) == [*theirs, *extras]
     assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extras)
     assert (ours["worker_restarts"].default, ours["worker_timeout"].default) == (0, 0)
+    assert ours["seeding"].default is None  # torch's seeding: see docs/checkpointing.md, "Seeds"
     for name, parameter in theirs.items():
         assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
     executor = ours["executor"]

@@ -399,6 +399,12 @@ class BenchReport:
                 f"worker state for checkpoints: statecore's median us/batch on processes-stateful "
                 f"is {cost:+.1f}% of processes-iterable's (goal: within 5%)"
             )
+        cost = self.seeding_cost()
+        if cost is not None:
+            lines.append(
+                f"seeding per batch: statecore's median us/batch on processes-b64-per-batch "
+                f"is {cost:+.1f}% of processes-b64's"
+            )
         lines += self.memory_table()
         lines += self.losses_table()
         lines += [
@@ -475,6 +481,17 @@ class BenchReport:
             return None
         side = Side.STATECORE
         return 100.0 * (stateful.median(side) / plain.median(side) - 1.0)
+
+    def seeding_cost(self) -> float | None:
+        """What seeding every batch (`seeding="per-batch"`) costs statecore, in percent of a
+        batch's time, if both workloads ran: the same batches, seeded per worker and per batch,
+        one workload after the other (the medians of statecore's runs)."""
+        ran = {result.name: result for result in self.results if result.ok}
+        plain, seeded = ran.get("processes-b64"), ran.get("processes-b64-per-batch")
+        if plain is None or seeded is None:
+            return None
+        side = Side.STATECORE
+        return 100.0 * (seeded.median(side) / plain.median(side) - 1.0)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -544,6 +544,8 @@ class Workload:
     """Batches per epoch under `--quick`."""
     options: Mapping[str, object] = attrs.field(factory=dict)
     """Further loader arguments, the same for both loaders."""
+    ours: Mapping[str, object] = attrs.field(factory=dict)
+    """Loader arguments that only statecore's loaders take (every side but torch's)."""
     rounds: int | None = None
     """Pairs of runs; None: the benchmark's default."""
     quick_rounds: int | None = None
@@ -640,6 +642,18 @@ WORKLOADS: tuple[Workload, ...] = (
         timing=Timing.STEADY,
         batches=3_000,
         quick_batches=600,
+    ),
+    Workload(
+        "processes-b64-per-batch",
+        "as processes-b64, statecore seeding random, torch and numpy before every batch",
+        Indices,
+        batch_size=64,
+        num_workers=2,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.STEADY,
+        batches=3_000,
+        quick_batches=600,
+        ours={"seeding": "per-batch"},
     ),
     Workload(
         "processes-iterable",
@@ -896,7 +910,10 @@ def measure(
         raise ValueError(f"{workload.name}: the steady state needs at least 2 batches per epoch")
     if dataset is None:
         dataset = workload.dataset_for_run()
-    loader = loader_class(dataset, **workload.loader_arguments(), **(options or {}))
+    arguments = workload.loader_arguments()
+    if loader_class is not torch.utils.data.DataLoader:
+        arguments.update(workload.ours)
+    loader = loader_class(dataset, **arguments, **(options or {}))
     try:
         return _TIMERS[workload.timing](workload, loader)
     finally:
