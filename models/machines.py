@@ -2,8 +2,8 @@
 
 `scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
 world's actions (a consumer asking, a worker answering, dying or found stuck, a lost worker's
-late answer, a timeout, an interrupt, the
-sampler raising, the executor breaking, a close, a new epoch, a checkpoint resumed in a fresh
+late answer, a timeout, an interrupt, the sampler raising, the executor breaking, a close, a new
+epoch, a tuner retiring a worker or adding a retired one back, a checkpoint resumed in a fresh
 loader with any number of workers) and whose invariants are every
 check of `statecore.models.world`, made on the real driver (`statecore.executors._driver`)
 running the core. It takes the step function, so the same machine checks the real core, a
@@ -15,6 +15,9 @@ scenario a valid Python expression.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -29,6 +32,7 @@ from statecore import step as core_step
 from statecore.models.reference import IterableSpec, MapSpec
 from statecore.models.world import (
     Action,
+    Add,
     Break,
     Close,
     Expire,
@@ -38,6 +42,7 @@ from statecore.models.world import (
     Next,
     Preempt,
     Restart,
+    Retire,
     SamplerRaises,
     Scenario,
     Stall,
@@ -49,6 +54,8 @@ from statecore.models.world import (
 )
 
 __all__ = ["scenarios", "scheduler_machine"]
+
+_Kind = TypeVar("_Kind", bound=Action)
 
 
 @st.composite
@@ -85,7 +92,7 @@ def scenarios(
         dataset = MapSpec(batches, failing_map)
     epochs = draw(st.integers(1, 3), label="epochs") if persistent else 1
     # Faults end runs early; scenarios without some of them let runs go long and deep.
-    return Scenario(
+    scenario = Scenario(
         config,
         dataset,
         epochs=epochs,
@@ -101,6 +108,19 @@ def scenarios(
         sampler_failures=draw(st.sampled_from((0, 0, 0, 1)), label="sampler_failures"),
         executor_failures=draw(st.sampled_from((0, 0, 0, 1)), label="executor_failures"),
     )
+    if isinstance(dataset, IterableSpec) or workers == 1:
+        # A worker is retired only if another stays to take the tasks, and never an iterable
+        # dataset's: its shard would be lost with it.
+        return scenario
+    # Drawn last, so that the draws above (and the runs they shape) stay as they were.
+    tunes = draw(st.integers(0, 4), label="tunes")
+    if tunes:
+        # A tuner's choice matters while the sampler has indices left to give: more batches
+        # than the window holds, so that a retiring worker could be handed another.
+        window = workers * config.prefetch_factor
+        batches = max(dataset.batches, window + draw(st.integers(1, 4), label="beyond"))
+        dataset = MapSpec(batches, dataset.failing)
+    return attrs.evolve(scenario, dataset=dataset, tunes=tunes)
 
 
 def scheduler_machine(
@@ -120,7 +140,7 @@ def scheduler_machine(
         def _apply(self, action: Action) -> None:
             self.world = self.world.apply(action, step)
 
-        def _enabled(self, kind: type) -> list[Action]:
+        def _enabled(self, kind: type[_Kind]) -> list[_Kind]:
             return [action for action in self.world.actions() if type(action) is kind]
 
         @initialize(scenario=drawn)
@@ -192,6 +212,48 @@ def scheduler_machine(
         @rule()
         def consumer_starts_next_epoch(self) -> None:
             self._apply(Restart())
+
+        @precondition(lambda self: bool(self._enabled(Retire)))
+        @rule(choice=st.integers(0, 7))
+        def tuner_retires_a_worker(self, choice: int) -> None:
+            # Between the consumer's calls, while an epoch runs or drains: a running worker with
+            # no index drawn for it, another worker staying to take tasks (the world offers
+            # only what the core accepts).
+            options = self._enabled(Retire)
+            self._apply(options[choice % len(options)])
+
+        @precondition(lambda self: bool(self._enabled(Retire)))
+        @rule(choice=st.integers(0, 7), back=st.booleans())
+        def tuner_retires_a_worker_and_the_loader_goes_on(self, choice: int, back: bool) -> None:
+            # What a retirement is for: the consumer goes on asking, the retiring worker answers
+            # what it holds (others when it owes nothing the consumer waits for), until it is
+            # stopped; then, if `back`, the tuner changes its mind and adds the slot back. Each
+            # step alone is one of the rules here; in a row, they reach what a random walk
+            # seldom does before a fault or a checkpoint intervenes: the retiring worker's turn
+            # coming round while it has room for another task.
+            options = self._enabled(Retire)
+            worker = options[choice % len(options)].worker
+            self._apply(Retire(worker))
+            for _ in range(4 * self.world.scenario.config.num_workers * (self._batches() + 1)):
+                if worker not in self.world.retiring or self.world.outcome is not None:
+                    break
+                own = [a for a in self._enabled(Work) if a.worker == worker]
+                going_on: list[Action] = [*own] or [*self._enabled(Next), *self._enabled(Work)]
+                if not going_on:
+                    return  # the invariant tells a deadlock from a consumer that is served
+                self._apply(going_on[0])
+            if back and Add(worker) in self._enabled(Add):
+                self._apply(Add(worker))
+
+        def _batches(self) -> int:
+            spec = self.world.scenario.dataset
+            return spec.batches if isinstance(spec, MapSpec) else sum(spec.lengths)
+
+        @precondition(lambda self: bool(self._enabled(Add)))
+        @rule(choice=st.integers(0, 7))
+        def tuner_adds_a_retired_worker_back(self, choice: int) -> None:
+            options = self._enabled(Add)
+            self._apply(options[choice % len(options)])
 
         @rule(workers=st.integers(1, 4), to_the_end=st.booleans())
         def program_checkpoints_and_goes_on_in_a_fresh_loader(

@@ -6,7 +6,12 @@ A worker replaced in its slot (`DataLoader(worker_restarts=N)`) gets a track per
 an instant naming how it was lost (the signal, or the hang with its stack in the args), and
 the replacement's begins with a slice from `ReplaceWorker` to its start. A track per
 incarnation rather than one per slot: Perfetto then shows the lost worker's last, unanswered
-try and the replacement's re-send of the same task apart, each where it ran."""
+try and the replacement's re-send of the same task apart, each where it ran.
+
+A worker retired by a tuner (`Driver.retire`) is drawn the same way: an instant on its track
+where it was retired (naming the tasks it held, which it goes on to finish) and one where it
+was stopped; its slot added back (`Driver.add`) runs a new incarnation, on a track of its own
+that begins with a slice from the add to its start."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Any
 import torch
 
 from statecore import WorkerDeath, WorkerHang
-from statecore.executors._observe.trace import LostWorker, Trace, shown_index
+from statecore.executors._observe.trace import LostWorker, RetiredWorker, Trace, shown_index
 
 __all__ = [
     "chrome_trace",
@@ -148,6 +153,8 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         )
     for lost in trace.losses:
         events += _lost_events(lost, tracks, origin)
+    for retired in trace.retirements:
+        events += _retired_events(retired, tracks, origin)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -181,13 +188,21 @@ class _Tracks:
         self.incarnations = [0] * trace.num_workers
         self.replaced: list[list[float]] = [[] for _ in range(trace.num_workers)]
         """Per slot, when each of its incarnations after the first took over (its loss's
-        `ReplaceWorker`), in order."""
-        for lost in trace.losses:
-            if 0 <= lost.worker < self.workers and lost.replaced is not None:
-                self.incarnations[lost.worker] = max(
-                    self.incarnations[lost.worker], lost.incarnation + 1
+        `ReplaceWorker`, or the add that started a retired slot again), in order."""
+        took_over = [(lost.worker, lost.incarnation, lost.replaced) for lost in trace.losses]
+        took_over += [(r.worker, r.incarnation, r.added) for r in trace.retirements]
+        for worker, incarnation, at in took_over:
+            if 0 <= worker < self.workers and at is not None:
+                self.incarnations[worker] = max(self.incarnations[worker], incarnation + 1)
+                self.replaced[worker].append(at)
+        for batch in trace.batches:
+            # One whose slot's take-over was forgotten with the stretch before those kept.
+            if 0 <= batch.worker < self.workers and batch.incarnation:
+                self.incarnations[batch.worker] = max(
+                    self.incarnations[batch.worker], batch.incarnation
                 )
-                self.replaced[lost.worker].append(lost.replaced)
+        for times in self.replaced:
+            times.sort()
         self.deepest = max(self.incarnations, default=0)
 
     def tid(self, worker: int, incarnation: int) -> int:
@@ -267,6 +282,71 @@ def _lost_events(lost: LostWorker, tracks: _Tracks, origin: float) -> list[dict[
                     "tid": replacement,
                     "ts": _us(lost.started, origin),
                     "args": {"worker": lost.worker, "incarnation": lost.incarnation + 1},
+                }
+            )
+    return events
+
+
+def _retired_events(retired: RetiredWorker, tracks: _Tracks, origin: float) -> list[dict[str, Any]]:
+    """The retired incarnation's retirement and stop, and its slot's return if it was added."""
+    track = tracks.tid(retired.worker, retired.incarnation)
+    args: dict[str, Any] = {
+        "worker": retired.worker,
+        "incarnation": retired.incarnation,
+        "tasks_held": list(retired.held),
+    }
+    events: list[dict[str, Any]] = [
+        {
+            "name": "worker retiring",
+            "cat": "retire",
+            "ph": "i",
+            "s": "t",
+            "pid": _PROCESS,
+            "tid": track,
+            "ts": _us(retired.at, origin),
+            "args": args,
+        }
+    ]
+    if retired.stopped is not None:
+        events.append(
+            {
+                "name": "worker retired (stopped)",
+                "cat": "retire",
+                "ph": "i",
+                "s": "t",
+                "pid": _PROCESS,
+                "tid": track,
+                "ts": _us(retired.stopped, origin),
+                "args": {"worker": retired.worker, "incarnation": retired.incarnation},
+            }
+        )
+    if retired.added is not None:
+        back = {"worker": retired.worker, "incarnation": retired.incarnation + 1}
+        added = tracks.tid(retired.worker, retired.incarnation + 1)
+        end = retired.started if retired.started is not None else retired.added
+        events.append(
+            {
+                "name": f"starting (added back after incarnation {retired.incarnation})",
+                "cat": "retire",
+                "ph": "X",
+                "pid": _PROCESS,
+                "tid": added,
+                "ts": _us(retired.added, origin),
+                "dur": max(0.0, _us(end, retired.added)),
+                "args": back,
+            }
+        )
+        if retired.started is not None:
+            events.append(
+                {
+                    "name": "worker started",
+                    "cat": "retire",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": _PROCESS,
+                    "tid": added,
+                    "ts": _us(retired.started, origin),
+                    "args": back,
                 }
             )
     return events

@@ -39,6 +39,7 @@ __all__ = [
     "LoaderStats",
     "LostWorker",
     "Moment",
+    "RetiredWorker",
     "Trace",
     "Wait",
     "WaitColumns",
@@ -169,6 +170,59 @@ class LostWorker:
         if self.held:
             count = len(self.held)
             said += f", {count} task{'s' if count != 1 else ''} sent again"
+        return said
+
+
+@attrs.frozen
+class RetiredWorker:
+    """A worker retired mid-epoch (`Driver.retire`, a tuner's choice): from `at` it was given
+    no new task, and it was stopped (`StopWorker`) at `stopped`, once it had answered the
+    tasks it held then (`held`). Its slot added back (`Driver.add`) at `added` runs incarnation
+    `incarnation + 1`, which reported itself started at `started`. None where that moment did
+    not (yet) come. Times are `time.perf_counter()` seconds, as every moment traced."""
+
+    worker: int
+    incarnation: int
+    """The retired incarnation of the slot (0: the worker it started with)."""
+    at: float
+    held: tuple[int, ...] = ()
+    """The tasks it held unanswered when it was retired: it finished them before it stopped."""
+    stopped: float | None = None
+    added: float | None = None
+    started: float | None = None
+    lapsed: bool = False
+    """Lost (dead, or stuck) before it stopped: replaced as a running worker instead (see
+    `Trace.losses`), its retirement lapsed."""
+
+    @property
+    def back(self) -> bool:
+        """Whether its slot was added back."""
+        return self.added is not None
+
+    def describe(self) -> str:
+        """The retirement in a sentence."""
+        said = f"worker {self.worker}"
+        if self.incarnation:
+            said += f" (incarnation {self.incarnation})"
+        count = len(self.held)
+        said += f" retired holding {count} task{'s' if count != 1 else ''}"
+        if self.lapsed:
+            return said + "; lost before it stopped, and replaced"
+        if self.stopped is None:
+            return said + "; still finishing them"
+        if self.stopped == self.at:
+            said += "; stopped at once"
+        else:
+            said += f"; stopped {_s(self.stopped - self.at)} later"
+        if self.added is not None:
+            said += (
+                f"; added back {_s(self.added - self.stopped)} after that, as incarnation "
+                f"{self.incarnation + 1}"
+            )
+            if self.started is not None:
+                said += f", started {_s(self.started - self.added)} later"
+            else:
+                said += ", not started yet"
         return said
 
 
@@ -346,11 +400,25 @@ class Trace:
     losses: tuple[LostWorker, ...] = ()
     """Every worker lost, in order: the replaced ones are the restarts. Never forgotten (there
     are at most `worker_restarts` of them, and one more that failed the loader)."""
+    retirements: tuple[RetiredWorker, ...] = ()
+    """Every worker retired (`Driver.retire`), in order, with its slot's return if it was
+    added back (`Driver.add`). Those that began before the stretch kept are forgotten with it
+    (a tuner may retire and add for as long as the loader runs)."""
 
     @property
     def restarts(self) -> int:
         """Lost workers replaced."""
         return sum(1 for lost in self.losses if lost.restarted)
+
+    @property
+    def retired(self) -> int:
+        """Workers retired."""
+        return len(self.retirements)
+
+    @property
+    def added(self) -> int:
+        """Retired slots added back."""
+        return sum(1 for retired in self.retirements if retired.back)
 
     @property
     def start(self) -> float:
@@ -430,11 +498,24 @@ class LoaderStats:
     losses: tuple[LostWorker, ...] = ()
     """The workers lost, as `Trace.losses` (traced only; `counters.restarts` counts restarts
     untraced)."""
+    retirements: tuple[RetiredWorker, ...] = ()
+    """The workers retired, and their slots added back, as `Trace.retirements` (traced only;
+    `counters.added` counts the slots added back untraced)."""
 
     @property
     def restarts(self) -> int:
         """Lost workers replaced (traced; untraced, see `counters.restarts`)."""
         return sum(1 for lost in self.losses if lost.restarted)
+
+    @property
+    def retired(self) -> int:
+        """Workers retired (traced)."""
+        return len(self.retirements)
+
+    @property
+    def added(self) -> int:
+        """Retired slots added back (traced; untraced, see `counters.added`)."""
+        return sum(1 for retired in self.retirements if retired.back)
 
     @property
     def restarts_per_worker(self) -> tuple[int, ...]:
@@ -567,6 +648,7 @@ class LoaderStats:
             executor=trace.executor,
             dropped=trace.dropped,
             losses=trace.losses,
+            retirements=trace.retirements,
         )
 
     def suggestions(self) -> tuple[str, ...]:
@@ -647,6 +729,14 @@ class LoaderStats:
             lines.append(line)
         return lines
 
+    def _retired_lines(self) -> list[str]:
+        """The workers retired and added back, in words: one line each."""
+        if not self.retirements:
+            return []
+        lines = [f"{self.retired} worker(s) retired, {self.added} added back:"]
+        lines += [f"- {retired.describe()}" for retired in self.retirements]
+        return lines
+
     def verdict(self) -> str:
         """The figures in plain words, and what to try."""
         workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"
@@ -712,6 +802,7 @@ class LoaderStats:
         if self.failed:
             lines.append(f"{self.failed} task(s) raised.")
         lines += self._lost_lines()
+        lines += self._retired_lines()
         tips = self.suggestions()
         if tips:
             lines.append("What to try:")
@@ -750,6 +841,9 @@ class LoaderCounters:
     restarts: int = 0
     """Lost workers replaced: over the loader's life where the loader counts them (its
     `worker_restarts` are a budget per loader), else over the scheduler's."""
+    added: int = 0
+    """Retired slots started again (`Driver.add`), over the scheduler's life. Which workers
+    are retiring or retired now is in `workers`; the trace lists every retirement."""
 
     @classmethod
     def of(
@@ -783,6 +877,7 @@ class LoaderCounters:
             workers=stats.workers,
             waiting=state.waiting or state.life.resetting,
             restarts=stats.restarts if restarts is None else restarts,
+            added=state.life.added,
         )
 
     def describe(self) -> str:
@@ -795,10 +890,16 @@ class LoaderCounters:
         per_worker = f" (tasks per worker: {each})" if each else ""
         waits = "waits for a batch now" if self.waiting else "is not waiting for a batch now"
         restarts = f" {self.restarts} lost worker(s) replaced." if self.restarts else ""
+        tuned = ""
+        retiring = [w for w, status in enumerate(self.workers) if status is WorkerStatus.RETIRING]
+        if retiring:
+            tuned += f" Retiring: worker(s) {', '.join(map(str, retiring))}."
+        if self.added:
+            tuned += f" {self.added} retired worker(s) added back."
         return (
             f"Epoch {self.epoch}, {self.phase.name.lower()}: {self.handed_over} handed over, "
             f"{self.in_flight} in flight, {self.buffered} answered and not handed over yet"
-            f"{per_worker}; the training loop {waits}.{restarts}"
+            f"{per_worker}; the training loop {waits}.{restarts}{tuned}"
         )
 
 

@@ -39,6 +39,7 @@ import attrs
 import numpy as np
 
 from statecore import (
+    AddRequested,
     Deliver,
     DrawIndex,
     EndEpoch,
@@ -50,8 +51,10 @@ from statecore import (
     ReplaceWorker,
     ResetRequested,
     ResumeWorker,
+    RetireRequested,
     SendTask,
     State,
+    StopWorker,
     TaskCompleted,
     TaskFailed,
     TimedOut,
@@ -71,6 +74,7 @@ from statecore.executors._observe.trace import (
     LoaderStats,
     LostWorker,
     Moment,
+    RetiredWorker,
     Trace,
     WaitColumns,
     collector_paused,
@@ -501,6 +505,9 @@ class Tracer:
         marks included, however long the run (the tests count it)."""
         self.losses: list[_Loss] = []
         """Every worker lost (dead or stuck), in order, over all the loader's iterators."""
+        self.retirements: list[_Retirement] = []
+        """Every worker retired, in order, over all the loader's iterators (each knows its
+        iterator's driver: a slot's number means another worker in another iterator)."""
         self.epochs = 0
         """The loader's epochs begun so far, over all its iterators: the epoch of the latest
         one's scheduler, after those of the iterators before it."""
@@ -515,6 +522,7 @@ class Tracer:
         tasks = self.tasks
         offset = (self.drivers % DRIVERS) << TASK_BITS
         end = offset | _TASK
+        driver = self.drivers
         self.drivers += 1
         row_of, index_of, packed_of = tasks.row, tasks.index, tasks.packed
         key_column, worker_column, sent_at = tasks.key, tasks.worker, tasks.sent
@@ -603,7 +611,9 @@ class Tracer:
                     restarted = True
                     worker = command.worker  # type: ignore[attr-defined]
                     incarnation_now[worker] = command.incarnation  # type: ignore[attr-defined]
-                    self._replacing(now, worker)
+                    self._replacing(now, driver, worker, command.incarnation)  # type: ignore[attr-defined]
+                elif ckind is StopWorker and self.retirements:
+                    self._stopped(now, driver, command.worker)  # type: ignore[attr-defined]
 
         def sent_again(now: float, task: int, worker: int) -> bool:
             """Whether `task` was sent before (to a worker lost since): its row then counts
@@ -674,7 +684,7 @@ class Tracer:
 
         def rare(state: State, event: Event, transition: Transition) -> None:
             now = clock()
-            self._saw_rare(now, state, event, transition)
+            self._saw_rare(now, state, event, transition, driver)
             carried(now, transition)
 
         hooks: dict[type[Event], Hook | None] = {
@@ -738,14 +748,29 @@ class Tracer:
             del marks[:gone]
             self.dropped_marks += gone
             self.forget_work += gone + len(marks)
+        retirements = self.retirements
+        if retirements:
+            # A tuner may retire and add as long as the loader runs: those of the stretch
+            # forgotten go with it.
+            gone = bisect.bisect_left(retirements, cut, key=_retired_at)
+            if gone > slack:
+                del retirements[:gone]
+                self.forget_work += gone + len(retirements)
 
-    def _saw_rare(self, now: float, state: State, event: Event, transition: Transition) -> None:
-        """The events that come once an epoch or less."""
+    def _saw_rare(
+        self, now: float, state: State, event: Event, transition: Transition, driver: int = 0
+    ) -> None:
+        """The events that come once an epoch or less (a tuner's too); `driver`: the number of
+        the driver (loader iterator) whose scheduler was told of `event`."""
         kind = type(event)
         if kind is WorkerDied or kind is WorkerStuck:
-            self._lost(now, state, event, transition)
+            self._lost(now, state, event, transition, driver)
         elif kind is WorkerStarted:
-            self._started(now, event)
+            self._started(now, event, driver)
+        elif kind is RetireRequested:
+            self._retiring(now, state, event.worker, driver)  # type: ignore[attr-defined]
+        elif kind is AddRequested:
+            self._adding(now, event.worker, driver)  # type: ignore[attr-defined]
         if kind is WorkerDied:
             detail = f"pid {event.pid}, exit code {event.exitcode}"  # type: ignore[attr-defined]
             self.marks.append(Moment(now, "worker died", event.worker, detail))  # type: ignore[attr-defined]
@@ -754,7 +779,9 @@ class Tracer:
         elif kind is TimedOut:
             self.marks.append(Moment(now, "timed out", None, f"after {event.seconds} s"))  # type: ignore[attr-defined]
 
-    def _lost(self, now: float, before: State, event: Event, transition: Transition) -> None:
+    def _lost(
+        self, now: float, before: State, event: Event, transition: Transition, driver: int = 0
+    ) -> None:
         """A death or a hang: kept if the scheduler counted it a loss (it replaced the worker,
         or failed the loader with it), not if it was a stopped worker's exit or a lost
         incarnation's late news."""
@@ -773,23 +800,66 @@ class Tracer:
             if type(slot) is Pending and slot.worker == worker
         )
         incarnation = event.incarnation  # type: ignore[attr-defined]
-        self.losses.append(_Loss(worker, incarnation, attrs.evolve(loss, earlier=()), now, held))
+        loss = attrs.evolve(loss, earlier=())
+        self.losses.append(_Loss(worker, incarnation, loss, now, held, driver=driver))
+        retiring = self._open_retirement(driver, worker)
+        if retiring is not None:
+            retiring.lapsed = True  # replaced (or failing the loader) as a running worker
 
-    def _replacing(self, now: float, worker: int) -> None:
-        """`ReplaceWorker` went out for `worker`: its latest loss is a restart."""
+    def _replacing(self, now: float, driver: int, worker: int, incarnation: int) -> None:
+        """`ReplaceWorker` went out for `worker`'s incarnation `incarnation`: if it replaces a
+        loss, that loss is a restart (otherwise it adds a retired slot back)."""
         for lost in reversed(self.losses):
-            if lost.worker == worker:
-                if lost.replaced is None:
+            if lost.driver == driver and lost.worker == worker:
+                if lost.replaced is None and lost.incarnation == incarnation - 1:
                     lost.replaced = now
                 return
 
-    def _started(self, now: float, event: Event) -> None:
-        """A replacement reported itself started."""
+    def _started(self, now: float, event: Event, driver: int = 0) -> None:
+        """A replacement, or a slot added back, reported itself started."""
         worker, incarnation = event.worker, event.incarnation  # type: ignore[attr-defined]
         for lost in reversed(self.losses):
-            if lost.worker == worker and lost.incarnation == incarnation - 1:
+            if (lost.driver, lost.worker, lost.incarnation) == (driver, worker, incarnation - 1):
                 if lost.started is None and lost.replaced is not None:
                     lost.started = now
+                return
+        for retired in reversed(self.retirements):
+            if retired.driver == driver and retired.worker == worker:
+                if retired.incarnation == incarnation - 1 and retired.added is not None:
+                    retired.started = retired.started or now
+                return
+
+    def _retiring(self, now: float, before: State, worker: int, driver: int) -> None:
+        """`RetireRequested` for `worker`: what it held then, it finishes before it stops."""
+        held = tuple(
+            before.rcvd_idx + number
+            for number, slot in enumerate(before.window)
+            if type(slot) is Pending and slot.worker == worker
+        )
+        incarnations = before.life.incarnations
+        incarnation = incarnations[worker] if worker < len(incarnations) else 0
+        self.retirements.append(_Retirement(driver, worker, incarnation, now, held))
+
+    def _open_retirement(self, driver: int, worker: int) -> _Retirement | None:
+        """`worker`'s retirement in `driver` that has not ended yet (stopped, or lapsed)."""
+        for retired in reversed(self.retirements):
+            if retired.driver == driver and retired.worker == worker:
+                open_ = retired.stopped is None and not retired.lapsed
+                return retired if open_ else None
+        return None
+
+    def _stopped(self, now: float, driver: int, worker: int) -> None:
+        """`StopWorker` went out: a retiring worker's is its retirement's end."""
+        retiring = self._open_retirement(driver, worker)
+        if retiring is not None:
+            retiring.stopped = now
+
+    def _adding(self, now: float, worker: int, driver: int) -> None:
+        """`AddRequested`: the slot's latest retirement ends with its return."""
+        for retired in reversed(self.retirements):
+            if retired.driver == driver and retired.worker == worker:
+                if retired.added is None and retired.stopped is not None:
+                    retired.added = now
                 return
 
     def trace(self) -> Trace:
@@ -827,6 +897,7 @@ class Tracer:
             dropped_marks=self.dropped_marks,
             epochs_dropped=self.epochs_dropped,
             losses=tuple(lost.record() for lost in self.losses),
+            retirements=tuple(retired.record() for retired in self.retirements),
         )
 
 
@@ -841,6 +912,8 @@ class _Loss:
     held: tuple[int, ...]
     replaced: float | None = None
     started: float | None = None
+    driver: int = 0
+    """The number of the driver (loader iterator) that lost it."""
 
     def record(self) -> LostWorker:
         return LostWorker(
@@ -854,5 +927,36 @@ class _Loss:
         )
 
 
+@attrs.define
+class _Retirement:
+    """A `RetiredWorker` while it is traced, with its driver's number."""
+
+    driver: int
+    worker: int
+    incarnation: int
+    at: float
+    held: tuple[int, ...]
+    stopped: float | None = None
+    added: float | None = None
+    started: float | None = None
+    lapsed: bool = False
+
+    def record(self) -> RetiredWorker:
+        return RetiredWorker(
+            self.worker,
+            self.incarnation,
+            self.at,
+            self.held,
+            self.stopped,
+            self.added,
+            self.started,
+            self.lapsed,
+        )
+
+
 def _moment(mark: Moment) -> float:
     return mark.time
+
+
+def _retired_at(retired: _Retirement) -> float:
+    return retired.at
