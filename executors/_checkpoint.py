@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import Progress
+from statecore.executors._elastic import Elastic, Stage
 from statecore.executors._worker import Mark, has_state
 
 __all__ = [
@@ -208,6 +209,9 @@ class EpochRecord:
     load the rest of their tasks before they start this epoch, so where their datasets stood
     as it began is read from the marks of their last answers of that epoch (`Driver.left`),
     once those are in; `carried` is then where a worker without any stood."""
+    stage: Stage | None = None
+    """The split of a DistributedSampler's epoch this epoch draws (see `executors/_elastic.py`):
+    its epoch, and the splits it had on other numbers of ranks before a resume."""
     carried_open: frozenset[int] = frozenset()
     """The workers of an iterable dataset whose `carried` mark is of an iterator left before it
     ran dry (an epoch broken out of): restored there, their part is not run dry again."""
@@ -235,6 +239,9 @@ class Resume:
     mark of its last batch of that one (see `EpochRecord.carried`)."""
     carried_open: frozenset[int] = frozenset()
     """See `EpochRecord.carried_open`."""
+    elastic: Elastic | None = None
+    """Where the state was taken on other ranks: this rank's share of the rest of the epoch
+    (see `executors/_elastic.py`); `progress` is then through that share, none of it yet."""
 
 
 def snapshot(

@@ -39,6 +39,18 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
+from statecore.executors._elastic import (
+    Elastic,
+    Stage,
+    batches_of,
+    check_epoch,
+    check_process_group,
+    continuation,
+    distributed_sampler,
+    entry,
+    facts_for,
+    process_group_entry,
+)
 from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._observe.seam import Observer
 from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
@@ -308,10 +320,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
         rng_now = _generator_of(self).get_state() if self.generator is not None or random else None
         if position is not None:
-            return snapshot(facts, rng_now=rng_now, **attrs.asdict(position, recurse=False))
+            fields = attrs.asdict(position, recurse=False)
+            stage = fields.pop("stage")
+            return self._ranked(snapshot(facts, rng_now=rng_now, **fields), stage)
         # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
-        return snapshot(
+        state = snapshot(
             facts,
             progress=Progress(),
             complete=True,
@@ -322,6 +336,29 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
+        return self._ranked(state, None)
+
+    def _ranked(self, state: dict[str, Any], stage: Stage | None) -> dict[str, Any]:
+        """`state` with what a resume on other ranks needs: with a DistributedSampler, every
+        rank's progress, gathered where torch.distributed is initialised (a collective: every
+        rank calls state_dict(), as checkpoint code does); for an iterable dataset, the rank
+        and world size it was taken on, which it resumes on only."""
+        if self._dataset_kind == _ITER:
+            group = process_group_entry()
+            if group is not None:
+                state["process_group"] = group
+            return state
+        sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        if sampler is None:
+            return state
+        progress = state["progress"]
+        state["distributed"] = entry(
+            sampler,
+            Stage(int(sampler.epoch)) if stage is None else stage,
+            Progress(progress["done"], frozenset(progress["also"])),
+            len(self.dataset),  # type: ignore[arg-type]  # a DistributedSampler's has one
+        )
+        return state
 
     def _position(self) -> _Position | None:
         """Where the latest iterator's epoch stands, whether or not anyone still holds it.
@@ -342,13 +379,27 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
         source = torch.default_generator if self.generator is None else self.generator
+        if self._dataset_kind == _ITER:
+            check_process_group(state_dict)
+        facts, taken = facts_for(state_dict, self, self._checkpoint_facts())
         resume = parse(
             state_dict,
-            self._checkpoint_facts(),
-            batches=None if self._dataset_kind == _ITER else _trusted_length(self._index_sampler),
+            facts,
+            batches=(
+                None
+                if self._dataset_kind == _ITER or taken is not None
+                else _trusted_length(self._index_sampler)
+            ),
             rng_size=source.get_state().numel(),
             drawless=self._dataset_kind != _ITER and draws_nothing(self._index_sampler),
         )
+        if taken is not None:
+            # Taken on other ranks: this rank goes on with its own progress, or its share.
+            goes_on = continuation(taken, resume.complete, self)
+            if isinstance(goes_on, Elastic):
+                resume = attrs.evolve(resume, progress=Progress(), elastic=goes_on)
+            elif goes_on is not None:
+                resume = attrs.evolve(resume, progress=goes_on)
         saved = resume.workers
         workers = max(self.num_workers, 1)
         if self._dataset_kind != _ITER and saved is not None and len(saved) != workers:
@@ -561,6 +612,8 @@ class _Position:
     """Per worker, where its dataset stood as the epoch before ended, where it lived on."""
     carried_open: frozenset[int] = frozenset()
     """See `EpochRecord.carried_open`."""
+    stage: Stage | None = None
+    """See `EpochRecord.stage`."""
 
 
 def _standing(resume: Resume) -> tuple[Mark | None, ...] | None:
@@ -697,6 +750,8 @@ class _Iterator(_BaseDataLoaderIter):
         self._trail = _Trail()
         self._resumed_from: int | None = None
         """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
+        if loader._resume is not None:
+            check_epoch(loader._resume.raw, loader)
         resume, loader._resume = loader._resume, None
         # The workers are seeded as the checkpoint's were. The base seed is drawn from the
         # generator as torch draws it, so that the generator moves on as the original's did,
@@ -875,6 +930,11 @@ class _Iterator(_BaseDataLoaderIter):
         record = EpochRecord(
             rng, seeded, carried=carries, after_a_break=after_a_break, carried_open=carries_open
         )
+        shared = distributed_sampler(loader.sampler, loader.batch_sampler)
+        if resume is not None and resume.elastic is not None:
+            record.stage = resume.elastic.stage
+        elif shared is not None:
+            record.stage = Stage(int(shared.epoch))
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -925,6 +985,9 @@ class _Iterator(_BaseDataLoaderIter):
         return self._replayed(loader, resume, sampler, source)
 
     def _replayed(self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator) -> Any:
+        if resume.elastic is not None:
+            # Taken on another number of ranks: this rank's share of what none received.
+            return batches_of(resume.elastic.share, loader)
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
@@ -997,6 +1060,7 @@ class _Iterator(_BaseDataLoaderIter):
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
             carried=carried,
             carried_open=carried_open,
+            stage=record.stage,
         )
 
     def __next__(self) -> Any:

@@ -9,12 +9,12 @@ lock-step.
 
 A checkpoint taken mid-epoch says which batches of its share each rank's consumer was handed
 (`Progress`, positions of its sampler's draws). Loaded on another number of ranks, those
-positions mean nothing to the new ranks; the dataset indices they stand for do. A `Split` is
-therefore the epoch's order less the samples handed over earlier in the epoch, shared out by
-DistributedSampler's own rules: resharding an epoch is a new split of what no rank received,
-and a split that received nothing is DistributedSampler's ordinary epoch. Splitting again, from
-a checkpoint of a resharded epoch, works the same way, so an epoch may change its number of
-ranks any number of times.
+positions mean nothing to the new ranks; the dataset indices they stand for do. An
+`EpochSplit` is therefore the epoch's order less the samples handed over earlier in the
+epoch, shared out by DistributedSampler's own rules: resharding an epoch is a new split of
+what no rank received, and a split that received nothing is DistributedSampler's ordinary
+epoch. Splitting again, from a checkpoint of a resharded epoch, works the same way, so an
+epoch may change its number of ranks any number of times.
 
 What "exactly once" means here: every sample of the order that no rank received before the
 checkpoint is in exactly one new rank's share, and none received before is; apart from
@@ -35,7 +35,15 @@ import attrs
 
 from statecore._state import Progress
 
-__all__ = ["MergeError", "Part", "Split", "handed", "merge", "reshard"]
+__all__ = [
+    "EpochSplit",
+    "RankMergeError",
+    "RankPart",
+    "handed_positions",
+    "merge_ranks",
+    "received_samples",
+    "reshard",
+]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -43,7 +51,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @attrs.frozen
-class Split:
+class EpochSplit:
     """One epoch's samples still to come, shared among `world_size` ranks as torch's
     DistributedSampler shares an epoch."""
 
@@ -104,7 +112,7 @@ class Split:
         return tuple(padded[r :: self.world_size] for r in range(self.world_size))
 
 
-def handed(progress: Progress) -> frozenset[int]:
+def handed_positions(progress: Progress) -> frozenset[int]:
     """The positions of the sampler's draws that `progress` says were handed over."""
     return frozenset(range(progress.done)) | progress.also
 
@@ -115,8 +123,8 @@ def _batches(samples: int, batch_size: int | None, drop_batch: bool) -> int:
     return samples // batch_size if drop_batch else _ceil_div(samples, batch_size)
 
 
-def received(
-    split: Split,
+def received_samples(
+    split: EpochSplit,
     rank: int,
     positions: Collection[int],
     batch_size: int | None,
@@ -140,12 +148,12 @@ def received(
 
 
 def reshard(
-    split: Split,
+    split: EpochSplit,
     positions: Sequence[Collection[int]],
     world_size: int,
     batch_size: int | None,
     drop_batch: bool = False,
-) -> Split:
+) -> EpochSplit:
     """The rest of `split`'s epoch, shared among `world_size` ranks.
 
     `positions[r]` are the positions of the draws rank r's consumer was handed (in any pattern:
@@ -159,19 +167,19 @@ def reshard(
         )
     taken = frozenset().union(
         *(
-            received(split, rank, done, batch_size, drop_batch)
+            received_samples(split, rank, done, batch_size, drop_batch)
             for rank, done in enumerate(positions)
         )
     )
     return attrs.evolve(split, world_size=world_size, consumed=split.consumed | taken)
 
 
-class MergeError(ValueError):
+class RankMergeError(ValueError):
     """Per-rank progress that does not make one epoch's: what differs is named."""
 
 
 @attrs.frozen
-class Part:
+class RankPart:
     """One rank's progress through its share of an epoch, as its own checkpoint records it."""
 
     rank: int
@@ -182,32 +190,32 @@ class Part:
     progress: Progress
 
 
-def merge(parts: Iterable[Part]) -> tuple[Progress, ...]:
+def merge_ranks(parts: Iterable[RankPart]) -> tuple[Progress, ...]:
     """Each rank's progress, by rank, from parts saved separately (one per rank)."""
     parts = list(parts)
     if not parts:
-        raise MergeError("no rank's progress was given")
+        raise RankMergeError("no rank's progress was given")
     first = parts[0]
     by_rank: dict[int, Progress] = {}
     for part in parts:
         if part.world_size != first.world_size:
-            raise MergeError(
+            raise RankMergeError(
                 f"rank {part.rank}'s state was taken on {part.world_size} ranks, and rank "
                 f"{first.rank}'s on {first.world_size}: merge states of one checkpoint"
             )
         if part.epoch != first.epoch:
-            raise MergeError(
+            raise RankMergeError(
                 f"rank {part.rank}'s state is of another epoch or split ({part.epoch!r}) than "
                 f"rank {first.rank}'s ({first.epoch!r}): merge states of one checkpoint"
             )
         if not 0 <= part.rank < part.world_size:
-            raise MergeError(f"rank {part.rank} is not a rank of {part.world_size}")
+            raise RankMergeError(f"rank {part.rank} is not a rank of {part.world_size}")
         seen = by_rank.setdefault(part.rank, part.progress)
         if seen != part.progress:
-            raise MergeError(f"two states of rank {part.rank} disagree on its progress")
+            raise RankMergeError(f"two states of rank {part.rank} disagree on its progress")
     missing = sorted(set(range(first.world_size)) - by_rank.keys())
     if missing:
-        raise MergeError(
+        raise RankMergeError(
             f"the states of ranks {missing[:8]} of {first.world_size} are missing: every rank's "
             "is needed, or its samples would be loaded again"
         )

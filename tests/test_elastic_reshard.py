@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from statecore import Progress
-from statecore._reshard import MergeError, Part, Split, handed, merge, received, reshard
+from statecore._reshard import (
+    EpochSplit,
+    RankMergeError,
+    RankPart,
+    handed_positions,
+    merge_ranks,
+    received_samples,
+    reshard,
+)
 
 
 def distributed_epoch(
@@ -54,7 +62,9 @@ def batch_count(samples: int, batch_size: int | None, drop_batch: bool) -> int:
 
 
 @st.composite
-def progress_of(draw: Any, split: Split, batch_size: int | None, drop_batch: bool) -> list[Any]:
+def progress_of(
+    draw: Any, split: EpochSplit, batch_size: int | None, drop_batch: bool
+) -> list[Any]:
     """Any pattern of positions handed over: ranks at different points, with holes."""
     count = batch_count(split.per_rank, batch_size, drop_batch)
     return [
@@ -72,7 +82,7 @@ def samples_at(share: tuple[int, ...], positions: Any, batch_size: int | None) -
 def test_each_remaining_sample_goes_to_exactly_one_new_rank_and_none_handed_over_again(
     data: Any, epoch: dict[str, Any]
 ) -> None:
-    split = Split(epoch["order"], epoch["old"], epoch["drop_last"])
+    split = EpochSplit(epoch["order"], epoch["old"], epoch["drop_last"])
     size, drop_batch = epoch["batch_size"], epoch["drop_batch"]
     positions = data.draw(progress_of(split, size, drop_batch))
     before = {i for r, done in enumerate(positions) for i in samples_at(split.share(r), done, size)}
@@ -97,7 +107,7 @@ def test_each_remaining_sample_goes_to_exactly_one_new_rank_and_none_handed_over
 def test_every_new_rank_gets_as_many_samples_so_ddp_stays_in_lock_step(
     data: Any, epoch: dict[str, Any]
 ) -> None:
-    split = Split(epoch["order"], epoch["old"], epoch["drop_last"])
+    split = EpochSplit(epoch["order"], epoch["old"], epoch["drop_last"])
     positions = data.draw(progress_of(split, epoch["batch_size"], epoch["drop_batch"]))
     after = reshard(split, positions, epoch["new"], epoch["batch_size"], epoch["drop_batch"])
     assert {len(share) for share in after.shares()} == {after.per_rank}
@@ -124,7 +134,7 @@ def test_with_nothing_handed_over_the_new_split_is_distributed_samplers_own_epoc
     batch_size: int | None,
 ) -> None:
     order = epoch_order(length, shuffle, seed, epoch)
-    split = Split(order, old, drop_last)
+    split = EpochSplit(order, old, drop_last)
     after = reshard(split, [frozenset()] * old, new, batch_size)
     assert [list(share) for share in after.shares()] == [
         distributed_epoch(length, new, r, shuffle, seed, epoch, drop_last) for r in range(new)
@@ -141,7 +151,7 @@ def test_with_nothing_handed_over_the_new_split_is_distributed_samplers_own_epoc
 def test_a_split_with_nothing_consumed_is_distributed_samplers_epoch(
     length: int, world: int, shuffle: bool, drop_last: bool, seed: int
 ) -> None:
-    split = Split(epoch_order(length, shuffle, seed, 3), world, drop_last)
+    split = EpochSplit(epoch_order(length, shuffle, seed, 3), world, drop_last)
     assert [list(split.share(r)) for r in range(world)] == [
         distributed_epoch(length, world, r, shuffle, seed, 3, drop_last) for r in range(world)
     ]
@@ -152,7 +162,7 @@ def test_an_epoch_resharded_twice_still_consumes_each_sample_at_most_once_beyond
     data: Any, epoch: dict[str, Any], third: int
 ) -> None:
     size, drop_batch = epoch["batch_size"], epoch["drop_batch"]
-    split = Split(epoch["order"], epoch["old"], epoch["drop_last"])
+    split = EpochSplit(epoch["order"], epoch["old"], epoch["drop_last"])
     consumed: Counter[int] = Counter()
     for world in (epoch["new"], third):
         positions = data.draw(progress_of(split, size, drop_batch))
@@ -168,44 +178,51 @@ def test_an_epoch_resharded_twice_still_consumes_each_sample_at_most_once_beyond
 
 
 def test_received_maps_batch_positions_to_the_shares_indices() -> None:
-    split = Split(tuple(range(10)), 2, False)  # rank 1: 1, 3, 5, 7, 9
-    assert received(split, 1, {0, 2}, batch_size=2) == {1, 3, 9}
+    split = EpochSplit(tuple(range(10)), 2, False)  # rank 1: 1, 3, 5, 7, 9
+    assert received_samples(split, 1, {0, 2}, batch_size=2) == {1, 3, 9}
 
 
 def test_positions_beyond_a_ranks_batches_are_refused() -> None:
-    split = Split(tuple(range(10)), 2, False)
+    split = EpochSplit(tuple(range(10)), 2, False)
     with pytest.raises(ValueError, match=r"rank 0 of 2 has 2 batches this epoch.*\[2\]"):
-        received(split, 0, {2}, batch_size=2, drop_batch=True)
+        received_samples(split, 0, {2}, batch_size=2, drop_batch=True)
 
 
 def test_a_reshard_needs_every_old_ranks_progress() -> None:
     with pytest.raises(ValueError, match="split among 3 ranks, and progress is given for 2"):
-        reshard(Split(tuple(range(9)), 3, False), [frozenset(), frozenset()], 2, None)
+        reshard(EpochSplit(tuple(range(9)), 3, False), [frozenset(), frozenset()], 2, None)
 
 
 def test_handed_counts_the_positions_in_order_and_those_out_of_order() -> None:
-    assert handed(Progress(done=3, also=frozenset({5, 7}))) == {0, 1, 2, 5, 7}
+    assert handed_positions(Progress(done=3, also=frozenset({5, 7}))) == {0, 1, 2, 5, 7}
 
 
 def test_merge_orders_the_ranks_progress_by_rank() -> None:
     a, b = Progress(done=2), Progress(done=1, also=frozenset({3}))
-    parts = [Part(1, 2, "e", b), Part(0, 2, "e", a)]
-    assert merge(parts) == (a, b)
+    parts = [RankPart(1, 2, "e", b), RankPart(0, 2, "e", a)]
+    assert merge_ranks(parts) == (a, b)
+
+
+def part(rank: int, world: int, epoch: str = "e", done: int = 0) -> RankPart:
+    return RankPart(rank, world, epoch, Progress(done=done))
 
 
 @pytest.mark.parametrize(
     ("parts", "named"),
     [
-        ([Part(0, 3, "e", Progress()), Part(2, 3, "e", Progress())], r"ranks \[1\] of 3"),
-        ([Part(0, 2, "e", Progress()), Part(1, 3, "e", Progress())], "taken on 3 ranks"),
-        ([Part(0, 2, "e", Progress()), Part(1, 2, "f", Progress())], "another epoch or split"),
-        ([Part(0, 1, "e", Progress()), Part(0, 1, "e", Progress(done=1))], "disagree"),
+        ([RankPart(0, 3, "e", Progress()), RankPart(2, 3, "e", Progress())], r"ranks \[1\] of 3"),
+        ([RankPart(0, 2, "e", Progress()), RankPart(1, 3, "e", Progress())], "taken on 3 ranks"),
+        (
+            [RankPart(0, 2, "e", Progress()), RankPart(1, 2, "f", Progress())],
+            "another epoch or split",
+        ),
+        ([RankPart(0, 1, "e", Progress()), RankPart(0, 1, "e", Progress(done=1))], "disagree"),
         ([], "no rank"),
     ],
     ids=["missing", "world-size", "epoch", "disagreeing", "empty"],
 )
 def test_merge_refuses_parts_that_are_not_one_epochs_naming_why(
-    parts: list[Part], named: str
+    parts: list[RankPart], named: str
 ) -> None:
-    with pytest.raises(MergeError, match=named):
-        merge(parts)
+    with pytest.raises(RankMergeError, match=named):
+        merge_ranks(parts)
