@@ -498,7 +498,8 @@ def parse(
             raise _fail(
                 f"it was taken with {name}={shown}, and this loader has {name}={mine!r}; "
                 "a checkpoint resumes only the same dataset, sampled and batched the same way "
-                "(and, distributed, the same rank of the same world size)"
+                "(a DistributedSampler's, taken by this statecore, on any number of ranks: see "
+                "'Changing the number of GPUs' in docs/checkpointing.md)"
             )
     progress = _mapping(_get(state, "progress", "progress"), "progress")
     done = _int(_get(progress, "done", "progress.done"), "progress.done", high=batches)
