@@ -39,7 +39,7 @@ __all__ = [
     "Elastic",
     "Stage",
     "batches_of",
-    "check_epoch",
+    "align_epoch",
     "check_process_group",
     "distributed_sampler",
     "entry",
@@ -145,20 +145,19 @@ def check_process_group(state: Any) -> None:
     )
 
 
-def check_epoch(state: Mapping[str, Any], loader: Any) -> None:
-    """Refuse to resume a DistributedSampler's epoch mid-way under another `set_epoch`: its
-    order is another permutation, and the rest of the original's would be lost."""
+def align_epoch(state: Mapping[str, Any], loader: Any) -> None:
+    """Set the loader's DistributedSampler to the epoch a mid-epoch `state` was taken in.
+
+    The state resumes that epoch, whatever `set_epoch` said last: Lightning, for one, makes
+    the resumed loader's iterator before it calls `set_epoch`, and a loader with workers draws
+    its first batches as the iterator is made. The program's own `set_epoch` for the next
+    epochs works as ever.
+    """
     taken = state.get(_KEY)
     sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
     if not isinstance(taken, Mapping) or sampler is None or state.get("complete") is not False:
         return
-    if taken.get("epoch") != sampler.epoch:
-        raise ValueError(
-            f"cannot resume this DataLoader state: it was taken in epoch {taken.get('epoch')!r} "
-            f"of its DistributedSampler, and this loader's sampler is at epoch {sampler.epoch}; "
-            f"call sampler.set_epoch({taken.get('epoch')!r}) before iter(), as the interrupted "
-            "run had"
-        )
+    sampler.set_epoch(int(taken["epoch"]))
 
 
 def entry(

@@ -42,8 +42,8 @@ from statecore.executors._driver import Driver
 from statecore.executors._elastic import (
     Elastic,
     Stage,
+    align_epoch,
     batches_of,
-    check_epoch,
     check_process_group,
     continuation,
     distributed_sampler,
@@ -751,7 +751,7 @@ class _Iterator(_BaseDataLoaderIter):
         self._resumed_from: int | None = None
         """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
         if loader._resume is not None:
-            check_epoch(loader._resume.raw, loader)
+            align_epoch(loader._resume.raw, loader)
         resume, loader._resume = loader._resume, None
         # The workers are seeded as the checkpoint's were. The base seed is drawn from the
         # generator as torch draws it, so that the generator moves on as the original's did,

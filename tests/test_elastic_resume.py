@@ -104,3 +104,23 @@ def test_an_epoch_resumed_on_other_ranks_resumes_again_on_yet_others() -> None:
     seen.update(i for loader in after for i in samples(run_to_end(iter(loader))))
     assert set(seen) == set(range(LENGTH))
     assert sum(seen.values()) - LENGTH < 3
+
+
+@pytest.mark.parametrize("new", [2, 3])
+def test_a_mid_epoch_state_resumes_its_own_epoch_before_set_epoch_is_called(new: int) -> None:
+    # Lightning makes the resumed loader's iterator before it calls set_epoch.
+    before = ranks(2, epoch=3)
+    iterators = [iter(loader) for loader in before]
+    got = {i for it in iterators for i in samples(take(it, 2))}
+    merged = merge_state_dicts([loader.state_dict() for loader in before])
+    rest = [run_to_end(it) for it in iterators]
+    after = ranks(new, epoch=0)
+    for loader in after:
+        loader.load_state_dict(merged)
+    resumed = [run_to_end(iter(loader)) for loader in after]
+    if new == 2:
+        assert resumed == rest
+    else:
+        # The same samples, shared out among 3; the old split's padding repeated one received.
+        left = {i for r in rest for i in samples(r)} - got
+        assert {i for r in resumed for i in samples(r)} == left
