@@ -209,6 +209,9 @@ class EpochRecord:
     load the rest of their tasks before they start this epoch, so where their datasets stood
     as it began is read from the marks of their last answers of that epoch (`Driver.left`),
     once those are in; `carried` is then where a worker without any stood."""
+    length: int | None = None
+    """The batches of this rank's epoch resumed on another number of ranks: those yielded
+    before the checkpoint, and its share's (see `DataLoader.__len__`); None for others."""
     stage: Stage | None = None
     """The split of a DistributedSampler's epoch this epoch draws (see `executors/_elastic.py`):
     its epoch, and the splits it had on other numbers of ranks before a resume."""

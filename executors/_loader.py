@@ -297,6 +297,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
+    def __len__(self) -> int:
+        """torch's len(), but for an epoch resumed on another number of ranks: this rank's
+        batches of it, those yielded before the checkpoint and those of its share, as a
+        training loop that counts the first among the epoch's (Lightning's) expects."""
+        resume = self.__dict__.get("_resume")
+        if resume is not None and resume.elastic is not None:
+            return int(resume.num_yielded) + _count(resume.elastic.share, self)
+        latest = self.__dict__.get("_latest")
+        iterator = latest() if latest is not None else None
+        record = None if iterator is None else iterator._epoch
+        if record is not None and record.length is not None:
+            return int(record.length)
+        return super().__len__()
+
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: loading it into a fresh loader goes on from here, exactly.
 
@@ -565,6 +579,15 @@ def _trusted_length(index_sampler: Any) -> int | None:
     if type(sampler) not in _EXACT_LENGTH:
         return None
     return len(index_sampler)
+
+
+def _count(share: tuple[int, ...], loader: DataLoader[Any]) -> int:
+    """The batches `loader` makes of `share`."""
+    batches: Any = loader.batch_sampler
+    if batches is None:
+        return len(share)
+    size = int(batches.batch_size)
+    return len(share) // size if batches.drop_last else -(-len(share) // size)
 
 
 def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
@@ -933,6 +956,7 @@ class _Iterator(_BaseDataLoaderIter):
         shared = distributed_sampler(loader.sampler, loader.batch_sampler)
         if resume is not None and resume.elastic is not None:
             record.stage = resume.elastic.stage
+            record.length = resume.num_yielded + _count(resume.elastic.share, loader)
         elif shared is not None:
             record.stage = Stage(int(shared.epoch))
         sampler = stateful_sampler(self._index_sampler)

@@ -124,3 +124,20 @@ def test_a_mid_epoch_state_resumes_its_own_epoch_before_set_epoch_is_called(new:
         # The same samples, shared out among 3; the old split's padding repeated one received.
         left = {i for r in rest for i in samples(r)} - got
         assert {i for r in resumed for i in samples(r)} == left
+
+
+def test_len_of_a_loader_resumed_on_other_ranks_counts_its_batches_of_the_epoch() -> None:
+    # 23 samples, 2 ranks, 2 batches of 2 each taken: 15 left, 5 per rank of 3: 3 batches.
+    before = ranks(2)
+    for loader in before:
+        take(iter(loader), 2)
+    merged = merge_state_dicts([loader.state_dict() for loader in before])
+    resumed = ranks(3)[0]
+    resumed.load_state_dict(merged)
+    assert len(resumed) == 2 + 3  # those yielded before the checkpoint, and its share's
+    iterator = iter(resumed)
+    assert len(resumed) == 5
+    assert len(run_to_end(iterator)) == 3
+    resumed.sampler.set_epoch(2)  # type: ignore[attr-defined]
+    iter(resumed)
+    assert len(resumed) == 4  # DistributedSampler's 8 samples for each of 3 ranks
