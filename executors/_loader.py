@@ -393,9 +393,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
         source = torch.default_generator if self.generator is None else self.generator
+        facts: dict[str, Any] = self._checkpoint_facts()
+        taken = None
         if self._dataset_kind == _ITER:
             check_process_group(state_dict)
-        facts, taken = facts_for(state_dict, self, self._checkpoint_facts())
+        else:
+            facts, taken = facts_for(state_dict, self, facts)
         resume = parse(
             state_dict,
             facts,

@@ -70,6 +70,14 @@ def test_a_multi_rank_state_is_refused_by_a_loader_without_a_distributed_sampler
         plain.load_state_dict(merged_state())
 
 
+def test_a_distributed_state_is_refused_by_an_iterable_datasets_loader_as_any_map_state() -> None:
+    # Not with advice to give an iterable dataset's loader a DistributedSampler.
+    iterable = DataLoader(StatefulIterator(20), batch_size=2)
+    with pytest.raises(ValueError, match="cannot load this DataLoader state") as refused:
+        iterable.load_state_dict(merged_state())
+    assert "DistributedSampler" not in str(refused.value)
+
+
 class OwnSplit(DistributedSampler):  # type: ignore[type-arg]
     """A distributed sampler that splits the epoch its own way."""
 
