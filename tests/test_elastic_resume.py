@@ -7,6 +7,7 @@ would; `tests/test_elastic_ddp.py` does the same with real processes and a proce
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -141,3 +142,25 @@ def test_len_of_a_loader_resumed_on_other_ranks_counts_its_batches_of_the_epoch(
     resumed.sampler.set_epoch(2)  # type: ignore[attr-defined]
     iter(resumed)
     assert len(resumed) == 4  # DistributedSampler's 8 samples for each of 3 ranks
+
+
+@pytest.mark.timeout(120)
+def test_out_of_order_loading_on_the_old_ranks_still_finishes_the_epoch_exactly() -> None:
+    seen, _ = interrupted(3, 2, at=3, num_workers=2, executor="thread", in_order=False)
+    assert set(seen) == set(range(LENGTH))
+    assert sum(seen.values()) - LENGTH < 3 + 2
+
+
+def test_a_gathered_state_is_plain_data() -> None:
+    state = merge_state_dicts([loader.state_dict() for loader in ranks(2)])
+    assert json.loads(json.dumps(state["distributed"])) == {
+        "world_size": 2,
+        "rank": 0,
+        "seed": SEED,
+        "epoch": 1,
+        "shuffle": True,
+        "drop_last": False,
+        "padding": 1,
+        "earlier": [],
+        "ranks": [{"done": 0, "also": []}, {"done": 0, "also": []}],
+    }
