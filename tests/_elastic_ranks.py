@@ -76,6 +76,9 @@ def _rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
 def run_job(world: int, tmp: Path, job: dict[str, Any]) -> list[dict[str, Any]]:
     """Run `job` on `world` ranks; what each rank's consumer got, by rank."""
     init = tmp / f"init-{job['phase']}"
+    # Forked: a rank starts in well under a second, where a spawned one imports torch again
+    # (half a minute on a loaded machine). The ranks run only torch and statecore, and the
+    # tests' timeouts bound a hang.
     torch.multiprocessing.start_processes(
         _rank, args=(world, str(init), job), nprocs=world, join=True, start_method="fork"
     )
