@@ -8,6 +8,7 @@ GPUs"); the epoch after it is an uninterrupted M-rank run's.
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 AT = 2  # the batches each old rank takes before the checkpoint
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def interrupted_epoch(
     tmp_path: Path, old: int, new: int, **options: Any
 ) -> tuple[Counter[int], list[list[list[int]]], dict[str, Any]]:
@@ -27,6 +35,8 @@ def interrupted_epoch(
     job = {"shuffle": True, "drop_last": False, "workers": 0, "executor": "thread", **options}
     job.update(state=str(tmp_path / "state.pt"), out=str(tmp_path), at=AT)
     before = run_job(old, tmp_path, {**job, "phase": "before"})
+    if "port" in job:
+        job["port"] = free_port()  # the first job's may linger a moment
     after = run_job(new, tmp_path, {**job, "phase": "after"})
     rest = [rank["after"] for rank in after]
     assert len({len(batches) for batches in rest}) == 1, "the new ranks are not in lock-step"
@@ -80,3 +90,12 @@ def test_every_change_of_ranks_finishes_the_epoch_exactly(
     tmp_path: Path, old: int, new: int, drop_last: bool, workers: int, executor: str
 ) -> None:
     check(tmp_path, old, new, drop_last=drop_last, workers=workers, executor=executor)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 2)])
+def test_accelerates_save_state_and_load_state_finish_the_epoch_on_other_ranks(
+    tmp_path: Path, old: int, new: int
+) -> None:
+    check(tmp_path, old, new, via="accelerate", port=free_port())
