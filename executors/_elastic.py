@@ -165,6 +165,8 @@ def entry(
     stage: Stage,
     progress: Progress,
     length: int,
+    *,
+    gather: bool = True,
 ) -> dict[str, Any]:
     """The state's `distributed` entry, with every rank's progress where they can be gathered.
 
@@ -175,7 +177,7 @@ def entry(
     identity = _identity(sampler, stage)
     rank = int(sampler.rank)
     mine = {"rank": rank, "identity": identity, "progress": _plain(progress)}
-    everyone = gathered(mine)
+    everyone = gathered(mine) if gather else None
     ranks: list[Any] | None = None
     if everyone is not None:
         by_rank = {

@@ -311,13 +311,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return int(record.length)
         return super().__len__()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, gather: bool = True) -> dict[str, Any]:
         """Where this loader is: loading it into a fresh loader goes on from here, exactly.
 
         May be called at any time: before `iter()`, at any point of an epoch, between epochs,
         after the last batch. The batches not yet handed to the consumer (in flight or
         buffered) are produced again after a resume, and none handed over is. The result is
         plain data (see docs/checkpointing.md).
+
+        With a DistributedSampler and a torch.distributed process group, it gathers every
+        rank's progress (one collective: call it on every rank), so that the state resumes
+        on any number of ranks. `gather=False` does without, for code that calls it on one
+        rank only: the state then resumes on its own rank, or merged with the others'
+        (`merge_state_dicts`).
         """
         facts = self._checkpoint_facts()
         if self._resume is not None:
@@ -336,7 +342,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if position is not None:
             fields = attrs.asdict(position, recurse=False)
             stage = fields.pop("stage")
-            return self._ranked(snapshot(facts, rng_now=rng_now, **fields), stage)
+            return self._ranked(snapshot(facts, rng_now=rng_now, **fields), stage, gather)
         # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
         state = snapshot(
@@ -350,9 +356,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
-        return self._ranked(state, None)
+        return self._ranked(state, None, gather)
 
-    def _ranked(self, state: dict[str, Any], stage: Stage | None) -> dict[str, Any]:
+    def _ranked(self, state: dict[str, Any], stage: Stage | None, gather: bool) -> dict[str, Any]:
         """`state` with what a resume on other ranks needs: with a DistributedSampler, every
         rank's progress, gathered where torch.distributed is initialised (a collective: every
         rank calls state_dict(), as checkpoint code does); for an iterable dataset, the rank
@@ -371,6 +377,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             Stage(int(sampler.epoch)) if stage is None else stage,
             Progress(progress["done"], frozenset(progress["also"])),
             len(self.dataset),  # type: ignore[arg-type]  # a DistributedSampler's has one
+            gather=gather,
         )
         return state
 

@@ -130,3 +130,13 @@ def test_with_a_process_group_state_dict_gathers_every_ranks_progress(
     taken = loader(1, 0)
     take(iter(taken), 3)
     assert taken.state_dict()["distributed"]["ranks"] == [{"done": 3, "also": []}]
+
+
+def test_state_dict_without_gathering_calls_no_collective_and_holds_its_own_rank_only(
+    one_rank_group: None,
+) -> None:
+    taken = loader(1, 0)
+    take(iter(taken), 3)
+    state = taken.state_dict(gather=False)  # as code that saves on rank 0 alone calls it
+    assert state["distributed"]["ranks"] is None
+    assert state["progress"]["done"] == 3
