@@ -13,11 +13,17 @@ raises. While no outcome came, the call `waits` again as long as the scheduler s
 consumer is still waiting (in `next()`) or still inside `iter()`.
 
 An interrupt (Ctrl-C's KeyboardInterrupt, or whatever a Python signal handler raises, such as a
-SIGALRM time limit) may arrive anywhere; the scheduler is told (`Interrupted`), and keeps
+SIGALRM time limit) may arrive between any two bytecodes that Python checks for signals at (a
+function's start, after each call, a loop's jump back). Whichever of the consumer's calls it
+cuts short tells the scheduler once (`Interrupted`), on its way out, and the scheduler keeps
 everything owed. A command it cut short is carried out again on the next call (a draw from the
-sampler is abandoned instead, as the scheduler was told), and an outcome already given is
-handed over by the next request. Either way the next `next()` goes on with the epoch and the
-next `iter()` starts a new one, as in torch.
+sampler is abandoned instead, as the scheduler was told). An outcome the scheduler gave is
+never held by a frame alone: it is the driver's (`Ledger.handed`) from the moment it is taken
+off the commands until the store just before the consumer's call returns it, with no call in
+between, so an interrupt before that leaves it for the next request. Either way the next
+`next()` goes on with the epoch and the next `iter()` starts a new one, as in torch. One window
+is torch's too: an index the sampler returned is lost if the interrupt lands before the
+scheduler took it, and the epoch then goes on without that index's batch.
 """
 
 from __future__ import annotations
@@ -195,62 +201,112 @@ class Driver:
         `resume` goes on with a checkpoint's epoch instead; the sampler must be at its `done`,
         and an iterable dataset's workers where `marks` (the checkpoint's) say.
         """
-        self.ledger = Ledger()  # an outcome of the epoch being left behind, and the void
-        if self.worker_marks is not None:
-            self.worker_marks = self.worker_marks.begin(marks or {})
-        self.go_on(self.request(ResetRequested(seed, resume)), in_next=False)
+        try:
+            self.ledger = _NO_LEDGER  # an outcome of the epoch being left behind, and the void
+            if self.worker_marks is not None:
+                self.worker_marks = self.worker_marks.begin(marks or {})
+            self.request(ResetRequested(seed, resume))
+            self._go_on(False)
+        except BaseException as error:
+            self._told_if_interrupted(error)
+            raise
 
     def next(self) -> Any:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
         self.watch = None  # a worker is stuck if this call waits `worker_timeout` for its task
-        ledger = self.ledger
-        outcome = ledger.handed
-        if outcome is not None:
-            self.ledger = Ledger(None, ledger.void)
-        elif self.todo:
-            # Left by an interrupt: carried out before anything new is asked.
-            outcome = self.carry_out()
-        if outcome is None:
-            return self.go_on(self.request(_NEXT))
         try:
-            return self.hand_over(outcome)
-        finally:
+            if self.ledger.handed is None:
+                if self.todo:
+                    # Left by an interrupt: carried out before anything new is asked.
+                    self.carry_out()
+                if self.ledger.handed is None:
+                    self.request(_NEXT)
+                    self.finish()
+            ledger = self.ledger
+            outcome = ledger.handed
+            if type(outcome) is Deliver:
+                # Handed over here rather than in `hand_over`: a return through one frame
+                # more is one more place an interrupt could drop the batch at.
+                if self.worker_marks is None and not ledger.void:  # the common case
+                    payload = outcome.payload
+                    self.ledger = _NO_LEDGER  # no call from here on: the batch is handed
+                    return payload
+                emptied, worker_marks = self._handing(outcome)
+                payload = outcome.payload
+                self.worker_marks = worker_marks  # no call from here on, as above
+                self.ledger = emptied
+                return payload
             del outcome  # see `hand_over`
+            return self._go_on(True)
+        except BaseException as error:
+            self._told_if_interrupted(error)
+            raise
 
-    def go_on(self, outcome: Command | None = None, *, in_next: bool = True) -> Any:
-        """The rest of a consumer's call, given the `outcome` it has so far (None: none yet):
-        wait for as long as the scheduler says the consumer waits, then hand the outcome over.
+    def go_on(self, *, in_next: bool = True) -> Any:
+        """The rest of a consumer's call: wait for as long as the scheduler says the consumer
+        waits, then hand the outcome over.
 
         `in_next`: the call is `next()`, which must end with an outcome; `iter()` may end
         without one (None). The models call this to go on with a call that waited.
         """
+        try:
+            return self._go_on(in_next)
+        except BaseException as error:
+            self._told_if_interrupted(error)
+            raise
+
+    def _go_on(self, in_next: bool) -> Any:
+        ledger = self.ledger
+        outcome = ledger.handed
         if outcome is None:
-            outcome = self.finish(outcome)
-        if type(outcome) is Deliver and self.worker_marks is None:
-            return outcome.payload  # the common case, without `hand_over`'s call
+            outcome = self.finish()
+            ledger = self.ledger
+        if type(outcome) is Deliver and self.worker_marks is None and not ledger.void:
+            # The common case, without `hand_over`'s call.
+            payload = outcome.payload
+            self.ledger = _NO_LEDGER  # no call from here on: the batch is the consumer's now
+            return payload
         if outcome is None:
             if not in_next:
                 return None
             raise self._recorded(
                 InternalError(f"the scheduler left a request unanswered in {self.state!r}")
             )
-        try:
-            return self.hand_over(outcome)
-        finally:
-            del outcome  # see `hand_over`
+        del outcome  # see `hand_over`
+        return self.hand_over()
 
     def close(self) -> None:
-        """Stop the workers and release everything. Idempotent."""
-        if self.state.phase is Phase.CLOSED:
-            return
-        outcome = self.request(_CLOSE)
-        # A cancellation is the waiting consumer's, not the closer's; an executor that failed
-        # to stop its workers is the closer's to hear.
-        if type(outcome) is RaiseError and type(outcome.failure) is not Cancelled:
-            try:
-                self.hand_over(outcome)
-            finally:
+        """Stop the workers and release everything. Idempotent; a close an interrupt cut
+        short finishes stopping the workers when called again."""
+        try:
+            before = self.ledger.handed
+            if self.state.phase is not Phase.CLOSED:
+                self.request(_CLOSE)
+            elif self.todo:
+                self.carry_out()
+            outcome = self.ledger.handed
+            if outcome is not before:
+                # What the close itself was answered. A cancellation is the waiting
+                # consumer's, not the closer's; an executor that failed to stop its workers is
+                # the closer's to hear. An outcome an earlier call left stays the ledger's (a
+                # checkpoint counts it as not received).
+                raises = type(outcome) is RaiseError and type(outcome.failure) is not Cancelled
                 del outcome  # see `hand_over`
+                try:
+                    if raises:
+                        self.hand_over()
+                finally:
+                    self.ledger = Ledger(before, self.ledger.void)
+        except BaseException as error:
+            self._told_if_interrupted(error)
+            raise
+
+    def _told_if_interrupted(self, error: BaseException) -> None:
+        """Tell the scheduler that an interrupt cut the consumer's call short: it waits no
+        more, and a draw it asked for is abandoned. Once per call, on the call's way out,
+        wherever the interrupt landed; telling it again changes nothing."""
+        if is_interrupt(error):
+            self._interrupted()
 
     def progress(self) -> Progress:
         """What a checkpoint records now (see `statecore.progress`).
@@ -319,9 +375,11 @@ class Driver:
     def _tune(self, event: Event) -> None:
         # Told between the consumer's calls: nothing waits, so no outcome is handed over here;
         # one picked up from commands an interrupt left is kept for the next request.
-        outcome = self.request(event)
-        if outcome is not None:
-            self.ledger = Ledger(outcome, self.ledger.void)
+        try:
+            self.request(event)
+        except BaseException as error:
+            self._told_if_interrupted(error)
+            raise
 
     # --- the moves of a call -------------------------------------------------------------------
 
@@ -331,11 +389,11 @@ class Driver:
         self.todo.extend(commands)
         return self.carry_out()
 
-    def finish(self, outcome: Command | None) -> Command | None:
+    def finish(self) -> Command | None:
         """Wait for the call's outcome for as long as the scheduler says the consumer waits."""
-        while outcome is None and (self.state.waiting or self.state.life.resetting):
-            outcome = self.wait()
-        return outcome
+        while self.ledger.handed is None and (self.state.waiting or self.state.life.resetting):
+            self.wait()
+        return self.ledger.handed
 
     def wait(self) -> Command | None:
         """Poll the executor once, tell the scheduler, carry out what follows.
@@ -372,45 +430,67 @@ class Driver:
             if confirm is not None:
                 confirm()
                 self.confirm_owed = False
-        except BaseException as error:
+        except BaseException:
             if self.noted is not None:
                 self.noted.answer = None  # the answer's state was not kept: nor is its mark
-            # Also an interrupt raised just as poll returned: it surfaces on entering step.
-            if is_interrupt(error):
-                self._interrupted()
-            raise
+            raise  # an interrupt: the consumer's call tells the scheduler on its way out
         return self.carry_out()
 
-    def hand_over(self, outcome: Command) -> Any:
-        """What the consumer gets for an outcome: the batch, StopIteration, or the error.
+    def hand_over(self) -> Any:
+        """What the consumer gets for the outcome the ledger holds: the batch, StopIteration,
+        or the error.
+
+        Everything that calls anything comes first; the last stores (the ledger emptied, the
+        task's mark made its worker's) come with no call between them and the return or
+        raise, so an interrupt leaves the outcome for the next request or hands it over, never
+        half of each.
 
         A failure may hold the very exception raised (a worker thread's), whose traceback holds
         the frames it passes: a frame still holding the outcome closes a cycle, and the loader
         with its workers then lives on until the garbage collector runs. So this frame, and
         each caller's, lets go of the outcome before the exception leaves it.
         """
+        ledger = self.ledger
+        outcome = ledger.handed
+        emptied, worker_marks = self._handing(outcome)
+        kind = type(outcome)
+        if kind is Deliver:
+            payload = outcome.payload  # type: ignore[union-attr]
+            self.worker_marks = worker_marks
+            self.ledger = emptied
+            return payload
+        if kind is EndEpoch:
+            self.worker_marks = worker_marks
+            self.ledger = emptied
+            raise StopIteration
+        error = failure_exception(outcome.failure)  # type: ignore[union-attr]
+        if type(error) is LoaderTimeoutError:
+            # torch's message, which logs match, stays as it is: a recorder's file is named in
+            # a note. Sticky: a timeout raised again names the same file.
+            failure = outcome.failure  # type: ignore[union-attr]
+            for observer in self.observers:
+                observer.raising(error, self.state, key=failure, as_note=True)
+            del failure
+        del outcome, ledger
+        try:
+            self.worker_marks = worker_marks
+            self.ledger = emptied
+            raise error
+        finally:
+            del error
+
+    def _handing(self, outcome: Command | None) -> tuple[Ledger, WorkerMarks | None]:
+        """The ledger and the workers' marks once `outcome` is handed over, for the caller to
+        store with no call between the stores and the hand-over."""
+        void = self.ledger.void
+        emptied = Ledger(None, void) if void else _NO_LEDGER
         worker_marks = self.worker_marks
         if worker_marks is not None:
             handed = handed_task(outcome)
             if handed is not None:
                 # The consumer gets the batch or error of the task: its mark is now its worker's.
-                self.worker_marks = worker_marks.receive(handed[0])
-        if type(outcome) is Deliver:
-            return outcome.payload
-        if type(outcome) is EndEpoch:
-            raise StopIteration
-        error = failure_exception(outcome.failure)  # type: ignore[attr-defined]
-        if type(error) is LoaderTimeoutError:
-            # torch's message, which logs match, stays as it is: a recorder's file is named in
-            # a note. Sticky: a timeout raised again names the same file.
-            failure = outcome.failure  # type: ignore[attr-defined]
-            for observer in self.observers:
-                observer.raising(error, self.state, key=failure, as_note=True)
-        del outcome
-        try:
-            raise error
-        finally:
-            del error
+                worker_marks = worker_marks.receive(handed[0])
+        return emptied, worker_marks
 
     def _recorded(self, error: InternalError) -> InternalError:
         """`error`, naming the flight recorder's file of the events that led to it."""
@@ -513,57 +593,69 @@ class Driver:
                 )
 
     def carry_out(self) -> Command | None:
-        """Carry out every pending command; return the last telling what the consumer gets."""
-        outcome: Command | None = None
+        """Carry out every pending command; return what the consumer gets, which the ledger
+        holds (`Ledger.handed`) until it is handed over."""
         todo, executor = self.todo, self.executor
-        try:
-            while todo:
-                # Taken off only once carried out: an interrupt leaves it to be done again.
-                command = todo[0]
-                kind = type(command)
-                if kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                    outcome = command
-                elif kind is DrawIndex:
-                    todo.popleft()  # an interrupted draw is abandoned, not repeated
-                    self._draw()
-                    continue
-                else:
-                    try:
-                        if kind is SendTask:
-                            executor.dispatch(command)  # type: ignore[arg-type]
-                        elif kind is ResumeWorker:
-                            executor.resume(command)  # type: ignore[arg-type]
-                        elif kind is StopWorker:
-                            executor.stop_worker(command.worker)  # type: ignore[attr-defined]
-                        elif kind is ReplaceWorker:
-                            self._replace(command)  # type: ignore[arg-type]
-                        elif kind is Shutdown:
-                            # Once begun, a shutdown finishes: an interrupt is raised after it.
-                            with HeldSignals():
-                                executor.shutdown()
-                        else:  # pragma: no cover - the core emits no other command
-                            raise InternalError(f"the driver cannot carry out {command!r}")
-                    except Exception as error:
-                        if isinstance(error, InternalError):
-                            self._recorded(error)
-                        if is_interrupt(error) or isinstance(error, InternalError):
-                            raise
-                        # What the scheduler answers replaces the rest of this run, and the
-                        # outcome already picked up in it.
-                        ledger = self.ledger
-                        void = (*ledger.void, *_tasks_of((outcome, *todo)))
-                        self.ledger = Ledger(ledger.handed, void)
-                        todo.clear()
-                        self._feed(ExecutorFailed(error))
-                        continue
+        while todo:
+            # Taken off only once carried out: an interrupt leaves it to be done again.
+            command = todo[0]
+            kind = type(command)
+            if kind is Deliver or kind is RaiseError or kind is EndEpoch:
+                held = Ledger(command, self.ledger.void)
+                # No call between these two: the outcome is the driver's, not a frame's.
+                self.ledger = held
                 todo.popleft()
-        except BaseException as error:
-            if is_interrupt(error):
-                if outcome is not None:
-                    self.ledger = Ledger(outcome, self.ledger.void)
-                self._interrupted()
-            raise
-        return outcome
+                continue
+            elif kind is DrawIndex:
+                todo.popleft()  # an interrupted draw is abandoned, not repeated
+                self._draw()
+                continue
+            else:
+                call: Callable[[Any], None]
+                argument: Any
+                if kind is SendTask:
+                    call, argument = executor.dispatch, command
+                elif kind is ResumeWorker:
+                    call, argument = executor.resume, command
+                elif kind is StopWorker:
+                    call, argument = executor.stop_worker, command.worker  # type: ignore[attr-defined]
+                elif kind is ReplaceWorker:
+                    call, argument = self._replace, command
+                elif kind is Shutdown:
+                    call, argument = self._shut_down, None
+                else:  # pragma: no cover - the core emits no other command
+                    raise InternalError(f"the driver cannot carry out {command!r}")
+                try:
+                    call(argument)
+                    todo.popleft()
+                except BaseException as error:
+                    if is_interrupt(error):
+                        # Done, and to be taken off, if the interrupt landed as the call
+                        # returned rather than inside it: done again, a task sent twice would
+                        # be answered twice.
+                        if not _cut_short(error, call) and todo and todo[0] is command:
+                            todo.popleft()
+                        raise
+                    if not isinstance(error, Exception):  # pragma: no cover - is_interrupt's
+                        raise
+                    if isinstance(error, InternalError):
+                        self._recorded(error)
+                        raise
+                    # What the scheduler answers replaces the rest of this run, and the
+                    # outcome already picked up in it.
+                    ledger = self.ledger
+                    void = (*ledger.void, *_tasks_of((ledger.handed, *todo)))
+                    self.ledger = Ledger(None, void)
+                    todo.clear()
+                    self._feed(ExecutorFailed(error))
+        return self.ledger.handed
+
+    def _shut_down(self, _: None) -> None:
+        # Once begun, a shutdown finishes: an interrupt is raised after it (and the command,
+        # cut short as far as `carry_out` can tell, is carried out again: stopping stopped
+        # workers does nothing).
+        with HeldSignals():
+            self.executor.shutdown()
 
     def _replace(self, command: ReplaceWorker) -> None:
         if self.replacer is None:
@@ -605,6 +697,19 @@ def _tasks_of(commands: Iterable[Command | None]) -> list[tuple[int, int]]:
     return [handed for handed in map(handed_task, commands) if handed is not None]
 
 
+def _cut_short(error: BaseException, call: Callable[..., Any]) -> bool:
+    """Whether `error`, caught by the frame that made `call`, was raised inside it (the call
+    was cut short) rather than in the catching frame as the call returned: there the next
+    frame of the traceback, if any, is a Python signal handler's, not the call's."""
+    trace = error.__traceback__
+    inner = None if trace is None else trace.tb_next
+    if inner is None:
+        return False
+    code = getattr(getattr(call, "__func__", call), "__code__", None)
+    # A call without code of its own (a builtin) is taken to have been cut short.
+    return code is None or inner.tb_frame.f_code is code
+
+
 def _first(item: tuple[int, Any]) -> int:
     return item[0]
 
@@ -638,13 +743,17 @@ class _Noted:
 
 @attrs.frozen
 class Ledger:
-    """What the scheduler handed over that the consumer did not get, between calls. A value:
-    the driver replaces it, never changes it."""
+    """What the scheduler handed over that the consumer did not get yet. A value: the driver
+    replaces it, never changes it."""
 
     handed: Command | None = None
-    """An outcome given in a call that an interrupt then cut short: the next request's."""
+    """The outcome of the call under way, from the moment it is taken off the commands until
+    it is handed over; between calls, one that an interrupt kept for the next request."""
     void: tuple[tuple[int, int], ...] = ()
     """(task, worker) handed over in a call that raised the executor's failure instead."""
+
+
+_NO_LEDGER = Ledger()
 
 
 @attrs.frozen

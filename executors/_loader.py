@@ -1139,11 +1139,13 @@ class _Iterator(_BaseDataLoaderIter):
                 # iter(), whether or not anyone still holds this iterator.
                 self._trail.left = self._position()
         finally:
-            # The workers stop even when a stateful sampler's state_dict() raised.
-            self._driver = None
+            # The workers stop even when a stateful sampler's state_dict() raised. The driver
+            # is let go only once closed: a close an interrupt cut short is finished by the
+            # next call (the driver carries out what is left of it).
             self._trail.counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
-            if driver.state.phase is not Phase.CLOSED:
+            if driver.state.phase is not Phase.CLOSED or driver.todo:
                 driver.close()
+            self._driver = None
 
     def __del__(self) -> None:
         # Never raise from a finalizer. No module globals here either: at interpreter exit they

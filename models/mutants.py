@@ -298,12 +298,12 @@ def _driver_forgets_interrupts() -> dict[str, object]:
 
 
 def _driver_waits_only_in_next() -> dict[str, object]:
-    def finish(self: Driver, outcome: Command | None) -> Command | None:
+    def finish(self: Driver) -> Command | None:
         # Waits while a batch is awaited, but not while iter() is still resetting: iter()
         # returns before every persistent worker resumed.
-        while outcome is None and self.state.waiting:
-            outcome = self.wait()
-        return outcome
+        while self.ledger.handed is None and self.state.waiting:
+            self.wait()
+        return self.ledger.handed
 
     return {"Driver.finish": finish}
 
