@@ -200,6 +200,11 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"cannot load this DataLoader state: {message}")
 
 
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _progress(value: Any, path: str) -> Progress:
     if (
         not isinstance(value, Mapping)
@@ -207,28 +212,38 @@ def _progress(value: Any, path: str) -> Progress:
         or not isinstance(value.get("also"), list | tuple)
         or any(type(p) is not int for p in value["also"])
     ):
-        raise _fail(f"{path} holds {value!r}; expected a dict with 'done' (an int) and 'also'")
+        raise _fail(
+            f"{path} holds {_shown(value)}; expected a dict with 'done' (an int) and 'also'"
+        )
     try:
         return Progress(value["done"], frozenset(value["also"]))
     except ValueError as error:
-        raise _fail(f"{path} holds {value!r}: {error}") from None
+        raise _fail(f"{path} holds {_shown(value)}: {error}") from None
 
 
 def _ranks(value: Any, world: int, path: str) -> tuple[Progress, ...]:
     if not isinstance(value, list | tuple) or len(value) != world:
-        raise _fail(f"{path} holds {value!r}; expected one progress per rank, {world} of them")
+        raise _fail(
+            f"{path} holds {_shown(value)}; expected one progress per rank, {world} of them"
+        )
     return tuple(_progress(p, f"{path}[{r}]") for r, p in enumerate(value))
 
 
-def _int(value: Any, path: str, low: int = 0) -> int:
-    if type(value) is not int or value < low:
-        raise _fail(f"{path} holds {value!r}; expected an int of at least {low}")
+def _int(value: Any, path: str, low: int | None = 0, high: int | None = None) -> int:
+    if (
+        type(value) is not int
+        or (low is not None and value < low)
+        or (high is not None and value > high)
+    ):
+        span = "" if low is None else f" from {low}"
+        span += "" if high is None else f" to {high}"
+        raise _fail(f"{path} holds {_shown(value)}; expected an int{span}")
     return value
 
 
 def _bool(value: Any, path: str) -> bool:
     if type(value) is not bool:
-        raise _fail(f"{path} holds {value!r}; expected True or False")
+        raise _fail(f"{path} holds {_shown(value)}; expected True or False")
     return value
 
 
@@ -236,25 +251,26 @@ def _read(state: Mapping[str, Any]) -> dict[str, Any]:
     """The state's `distributed` entry, checked for its types."""
     raw = state[_KEY]
     if not isinstance(raw, Mapping):
-        raise _fail(f"{_KEY} holds {raw!r}; expected a dict")
+        raise _fail(f"{_KEY} holds {_shown(raw)}; expected a dict")
     path = _KEY
     got: dict[str, Any] = {}
-    for name in ("world_size",):
-        got[name] = _int(raw.get(name), f"{path}.{name}", 1)
-    for name in ("rank", "seed", "epoch", "padding"):
+    world = got["world_size"] = _int(raw.get("world_size"), f"{path}.world_size", 1)
+    got["rank"] = _int(raw.get("rank"), f"{path}.rank", 0, world - 1)
+    got["seed"] = _int(raw.get("seed"), f"{path}.seed", None)  # torch takes any int
+    for name in ("epoch", "padding"):
         got[name] = _int(raw.get(name), f"{path}.{name}")
     for name in ("shuffle", "drop_last"):
         got[name] = _bool(raw.get(name), f"{path}.{name}")
     earlier = raw.get("earlier")
     if not isinstance(earlier, list | tuple):
-        raise _fail(f"{path}.earlier holds {earlier!r}; expected a list")
+        raise _fail(f"{path}.earlier holds {_shown(earlier)}; expected a list")
     stages = []
     for s, split in enumerate(earlier):
         where = f"{path}.earlier[{s}]"
         if not isinstance(split, Mapping):
-            raise _fail(f"{where} holds {split!r}; expected a dict")
-        world = _int(split.get("world_size"), f"{where}.world_size", 1)
-        stages.append((world, _ranks(split.get("ranks"), world, f"{where}.ranks")))
+            raise _fail(f"{where} holds {_shown(split)}; expected a dict")
+        size = _int(split.get("world_size"), f"{where}.world_size", 1)
+        stages.append((size, _ranks(split.get("ranks"), size, f"{where}.ranks")))
     got["earlier"] = tuple(stages)
     ranks = raw.get("ranks")
     got["ranks"] = None if ranks is None else _ranks(ranks, got["world_size"], f"{path}.ranks")

@@ -140,3 +140,22 @@ def test_state_dict_without_gathering_calls_no_collective_and_holds_its_own_rank
     state = taken.state_dict(gather=False)  # as code that saves on rank 0 alone calls it
     assert state["distributed"]["ranks"] is None
     assert state["progress"]["done"] == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("rank", 2, r"distributed\.rank holds 2; expected an int from 0 to 1"),
+        ("shuffle", 1, r"distributed\.shuffle holds 1; expected True or False"),
+        ("ranks", [{"done": 1, "also": []}], r"distributed\.ranks holds .*one progress per rank"),
+        ("earlier", [{"world_size": 0}], r"distributed\.earlier\[0\]\.world_size holds 0"),
+    ],
+    ids=["rank", "shuffle", "ranks", "earlier"],
+)
+def test_a_corrupted_distributed_entry_is_refused_naming_the_field(
+    field: str, value: Any, named: str
+) -> None:
+    state = merged_state()
+    state["distributed"][field] = value
+    with pytest.raises(ValueError, match=named):
+        loader(3, 0).load_state_dict(state)
