@@ -16,6 +16,7 @@ from statecore.executors._lazy import lazy_names
 if TYPE_CHECKING:
     from statecore.executors._confirm import Confirming
     from statecore.executors._driver import Driver, failure_exception
+    from statecore.executors._elastic import merge_state_dicts
     from statecore.executors._loader import DataLoader
     from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
     from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
@@ -58,6 +59,7 @@ _WHERE = {
     "capabilities_of": "_protocol",
     "failure_exception": "_driver",
     "get_worker_info": "_startup",
+    "merge_state_dicts": "_elastic",
     "pinned": "_pinned",
     "ray": "_ray",
     "runnable": "_registry",
@@ -90,6 +92,7 @@ __all__ = [
     "capabilities_of",
     "failure_exception",
     "get_worker_info",
+    "merge_state_dicts",
     "pinned",
     "ray",
     "runnable",

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from statecore import Progress
+from statecore.executors._elastic import Elastic, Stage
 from statecore.executors._worker import Mark, has_state
 
 __all__ = [
@@ -208,6 +209,12 @@ class EpochRecord:
     load the rest of their tasks before they start this epoch, so where their datasets stood
     as it began is read from the marks of their last answers of that epoch (`Driver.left`),
     once those are in; `carried` is then where a worker without any stood."""
+    length: int | None = None
+    """The batches of this rank's epoch resumed on another number of ranks: those yielded
+    before the checkpoint, and its share's (see `DataLoader.__len__`); None for others."""
+    stage: Stage | None = None
+    """The split of a DistributedSampler's epoch this epoch draws (see `executors/_elastic.py`):
+    its epoch, and the splits it had on other numbers of ranks before a resume."""
     carried_open: frozenset[int] = frozenset()
     """The workers of an iterable dataset whose `carried` mark is of an iterator left before it
     ran dry (an epoch broken out of): restored there, their part is not run dry again."""
@@ -239,6 +246,9 @@ class Resume:
     mark of its last batch of that one (see `EpochRecord.carried`)."""
     carried_open: frozenset[int] = frozenset()
     """See `EpochRecord.carried_open`."""
+    elastic: Elastic | None = None
+    """Where the state was taken on other ranks: this rank's share of the rest of the epoch
+    (see `executors/_elastic.py`); `progress` is then through that share, none of it yet."""
 
 
 def snapshot(
@@ -500,7 +510,8 @@ def parse(
             raise _fail(
                 f"it was taken with {name}={shown}, and this loader has {name}={mine!r}; "
                 "a checkpoint resumes only the same dataset, sampled and batched the same way "
-                "(and, distributed, the same rank of the same world size)"
+                "(a DistributedSampler's, taken by this statecore, on any number of ranks: see "
+                "'Changing the number of GPUs' in docs/checkpointing.md)"
             )
     progress = _mapping(_get(state, "progress", "progress"), "progress")
     done = _int(_get(progress, "done", "progress.done"), "progress.done", high=batches)

@@ -40,6 +40,18 @@ from statecore.executors._checkpoint import (
     stateful_sampler,
 )
 from statecore.executors._driver import Driver
+from statecore.executors._elastic import (
+    Elastic,
+    Stage,
+    align_epoch,
+    batches_of,
+    check_process_group,
+    continuation,
+    distributed_sampler,
+    entry,
+    facts_for,
+    process_group_entry,
+)
 from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._observe.seam import Observer
 from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
@@ -299,13 +311,33 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     # --- checkpoints (torchdata's StatefulDataLoader API) ------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def __len__(self) -> int:
+        """torch's len(), but for an epoch resumed on another number of ranks: this rank's
+        batches of it, those yielded before the checkpoint and those of its share, as a
+        training loop that counts the first among the epoch's (Lightning's) expects."""
+        resume = self.__dict__.get("_resume")
+        if resume is not None and resume.elastic is not None:
+            return int(resume.num_yielded) + _count(resume.elastic.share, self)
+        latest = self.__dict__.get("_latest")
+        iterator = latest() if latest is not None else None
+        record = None if iterator is None else iterator._epoch
+        if record is not None and record.length is not None:
+            return int(record.length)
+        return super().__len__()
+
+    def state_dict(self, *, gather: bool = True) -> dict[str, Any]:
         """Where this loader is: loading it into a fresh loader goes on from here, exactly.
 
         May be called at any time: before `iter()`, at any point of an epoch, between epochs,
         after the last batch. The batches not yet handed to the consumer (in flight or
         buffered) are produced again after a resume, and none handed over is. The result is
         plain data (see docs/checkpointing.md).
+
+        With a DistributedSampler and a torch.distributed process group, it gathers every
+        rank's progress (one collective: call it on every rank), so that the state resumes
+        on any number of ranks. `gather=False` does without, for code that calls it on one
+        rank only: the state then resumes on its own rank, or merged with the others'
+        (`merge_state_dicts`).
         """
         facts = self._checkpoint_facts()
         if self._resume is not None:
@@ -322,10 +354,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
         rng_now = _generator_of(self).get_state() if self.generator is not None or random else None
         if position is not None:
-            return snapshot(facts, rng_now=rng_now, **attrs.asdict(position, recurse=False))
+            fields = attrs.asdict(position, recurse=False)
+            stage = fields.pop("stage")
+            return self._ranked(snapshot(facts, rng_now=rng_now, **fields), stage, gather)
         # Nothing started: the next iter() starts an epoch.
         sampler = stateful_sampler(self._index_sampler)
-        return snapshot(
+        state = snapshot(
             facts,
             progress=Progress(),
             complete=True,
@@ -336,6 +370,30 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             num_yielded=0,
             workers=[None] * max(self.num_workers, 1) if self._dataset_kind == _ITER else None,
         )
+        return self._ranked(state, None, gather)
+
+    def _ranked(self, state: dict[str, Any], stage: Stage | None, gather: bool) -> dict[str, Any]:
+        """`state` with what a resume on other ranks needs: with a DistributedSampler, every
+        rank's progress, gathered where torch.distributed is initialised (a collective: every
+        rank calls state_dict(), as checkpoint code does); for an iterable dataset, the rank
+        and world size it was taken on, which it resumes on only."""
+        if self._dataset_kind == _ITER:
+            group = process_group_entry()
+            if group is not None:
+                state["process_group"] = group
+            return state
+        sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        if sampler is None:
+            return state
+        progress = state["progress"]
+        state["distributed"] = entry(
+            sampler,
+            Stage(int(sampler.epoch)) if stage is None else stage,
+            Progress(progress["done"], frozenset(progress["also"])),
+            len(self.dataset),  # type: ignore[arg-type]  # a DistributedSampler's has one
+            gather=gather,
+        )
+        return state
 
     def _position(self) -> _Position | None:
         """Where the latest iterator's epoch stands, whether or not anyone still holds it.
@@ -356,13 +414,30 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         map-style dataset (an iterable dataset's workers each resume their own part of it).
         """
         source = torch.default_generator if self.generator is None else self.generator
+        facts: dict[str, Any] = self._checkpoint_facts()
+        taken = None
+        if self._dataset_kind == _ITER:
+            check_process_group(state_dict)
+        else:
+            facts, taken = facts_for(state_dict, self, facts)
         resume = parse(
             state_dict,
-            self._checkpoint_facts(),
-            batches=None if self._dataset_kind == _ITER else _trusted_length(self._index_sampler),
+            facts,
+            batches=(
+                None
+                if self._dataset_kind == _ITER or taken is not None
+                else _trusted_length(self._index_sampler)
+            ),
             rng_size=source.get_state().numel(),
             drawless=self._dataset_kind != _ITER and draws_nothing(self._index_sampler),
         )
+        if taken is not None:
+            # Taken on other ranks: this rank goes on with its own progress, or its share.
+            goes_on = continuation(taken, resume.complete, self)
+            if isinstance(goes_on, Elastic):
+                resume = attrs.evolve(resume, progress=Progress(), elastic=goes_on)
+            elif goes_on is not None:
+                resume = attrs.evolve(resume, progress=goes_on)
         saved = resume.workers
         workers = max(self.num_workers, 1)
         if self._dataset_kind != _ITER and saved is not None and len(saved) != workers:
@@ -530,6 +605,15 @@ def _trusted_length(index_sampler: Any) -> int | None:
     return len(index_sampler)
 
 
+def _count(share: tuple[int, ...], loader: DataLoader[Any]) -> int:
+    """The batches `loader` makes of `share`."""
+    batches: Any = loader.batch_sampler
+    if batches is None:
+        return len(share)
+    size = int(batches.batch_size)
+    return len(share) // size if batches.drop_last else -(-len(share) // size)
+
+
 def _generator_of(loader: DataLoader[Any]) -> torch.Generator:
     """The generator the loader's epochs draw their seeds from."""
     return torch.default_generator if loader.generator is None else loader.generator
@@ -578,6 +662,8 @@ class _Position:
     """Per worker, where its dataset stood as the epoch before ended, where it lived on."""
     carried_open: frozenset[int] = frozenset()
     """See `EpochRecord.carried_open`."""
+    stage: Stage | None = None
+    """See `EpochRecord.stage`."""
 
 
 def _standing(resume: Resume) -> tuple[Mark | None, ...] | None:
@@ -714,6 +800,8 @@ class _Iterator(_BaseDataLoaderIter):
         self._trail = _Trail()
         self._resumed_from: int | None = None
         """Batches yielded before the checkpoint, while a resumed epoch has yielded none."""
+        if loader._resume is not None:
+            align_epoch(loader._resume.raw, loader)
         resume, loader._resume = loader._resume, None
         # The workers are seeded as the checkpoint's were. The base seed is drawn from the
         # generator as torch draws it, so that the generator moves on as the original's did,
@@ -907,6 +995,12 @@ class _Iterator(_BaseDataLoaderIter):
         record = EpochRecord(
             rng, seeded, carried=carries, after_a_break=after_a_break, carried_open=carries_open
         )
+        shared = distributed_sampler(loader.sampler, loader.batch_sampler)
+        if resume is not None and resume.elastic is not None:
+            record.stage = resume.elastic.stage
+            record.length = resume.num_yielded + _count(resume.elastic.share, loader)
+        elif shared is not None:
+            record.stage = Stage(int(shared.epoch))
         sampler = stateful_sampler(self._index_sampler)
         start: Progress | None = None
         marks = None
@@ -959,6 +1053,9 @@ class _Iterator(_BaseDataLoaderIter):
         return self._replayed(loader, resume, sampler, source)
 
     def _replayed(self, loader: Any, resume: Resume, sampler: Any, source: torch.Generator) -> Any:
+        if resume.elastic is not None:
+            # Taken on another number of ranks: this rank's share of what none received.
+            return batches_of(resume.elastic.share, loader)
         if sampler is not None and resume.sampler is not None:
             sampler.load_state_dict(resume.sampler)  # restored directly: no draw repeated
             return iter(self._index_sampler)
@@ -1033,6 +1130,7 @@ class _Iterator(_BaseDataLoaderIter):
             workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
             carried=carried,
             carried_open=carried_open,
+            stage=record.stage,
         )
 
     def __next__(self) -> Any:

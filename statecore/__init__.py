@@ -65,6 +65,15 @@ from statecore._frameworks import when_imported as _when_imported
 from statecore._invariants import violations
 from statecore._policy import DEFAULT_POLICY, Policy, policy_replaced
 from statecore._progress import progress
+from statecore._reshard import (
+    EpochSplit,
+    RankMergeError,
+    RankPart,
+    handed_positions,
+    merge_ranks,
+    received_samples,
+    reshard,
+)
 from statecore._state import (
     RESOLVED,
     Cancelled,
@@ -114,6 +123,7 @@ __all__ = [
     "ExecutorFailure",
     "Failed",
     "Failure",
+    "EpochSplit",
     "IndexDrawn",
     "InternalError",
     "Interrupted",
@@ -129,6 +139,8 @@ __all__ = [
     "ProtocolError",
     "DrawIndex",
     "RaiseError",
+    "RankMergeError",
+    "RankPart",
     "Ready",
     "ReplaceWorker",
     "ResetRequested",
@@ -165,9 +177,13 @@ __all__ = [
     "WorkerStatus",
     "WorkerStuck",
     "can_restart",
+    "handed_positions",
     "initial_state",
+    "merge_ranks",
     "policy_replaced",
     "progress",
+    "received_samples",
+    "reshard",
     "step",
     "violations",
 ]

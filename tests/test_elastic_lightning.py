@@ -1,0 +1,90 @@
+"""Lightning DDP on CPU (gloo): a fit checkpointed mid-epoch on 2 processes resumes with
+`ckpt_path` on 3 (tests/_lightning_elastic_run.py runs each rank).
+
+Lightning puts its DistributedSampler in the loader, saves rank 0's `state_dict()` (gathered
+from both ranks) in its checkpoint and loads it into each of the 3 new ranks' loaders; the
+`ElasticEpoch` callback there lets its loop run the resumed epoch to the loader's end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+RUN = Path(__file__).with_name("_lightning_elastic_run.py")
+SECONDS = 400  # two fresh Lightning jobs, 5 interpreters, on a loaded machine
+SAMPLES, BATCH = 24, 2  # as the run's
+
+
+def _port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _job(mode: str, world: int, where: Path) -> list[dict[str, Any]]:
+    """Run `mode` on `world` ranks; each rank's record."""
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "NODE_RANK": "0"}
+    tests = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(RUN), mode, str(world), str(where)],
+            env={
+                **os.environ,
+                **rendezvous,
+                "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+                "OMP_NUM_THREADS": "1",
+                "WORLD_SIZE": str(world),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=SECONDS / 2)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, output[-4000:]
+    return [json.loads((where / f"{mode}-{rank}.json").read_text()) for rank in range(world)]
+
+
+def _batches(record: dict[str, Any], epoch: int) -> list[list[int]]:
+    return [b for b, e in zip(record["indices"], record["epochs"], strict=True) if e == epoch]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(SECONDS)
+@pytest.mark.filterwarnings("ignore")
+def test_a_fit_checkpointed_on_2_processes_finishes_its_epoch_on_3(tmp_path: Path) -> None:
+    first = _job("first", 2, tmp_path)
+    resumed = _job("resumed", 3, tmp_path)
+    rest = [_batches(rank, 0) for rank in resumed]
+    assert len({len(batches) for batches in rest}) == 1, "the new ranks are not in lock-step"
+    seen = Counter(i for rank in first for batch in rank["indices"] for i in batch)
+    seen.update(i for batches in rest for batch in batches for i in batch)
+    assert set(seen) == set(range(SAMPLES))
+    assert sum(seen.values()) - SAMPLES <= 2  # padding: 16 left for 3 ranks
+    for rank, record in enumerate(resumed):
+        sampler = DistributedSampler(range(SAMPLES), num_replicas=3, rank=rank, seed=0)  # type: ignore[arg-type]
+        sampler.set_epoch(1)
+        order = list(sampler)
+        expected = [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
+        assert _batches(record, 1) == expected
