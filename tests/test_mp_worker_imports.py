@@ -17,6 +17,7 @@ import statecore
 
 WORKER_SIDE = {
     "statecore.executors",
+    "statecore.executors._incarnation",
     "statecore.executors._lazy",
     "statecore.executors._mp",
     "statecore.executors._mp.pool",
@@ -24,12 +25,14 @@ WORKER_SIDE = {
     "statecore.executors._mp.wire",
     "statecore.executors._mp.worker",
     "statecore.executors._remote",
+    "statecore.executors._seeding",
     "statecore.executors._signals",
     "statecore.executors._startup",
     "statecore.executors._timing",
     "statecore.executors._worker",
 }
-"""The executors' modules a worker process runs. Not among them: the main process's side of the
+"""The executors' modules a worker process runs (`_incarnation`: a replacement sets itself up
+as the worker it replaces; `_seeding`: a batch seeded per batch is seeded there). Not among them: the main process's side of the
 mp executor (`executor`, `leases`, `taskpipe`, `descriptors`), the loader facade, the driver,
 the registry, the other executors."""
 
