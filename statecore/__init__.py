@@ -92,6 +92,16 @@ from statecore._state import (
 )
 from statecore._step import Transition, can_restart, step
 from statecore._table import ECHOES, EDGES, RULES, TRANSITIONS, Rule
+from statecore._tuning import (
+    LoadWindow,
+    Tuner,
+    Tuning,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    decide_workers,
+    tuning_change_bound,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -170,6 +180,14 @@ __all__ = [
     "progress",
     "step",
     "violations",
+    "LoadWindow",
+    "Tuner",
+    "Tuning",
+    "TuningDecision",
+    "TuningMove",
+    "WorkerBudget",
+    "decide_workers",
+    "tuning_change_bound",
 ]
 
 

@@ -2,13 +2,14 @@
 
 The loader (the shell) measures, over a window of its latest batches, how long the training
 loop waited on loading, how fast batches came and how busy the running workers were; between
-two `next()` calls it hands that `Window` to `decide`, with the `Budget` it may spend and the
-`Tuner` value `decide` returned last time. `decide` answers with the next `Tuner` and a
-`Decision`: add a worker, retire one, or hold, each with the reason in words. Nothing here
+two `next()` calls it hands that `LoadWindow` to `decide_workers`, with the `WorkerBudget` it
+may spend and the `Tuner` value `decide_workers` returned last time. It answers with the next
+`Tuner` and a `TuningDecision`: add a worker, retire one, or hold, each with the reason in
+words. Nothing here
 reads a clock, a file or the scheduler's state: every figure comes in as a value, so the
 policy is tested on recorded and made-up traces alone (tests/test_tuning_policy.py).
 
-The rules, in the order `decide` asks them:
+The rules, in the order `decide_workers` asks them:
 
 1. Cool-down. A window that began before the last change took effect, or ends less than
    `Tuning.cooldown` batches after it, tells nothing of the new count: hold.
@@ -30,7 +31,7 @@ Hysteresis: the thresholds are apart (add over 10% waiting, settle under 2%, wak
 each change is followed by a cool-down, and a change in the opposite direction to the one
 before (a reversal) narrows the range for good (a ceiling or a floor); after `max_reversals`
 reversals the tuner is locked where it stands. So however the figures wobble, it makes at
-most `(max_reversals + 1) * (slots - 1)` changes over a loader's life (`change_bound`).
+most `(max_reversals + 1) * (slots - 1)` changes over a loader's life (`tuning_change_bound`).
 """
 
 from __future__ import annotations
@@ -40,18 +41,18 @@ import enum
 import attrs
 
 __all__ = [
-    "Budget",
-    "Decision",
-    "Move",
+    "WorkerBudget",
+    "TuningDecision",
+    "TuningMove",
     "Tuner",
     "Tuning",
-    "Window",
-    "change_bound",
-    "decide",
+    "LoadWindow",
+    "tuning_change_bound",
+    "decide_workers",
 ]
 
 
-class Move(enum.Enum):
+class TuningMove(enum.Enum):
     """What the tuner asks of the loader."""
 
     ADD = "add"
@@ -62,11 +63,11 @@ class Move(enum.Enum):
     """Change nothing."""
 
     def __repr__(self) -> str:
-        return f"Move.{self.name}"
+        return f"TuningMove.{self.name}"
 
 
 @attrs.frozen
-class Window:
+class LoadWindow:
     """What the loader measured over its latest batches, all after the last change took effect.
 
     Times are seconds of the consumer's clock; the shell measures them, the policy only divides.
@@ -106,7 +107,7 @@ class Window:
 
 
 @attrs.frozen
-class Budget:
+class WorkerBudget:
     """What the tuner may spend."""
 
     slots: int
@@ -167,7 +168,7 @@ class Tuner:
 
     changed_at: int = 0
     """The batch number of the last change."""
-    last: Move = Move.HOLD
+    last: TuningMove = TuningMove.HOLD
     """The direction of the last change (HOLD before the first)."""
     judged: bool = True
     """The last change has been judged (kept, or undone)."""
@@ -189,25 +190,25 @@ class Tuner:
 
 
 @attrs.frozen
-class Decision:
+class TuningDecision:
     """The tuner's answer, with its reason in words (for `stats()` and the verdict)."""
 
-    move: Move
+    move: TuningMove
     why: str
 
     @property
     def changes(self) -> bool:
-        return self.move is not Move.HOLD
+        return self.move is not TuningMove.HOLD
 
 
-def change_bound(slots: int, tuning: Tuning = Tuning()) -> int:
+def tuning_change_bound(slots: int, tuning: Tuning = Tuning()) -> int:
     """The most changes the tuner makes over a loader's life with `slots` worker slots."""
     return (tuning.max_reversals + 1) * max(slots - 1, 0)
 
 
-def decide(
-    tuner: Tuner, window: Window, budget: Budget, tuning: Tuning = Tuning()
-) -> tuple[Tuner, Decision]:
+def decide_workers(
+    tuner: Tuner, window: LoadWindow, budget: WorkerBudget, tuning: Tuning = Tuning()
+) -> tuple[Tuner, TuningDecision]:
     """The next `Tuner` and the decision for `window` (see the module docstring)."""
     running = window.running
     if tuner.changes and (
@@ -234,7 +235,7 @@ def decide(
     if over_memory:
         return _change(
             tuner,
-            Move.RETIRE,
+            TuningMove.RETIRE,
             window,
             tuning,
             f"the memory budget holds {budget.limit} worker(s), and {running} run",
@@ -263,7 +264,7 @@ def decide(
             )
         return _change(
             attrs.evolve(tuner, rate_before=rate),
-            Move.ADD,
+            TuningMove.ADD,
             window,
             tuning,
             f"the training loop waited {wait:.0%} of its time on loading",
@@ -276,7 +277,7 @@ def decide(
     ):
         return _change(
             attrs.evolve(tuner, rate_before=rate),
-            Move.RETIRE,
+            TuningMove.RETIRE,
             window,
             tuning,
             f"the workers were busy {busy:.0%} of the time and the training loop did not wait",
@@ -290,24 +291,24 @@ def decide(
 
 
 def _judge(
-    tuner: Tuner, window: Window, budget: Budget, tuning: Tuning
-) -> tuple[Tuner, Decision | None]:
+    tuner: Tuner, window: LoadWindow, budget: WorkerBudget, tuning: Tuning
+) -> tuple[Tuner, TuningDecision | None]:
     """Keep the last change, or undo it (None: kept)."""
     running = window.running
-    if tuner.last is Move.ADD and running > tuner.floor:
+    if tuner.last is TuningMove.ADD and running > tuner.floor:
         needed = tuning.min_gain_past_cpus if running > budget.cpus else tuning.min_gain
         if window.rate < tuner.rate_before * (1 + needed):
             tuner = attrs.evolve(tuner, ceiling=running - 1)
             return _change(
                 tuner,
-                Move.RETIRE,
+                TuningMove.RETIRE,
                 window,
                 tuning,
                 f"worker {running} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
                 f"batches/s, under the {needed:.0%} gain asked",
             )
     elif (
-        tuner.last is Move.RETIRE
+        tuner.last is TuningMove.RETIRE
         and window.wait_share > tuning.add_above
         and running < budget.limit
         and (tuner.ceiling is None or running < tuner.ceiling)
@@ -315,7 +316,7 @@ def _judge(
         tuner = attrs.evolve(tuner, floor=running + 1)
         return _change(
             tuner,
-            Move.ADD,
+            TuningMove.ADD,
             window,
             tuning,
             f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
@@ -324,9 +325,9 @@ def _judge(
 
 
 def _change(
-    tuner: Tuner, move: Move, window: Window, tuning: Tuning, why: str
-) -> tuple[Tuner, Decision]:
-    reversal = tuner.last is not Move.HOLD and tuner.last is not move
+    tuner: Tuner, move: TuningMove, window: LoadWindow, tuning: Tuning, why: str
+) -> tuple[Tuner, TuningDecision]:
+    reversal = tuner.last is not TuningMove.HOLD and tuner.last is not move
     reversals = tuner.reversals + reversal
     locked = reversals >= tuning.max_reversals
     tuner = attrs.evolve(
@@ -342,8 +343,8 @@ def _change(
         locked=locked,
         changes=tuner.changes + 1,
     )
-    return tuner, Decision(move, why)
+    return tuner, TuningDecision(move, why)
 
 
-def _hold(why: str) -> Decision:
-    return Decision(Move.HOLD, why)
+def _hold(why: str) -> TuningDecision:
+    return TuningDecision(TuningMove.HOLD, why)

@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore._tuning import (
-    Budget,
-    Decision,
-    Move,
+    LoadWindow,
     Tuner,
     Tuning,
-    Window,
-    change_bound,
-    decide,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    decide_workers,
+    tuning_change_bound,
 )
 
 BATCHES = 16
@@ -37,14 +37,14 @@ class Workload:
 
     def window(
         self, running: int, batch: int, noise: tuple[float, float, float] = (0, 0, 0)
-    ) -> Window:
+    ) -> LoadWindow:
         effective = running if self.cpus is None else min(running, self.cpus)
         rate = min(effective / self.load, 1 / self.step)
         seconds = BATCHES / rate
         waited = max(seconds - BATCHES * self.step, 0.0)
         busy = min(rate * self.load / effective, 1.0) * effective / running
         time_noise, wait_noise, busy_noise = noise
-        return Window(
+        return LoadWindow(
             batch=batch,
             batches=BATCHES,
             seconds=seconds * (1 + time_noise),
@@ -59,11 +59,11 @@ class Workload:
 class Run:
     counts: list[int]
     """Workers running after each window."""
-    decisions: list[Decision]
+    decisions: list[TuningDecision]
     tuner: Tuner
 
     @property
-    def changes(self) -> list[Decision]:
+    def changes(self) -> list[TuningDecision]:
         return [d for d in self.decisions if d.changes]
 
     @property
@@ -73,21 +73,23 @@ class Run:
 
 def run(
     workload: Callable[[int], Workload],
-    budget: Budget,
+    budget: WorkerBudget,
     windows: int = 60,
     start: int = 2,
     noise: Callable[[int], tuple[float, float, float]] = lambda i: (0, 0, 0),
 ) -> Run:
-    """Feed `decide` a window at a time, carrying out its decisions as the loader would.
+    """Feed `decide_workers` a window at a time, carrying out its decisions as the loader would.
     `workload(i)` is the workload during window `i` (a slowdown changes it)."""
     tuner, running, batch = Tuner(), start, 0
     counts, decisions = [], []
     for i in range(windows):
         batch += BATCHES
-        tuner, decision = decide(tuner, workload(i).window(running, batch, noise(i)), budget)
-        if decision.move is Move.ADD:
+        tuner, decision = decide_workers(
+            tuner, workload(i).window(running, batch, noise(i)), budget
+        )
+        if decision.move is TuningMove.ADD:
             running += 1
-        elif decision.move is Move.RETIRE:
+        elif decision.move is TuningMove.RETIRE:
             running -= 1
         assert 1 <= running <= budget.slots
         counts.append(running)
@@ -101,27 +103,27 @@ def steady(workload: Workload) -> Callable[[int], Workload]:
 
 def test_an_io_bound_loader_gets_workers_until_the_loop_stops_waiting() -> None:
     # Four workers keep up with the loop; the tuner starts with two.
-    result = run(steady(Workload(load=0.4, step=0.1)), Budget(slots=16, cpus=2))
+    result = run(steady(Workload(load=0.4, step=0.1)), WorkerBudget(slots=16, cpus=2))
     assert result.final == 4
     assert result.tuner.settled
-    assert all(d.move is Move.HOLD for d in result.decisions[-20:])
+    assert all(d.move is TuningMove.HOLD for d in result.decisions[-20:])
     assert "waited" in result.changes[0].why
 
 
 def test_a_worker_past_the_cores_that_does_not_speed_loading_is_retired() -> None:
     # CPU-bound work on two cores: a third worker makes batches no faster.
-    result = run(steady(Workload(load=0.4, step=0.01, cpus=2)), Budget(slots=8, cpus=2))
+    result = run(steady(Workload(load=0.4, step=0.01, cpus=2)), WorkerBudget(slots=8, cpus=2))
     assert result.final == 2
-    assert [d.move for d in result.changes] == [Move.ADD, Move.RETIRE]
+    assert [d.move for d in result.changes] == [TuningMove.ADD, TuningMove.RETIRE]
     assert "did not pay" in result.changes[1].why
     assert result.tuner.ceiling == 2
 
 
 def test_workers_the_loop_does_not_wait_for_are_retired() -> None:
     # One worker makes batches twice as fast as the loop uses them.
-    result = run(steady(Workload(load=0.05, step=0.1)), Budget(slots=8, cpus=2))
+    result = run(steady(Workload(load=0.05, step=0.1)), WorkerBudget(slots=8, cpus=2))
     assert result.final == 1
-    assert result.changes[0].move is Move.RETIRE
+    assert result.changes[0].move is TuningMove.RETIRE
     assert "busy" in result.changes[0].why
     assert result.tuner.settled
 
@@ -132,32 +134,32 @@ def test_a_retire_that_leaves_the_loop_waiting_is_undone_and_sets_a_floor() -> N
     def workload(i: int) -> Workload:
         return Workload(load=0.05 if i == 0 else 0.15, step=0.1)
 
-    result = run(workload, Budget(slots=8, cpus=4))
-    assert [d.move for d in result.changes] == [Move.RETIRE, Move.ADD]
+    result = run(workload, WorkerBudget(slots=8, cpus=4))
+    assert [d.move for d in result.changes] == [TuningMove.RETIRE, TuningMove.ADD]
     assert "with 1 worker(s) the training loop waited" in result.changes[1].why
     assert result.tuner.floor == 2
     assert result.final == 2
 
 
 def test_the_memory_budget_caps_the_count() -> None:
-    result = run(steady(Workload(load=0.6, step=0.1)), Budget(slots=16, cpus=8, memory=3))
+    result = run(steady(Workload(load=0.6, step=0.1)), WorkerBudget(slots=16, cpus=8, memory=3))
     assert result.final == 3
     assert result.tuner.settled
     assert any("memory budget holds 3" in d.why for d in result.decisions[-4:])
 
 
 def test_the_slot_count_caps_the_count() -> None:
-    result = run(steady(Workload(load=0.6, step=0.1)), Budget(slots=4, cpus=8))
+    result = run(steady(Workload(load=0.6, step=0.1)), WorkerBudget(slots=4, cpus=8))
     assert result.final == 4
-    assert result.changes[-1].move is Move.ADD
+    assert result.changes[-1].move is TuningMove.ADD
     assert any("every one of the 4 worker slots runs" in d.why for d in result.decisions[-4:])
 
 
 def test_a_worker_over_the_memory_budget_is_retired() -> None:
-    _, decision = decide(
-        Tuner(), Workload(load=0.4, step=0.1).window(3, BATCHES), Budget(8, 8, memory=2)
+    _, decision = decide_workers(
+        Tuner(), Workload(load=0.4, step=0.1).window(3, BATCHES), WorkerBudget(8, 8, memory=2)
     )
-    assert decision.move is Move.RETIRE
+    assert decision.move is TuningMove.RETIRE
     assert "memory budget holds 2" in decision.why
 
 
@@ -165,9 +167,9 @@ def test_a_sudden_slowdown_wakes_a_settled_tuner() -> None:
     def workload(i: int) -> Workload:
         return Workload(load=0.2 if i < 20 else 0.6, step=0.1)
 
-    result = run(workload, Budget(slots=16, cpus=8))
+    result = run(workload, WorkerBudget(slots=16, cpus=8))
     assert result.counts[19] == 2  # settled at two before the slowdown
-    assert result.decisions[19].move is Move.HOLD and "settled" in result.decisions[19].why
+    assert result.decisions[19].move is TuningMove.HOLD and "settled" in result.decisions[19].why
     assert result.final == 6
 
 
@@ -176,22 +178,25 @@ def test_a_loop_that_stops_asking_retires_nothing() -> None:
     window = attrs.evolve(
         Workload(load=0.2, step=0.1).window(2, BATCHES), seconds=60.0, longest_gap=58.0
     )
-    tuner, decision = decide(Tuner(), window, Budget(8, 8))
-    assert decision.move is Move.HOLD and "paused" in decision.why
+    tuner, decision = decide_workers(Tuner(), window, WorkerBudget(8, 8))
+    assert decision.move is TuningMove.HOLD and "paused" in decision.why
     assert tuner == Tuner()
 
 
 def test_no_decision_is_taken_on_a_window_that_began_before_the_last_change() -> None:
     waiting = Workload(load=0.4, step=0.1)
-    tuner, decision = decide(Tuner(), waiting.window(2, 32), Budget(8, 8))
-    assert decision.move is Move.ADD
+    tuner, decision = decide_workers(Tuner(), waiting.window(2, 32), WorkerBudget(8, 8))
+    assert decision.move is TuningMove.ADD
     for batch in (40, 32 + BATCHES - 1):  # began before batch 32, or within the cool-down
         later = attrs.evolve(waiting.window(3, batch), batches=min(BATCHES, batch))
-        assert decide(tuner, later, Budget(8, 8))[1].why == "cooling down after the last change"
+        assert (
+            decide_workers(tuner, later, WorkerBudget(8, 8))[1].why
+            == "cooling down after the last change"
+        )
 
 
 def test_a_steady_loader_at_the_right_count_is_left_alone() -> None:
-    result = run(steady(Workload(load=0.2, step=0.1)), Budget(slots=8, cpus=8))
+    result = run(steady(Workload(load=0.2, step=0.1)), WorkerBudget(slots=8, cpus=8))
     assert result.changes == []
 
 
@@ -218,12 +223,12 @@ def test_under_any_bounded_noise_the_number_of_changes_is_bounded(
 ) -> None:
     result = run(
         steady(Workload(load, step, cpus)),
-        Budget(slots=slots, cpus=cpus or 8),
+        WorkerBudget(slots=slots, cpus=cpus or 8),
         windows=len(noises),
         start=min(2, slots),
         noise=lambda i: noises[i],
     )
-    assert len(result.changes) <= change_bound(slots)
+    assert len(result.changes) <= tuning_change_bound(slots)
     assert result.tuner.reversals <= Tuning().max_reversals
 
 
@@ -236,7 +241,7 @@ def test_noise_around_a_well_served_loop_changes_nothing(
     # neither adds (waiting stays far under 10%) nor retires (they stay far over 60% busy).
     result = run(
         steady(Workload(load=0.2, step=0.1)),
-        Budget(slots=8, cpus=8),
+        WorkerBudget(slots=8, cpus=8),
         windows=len(noises),
         noise=lambda i: noises[i],
     )
