@@ -22,13 +22,16 @@ import statistics
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from statecore import Phase, State, WorkerHang, WorkerLoss, WorkerStatus
+
+if TYPE_CHECKING:
+    from statecore.executors._autotune import AutoTuning
 
 __all__ = [
     "STRAGGLER_FACTOR",
@@ -430,6 +433,9 @@ class LoaderStats:
     losses: tuple[LostWorker, ...] = ()
     """The workers lost, as `Trace.losses` (traced only; `counters.restarts` counts restarts
     untraced)."""
+    tuning: AutoTuning | None = None
+    """What `num_workers="auto"` did (its changes: when, how many, why; the count it stands
+    at), traced or not; None for a loader with a fixed count."""
 
     @property
     def restarts(self) -> int:
@@ -459,6 +465,7 @@ class LoaderStats:
         persistent_workers: bool,
         executor: str,
         traced: bool = False,
+        tuning: AutoTuning | None = None,
     ) -> LoaderStats:
         """The statistics of a loader with nothing traced: its counters and its settings."""
         return cls(
@@ -481,6 +488,7 @@ class LoaderStats:
             executor=executor,
             traced=traced,
             counters=counters,
+            tuning=tuning,
         )
 
     @property
@@ -590,7 +598,7 @@ class LoaderStats:
                 f"the training loop itself spent {_pct(mean_busy)} of the time loading, and "
                 "workers would load the next batches while it trains."
             )
-        elif mean_busy >= 0.75:
+        elif mean_busy >= 0.75 and self.tuning is None:  # an auto loader chooses its count
             if waits or self.num_workers < cores:
                 why = (
                     "the samples mostly wait rather than compute, so more workers than cores "
@@ -660,6 +668,8 @@ class LoaderStats:
             lines = [f"Not traced; {setting}"]
             if self.counters is not None:
                 lines.append(self.counters.describe())
+            if self.tuning is not None:
+                lines += self.tuning.describe()
             lines.append(
                 "For where the time goes (the training loop's waits, the workers' busy time, "
                 "the slowest samples), trace the loader: trace=True, or STATECORE_TRACE=1 in "
@@ -712,6 +722,8 @@ class LoaderStats:
         if self.failed:
             lines.append(f"{self.failed} task(s) raised.")
         lines += self._lost_lines()
+        if self.tuning is not None:
+            lines += self.tuning.describe()
         tips = self.suggestions()
         if tips:
             lines.append("What to try:")
