@@ -55,7 +55,10 @@ START_WITH = 2
 """Workers an auto loader starts with (fewer where it has fewer slots): the first batch comes as
 quickly as with two."""
 WINDOW = 16
-"""Batches a window of figures covers: the policy is asked once per window."""
+"""Batches a window of figures covers at least: the policy is asked once per window."""
+WINDOW_SECONDS = 0.5
+"""Seconds a window covers at least: fast batches are counted over a longer window, whose
+figures wobble less."""
 SLOTS_PER_CPU = 4
 MEMORY_SHARE = 0.5
 """The share of the memory available as the loader starts that its workers may take."""
@@ -173,7 +176,8 @@ class AutoTuner:
     """The loader's tuner: measures between `next()` calls, asks the policy, carries out.
 
     `decide` is the policy (tests pass their own, to drive it with figures of their choosing);
-    `clock` what the waits are timed with.
+    `clock` what the waits are timed with; a window covers at least `window` batches and
+    `window_seconds` seconds.
     """
 
     def __init__(
@@ -186,8 +190,12 @@ class AutoTuner:
         ] = decide_workers,
         clock: Callable[[], float] = time.perf_counter,
         available_memory: int | None = None,
+        window: int = WINDOW,
+        window_seconds: float = WINDOW_SECONDS,
     ) -> None:
         self.slots = slots
+        self.window = window
+        self.window_seconds = window_seconds
         self.cpus = cpu_budget() if cpus is None else cpus
         self.decide = decide
         self.clock = clock
@@ -258,7 +266,7 @@ class AutoTuner:
             holding = {slot.worker for slot in state.window if type(slot) is Pending}
             self.busy += len(holding) / running
             self.samples += 1
-        if self.count >= WINDOW:
+        if self.count >= self.window and now - self.began >= self.window_seconds:
             self._decide(driver, state, running, now, executor)
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:

@@ -883,6 +883,8 @@ class _Iterator(_BaseDataLoaderIter):
         # before it takes its first state.
         self._opening = _opening_mark(self._dataset) if in_process and resume is None else None
         tracer = loader._tracer_for(workers, config.persistent_workers)
+        if tracer is not None and self._autotuner is not None:
+            tracer.tuner = self._autotuner
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
         self._driver = Driver(
             config,

@@ -11,8 +11,8 @@ policy is tested on recorded and made-up traces alone (tests/test_tuning_policy.
 
 The rules, in the order `decide_workers` asks them:
 
-1. Cool-down. A window that began before the last change took effect, or ends less than
-   `Tuning.cooldown` batches after it, tells nothing of the new count: hold.
+1. Cool-down. A window that began less than `Tuning.cooldown` batches after the last change
+   (or before it took effect) tells nothing of the new count: hold.
 2. A pause. A window in which one gap between the consumer's requests took most of its time
    (the training loop stopped asking: an evaluation, a checkpoint) says nothing of loading:
    hold, and do not count it toward settling.
@@ -146,14 +146,16 @@ class Tuning:
     """Retire one worker where the running workers' load, spread over one fewer, keeps each
     busy under this share."""
     cooldown: int = 8
-    """Batches after a change took effect before the next decision."""
+    """Batches after a change during which nothing is measured: a window must begin this many
+    batches after it. An added worker's first batches, and the batches queued behind them,
+    come late, and would make any add look as if it did not pay."""
     calm_windows: int = 3
     """Windows of negligible waiting in a row after which the tuner settles."""
     wake_windows: int = 2
     """Windows over `wake_above` in a row that wake a settled tuner."""
-    min_gain: float = 0.05
+    min_gain: float = 0.04
     """An add is kept only if batches came faster by this share."""
-    min_gain_past_cpus: float = 0.15
+    min_gain_past_cpus: float = 0.08
     """The same, for a worker past the CPU budget."""
     max_reversals: int = 2
     """Changes against the one before after which the tuner is locked where it stands."""
@@ -211,9 +213,7 @@ def decide_workers(
 ) -> tuple[Tuner, TuningDecision]:
     """The next `Tuner` and the decision for `window` (see the module docstring)."""
     running = window.running
-    if tuner.changes and (
-        window.first < tuner.changed_at or window.batch - tuner.changed_at < tuning.cooldown
-    ):
+    if tuner.changes and window.first < tuner.changed_at + tuning.cooldown:
         return tuner, _hold("cooling down after the last change")
     if window.batches < 2 or window.seconds <= 0:
         return tuner, _hold("too few batches to tell")

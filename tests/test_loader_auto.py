@@ -53,7 +53,8 @@ def _scripted(moves: list[TuningMove], seen: list[LoadWindow] | None = None) -> 
 def _auto(dataset: Any, decide: Decide, **options: Any) -> statecore.DataLoader[Any]:
     loader = statecore.DataLoader(dataset, num_workers="auto", **options)
     assert isinstance(loader.num_workers, AutoWorkers)
-    loader._autotuner = AutoTuner(loader.num_workers, decide=decide)
+    # Windows of 16 batches, however quickly they come: no figure depends on this machine.
+    loader._autotuner = AutoTuner(loader.num_workers, decide=decide, window_seconds=0)
     return loader
 
 
@@ -225,3 +226,47 @@ def test_a_loader_rebuilt_from_its_attributes_is_auto_again() -> None:
     again = statecore.DataLoader(loader.dataset, num_workers=loader.num_workers)
     assert isinstance(again.num_workers, AutoWorkers)
     assert int(again.num_workers) == int(loader.num_workers)
+
+
+AUTO_SCRIPT = """
+import attrs
+from _datasets import Numbers
+from statecore import DataLoader, TuningDecision, TuningMove
+from statecore.executors._autotune import AutoTuner
+
+def add_once_then_settle(tuner, window, budget):
+    if tuner.changes == 0:
+        return attrs.evolve(tuner, changes=1), TuningDecision(TuningMove.ADD, "scripted add")
+    return attrs.evolve(tuner, settled=True), TuningDecision(TuningMove.HOLD, "scripted hold")
+
+loader = DataLoader(Numbers(200), batch_size=2, num_workers="auto", executor="thread")
+loader._autotuner = AutoTuner(
+    loader.num_workers, decide=add_once_then_settle, window_seconds=0
+)
+for batch in loader:
+    pass
+"""
+
+
+def test_profile_names_the_count_an_auto_loader_settled_on(tmp_path: Any) -> None:
+    import io
+    import os
+
+    from statecore.tools.profile import profile
+
+    script = tmp_path / "auto.py"
+    script.write_text(AUTO_SCRIPT)
+    out, err = io.StringIO(), io.StringIO()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    import sys
+
+    sys.path.insert(0, tests)
+    try:
+        status = profile(str(script), (), tmp_path / "out", out, err, progress_bar=False)
+    finally:
+        sys.path.remove(tests)
+    assert status == 0, err.getvalue()
+    shown = out.getvalue()
+    assert 'num_workers="auto": settled on 3 worker(s) after 1 change(s)' in shown
+    assert "To pin it: num_workers=3." in shown
+    assert "To pin it: num_workers=3." in (tmp_path / "out" / "loader-0.verdict.txt").read_text()

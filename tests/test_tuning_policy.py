@@ -183,16 +183,19 @@ def test_a_loop_that_stops_asking_retires_nothing() -> None:
     assert tuner == Tuner()
 
 
-def test_no_decision_is_taken_on_a_window_that_began_before_the_last_change() -> None:
+def test_no_decision_is_taken_on_a_window_that_began_within_the_cooldown() -> None:
     waiting = Workload(load=0.4, step=0.1)
     tuner, decision = decide_workers(Tuner(), waiting.window(2, 32), WorkerBudget(8, 8))
     assert decision.move is TuningMove.ADD
-    for batch in (40, 32 + BATCHES - 1):  # began before batch 32, or within the cool-down
-        later = attrs.evolve(waiting.window(3, batch), batches=min(BATCHES, batch))
-        assert (
-            decide_workers(tuner, later, WorkerBudget(8, 8))[1].why
-            == "cooling down after the last change"
-        )
+    cooldown = Tuning().cooldown
+    for first in (30, 32, 32 + cooldown - 1):  # began before the change, or within the cool-down
+        later = waiting.window(3, first + BATCHES)
+        _, decision = decide_workers(tuner, later, WorkerBudget(8, 8))
+        assert decision.why == "cooling down after the last change"
+    _, decision = decide_workers(
+        tuner, waiting.window(3, 32 + cooldown + BATCHES), WorkerBudget(8, 8)
+    )
+    assert decision.why != "cooling down after the last change"
 
 
 def test_a_steady_loader_at_the_right_count_is_left_alone() -> None:
