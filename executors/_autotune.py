@@ -70,7 +70,8 @@ MEASURE_MEMORY_EVERY = 8
 
 _ACTIVE = WorkerStatus.ACTIVE
 _STOPPED = WorkerStatus.STOPPED
-_CHANGING = (WorkerStatus.STARTING, WorkerStatus.RETIRING)
+_STARTING = WorkerStatus.STARTING
+_RETIRING = WorkerStatus.RETIRING
 
 
 class AutoWorkers(int):
@@ -248,7 +249,7 @@ class AutoTuner:
         self.batch += 1
         state: State = driver.state
         workers = state.life.workers
-        if self.last is None or any(status in _CHANGING for status in workers):
+        if self.last is None or _STARTING in workers or _RETIRING in workers:
             # The epoch's first batch (start-up), or a change not in effect yet: the window
             # begins once it is.
             self._restart()
@@ -260,14 +261,15 @@ class AutoTuner:
             self.longest_gap = max(self.longest_gap, asked - self.last)
         self.waited += now - asked
         self.last = now
-        self.count += 1
-        running = workers.count(_ACTIVE)
-        if self.count % BUSY_EVERY == 0 and running:
-            holding = {slot.worker for slot in state.window if type(slot) is Pending}
-            self.busy += len(holding) / running
-            self.samples += 1
-        if self.count >= self.window and now - self.began >= self.window_seconds:
-            self._decide(driver, state, running, now, executor)
+        count = self.count = self.count + 1
+        if count % BUSY_EVERY == 0:
+            running = workers.count(_ACTIVE)
+            if running:
+                holding = {slot.worker for slot in state.window if type(slot) is Pending}
+                self.busy += len(holding) / running
+                self.samples += 1
+        if count >= self.window and now - self.began >= self.window_seconds:
+            self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
         assert self.began is not None

@@ -826,6 +826,9 @@ class _Iterator(_BaseDataLoaderIter):
                 f"prefetch_factor must be greater than 0 for loading in workers, as torch's "
                 f"MultiProcessingDataLoaderIter requires, but got prefetch_factor={prefetch}"
             )
+        # TO WIRE (issue 29, after h-seed's `seeding="per-batch"` is merged): an auto loader
+        # (`self._autotuner is not None`) turns per-batch seeding on, so that its batches do not
+        # depend on which worker, of however many the tuner runs, loads them.
         setup = WorkerSetup(
             dataset=self._dataset,
             dataset_kind=self._dataset_kind,

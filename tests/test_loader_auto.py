@@ -270,3 +270,50 @@ def test_profile_names_the_count_an_auto_loader_settled_on(tmp_path: Any) -> Non
     assert 'num_workers="auto": settled on 3 worker(s) after 1 change(s)' in shown
     assert "To pin it: num_workers=3." in shown
     assert "To pin it: num_workers=3." in (tmp_path / "out" / "loader-0.verdict.txt").read_text()
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_checkpoint_of_an_auto_loader_resumes_exactly(where: dict[str, Any]) -> None:
+    loader = _auto(Numbers(200), _scripted([ADD, ADD, RETIRE]), batch_size=2, **where)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(60)]
+    state = loader.state_dict()
+    del iterator
+    resumed = _auto(Numbers(200), _scripted([ADD]), batch_size=2, **where)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    _equal(first + rest, _torchs(Numbers(200), batch_size=2))
+
+
+class _LoopClock:
+    """A clock for the tuner in which every batch takes the training loop `step` seconds and
+    is waited for `wait` seconds, whatever this machine does: asked, then handed over, in turn."""
+
+    def __init__(self, step: float, wait: float) -> None:
+        self.now = 0.0
+        self.step, self.wait = step, wait
+        self.asking = True
+
+    def __call__(self) -> float:
+        self.now += self.step if self.asking else self.wait
+        self.asking = not self.asking
+        return self.now
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not_pay(
+    where: dict[str, Any],
+) -> None:
+    # The loop waits 90% of its time, and batches come no faster with a third worker (the
+    # clock says so): the tuner adds one, finds it did not pay, retires it and settles.
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(loader.num_workers, clock=clock, window_seconds=0)
+    got = list(loader)
+    _equal(got, _torchs(Numbers(400), batch_size=2))
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 3), (RETIRE, 2)]
+    assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
+    assert "did not pay" in tuning.decisions[1].why
+    assert tuning.settled and tuning.workers == 2
