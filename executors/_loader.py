@@ -142,7 +142,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             in_order=in_order,
         )
         self.executor = executor
-        self.executor_factory, self.loads_in_process = resolve_executor(executor, count)
+        try:
+            self.executor_factory, self.loads_in_process = resolve_executor(executor, count)
+        except ValueError as error:
+            if not isinstance(count, AutoWorkers):
+                raise
+            raise ValueError(
+                f'num_workers="auto" runs up to {int(count)} workers (its slots), which this '
+                f"executor cannot: {error}"
+            ) from None
         if isinstance(count, AutoWorkers):
             _check_auto(self.executor_factory, self)
         self._autotuner: AutoTuner | None = None

@@ -203,6 +203,11 @@ def test_auto_is_refused_on_an_executor_that_cannot_start_workers() -> None:
         statecore.DataLoader(Numbers(4), num_workers="auto", executor=_NoReplacing())
 
 
+def test_auto_is_refused_on_the_inline_executor_saying_why() -> None:
+    with pytest.raises(ValueError, match=r'num_workers="auto" runs up to \d+ workers.*inline'):
+        statecore.DataLoader(Numbers(4), num_workers="auto", executor="inline")
+
+
 @pytest.mark.parametrize("value", ["many", "Auto", ""])
 def test_another_string_is_refused_in_torchs_words(value: str) -> None:
     with pytest.raises(ValueError, match=r'num_workers option should be non-negative, or "auto"'):
@@ -317,3 +322,19 @@ def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not
     assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
     assert "did not pay" in tuning.decisions[1].why
     assert tuning.settled and tuning.workers == 2
+
+
+def test_the_memory_budget_is_measured_on_worker_processes() -> None:
+    loader = _auto(Numbers(200), _scripted([]), batch_size=2, executor="mp")
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    # Half the memory available over the largest worker's proportional set size: a count.
+    assert tuning.memory is not None and tuning.memory >= 1
+
+
+def test_worker_threads_are_not_counted_against_the_memory_budget() -> None:
+    loader = _auto(Numbers(200), _scripted([]), batch_size=2, executor="thread")
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None and tuning.memory is None
