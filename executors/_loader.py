@@ -119,6 +119,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             multiprocessing_context = multiprocessing_context.get_start_method()
         # "auto": as many worker slots as the budget allows, of which the tuner runs a few.
         count: int = auto_num_workers(num_workers, dataset)
+        if isinstance(prefetch_factor, str):
+            raise ValueError(
+                f"prefetch_factor must be an integer (batches loaded in advance by each worker; "
+                f"torch's default is 2), got {prefetch_factor!r}: it is not tuned yet; "
+                'num_workers="auto" tunes the number of workers'
+            )
         # Keywords only: a framework that records the arguments of torch's __init__ (Lightning,
         # when this class did not exist yet as it patched torch's) then rebuilds this class
         # from names, and a sampler it injects cannot collide with a positional one.
