@@ -7,7 +7,8 @@ and carries its decision out through the driver (`Driver.add`, `Driver.retire`):
 through the core's events, so every guarantee of the scheduler holds through them.
 
 Budgets: the slots (`slots_for`: four per core the process may use, so that a loader whose
-samples wait on I/O may run more workers than cores), the CPU budget (the cores: past them an
+samples wait on I/O may run more workers than cores), the CPU budget (the cores: no worker is
+added once this process and its worker processes keep nearly all of them busy, and past them an
 added worker must pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
 the loader first starts, over the largest worker's measured footprint; worker processes only,
 since threads share one process).
@@ -215,6 +216,7 @@ class AutoTuner:
     def _restart(self) -> None:
         """Begin a new window with the next request."""
         self.began: float | None = None
+        self.cpu_began: dict[int, float] | None = None
         self.last: float | None = None
         self.count = 0
         self.waited = 0.0
@@ -257,6 +259,7 @@ class AutoTuner:
             return
         if self.began is None:
             self.began = asked
+            self.cpu_began = _cpu_seconds(executor)
         else:
             self.longest_gap = max(self.longest_gap, asked - self.last)
         self.waited += now - asked
@@ -273,14 +276,16 @@ class AutoTuner:
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
         assert self.began is not None
+        seconds = now - self.began
         window = LoadWindow(
             batch=self.batch,
             batches=self.count,
-            seconds=now - self.began,
+            seconds=seconds,
             waited=self.waited,
             longest_gap=self.longest_gap,
             busy=self.busy / self.samples if self.samples else 0.0,
             running=running,
+            cpu=_cores_used(self.cpu_began, _cpu_seconds(executor), seconds),
         )
         self.windows += 1
         if self.memory_budget is not None and (
@@ -329,6 +334,44 @@ def _available_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _cpu_seconds(executor: Any) -> dict[int, float] | None:
+    """CPU seconds used so far by this process (every thread: the training loop, worker
+    threads) and by each of the executor's worker processes, by pid; None where the workers run
+    elsewhere (Ray) and cannot be counted."""
+    while hasattr(executor, "inner"):
+        executor = executor.inner
+    processes = getattr(executor, "processes", None)
+    if processes is None and getattr(executor, "threads", None) is None:
+        return None  # neither processes of this machine nor threads of this process
+    own = os.times()
+    used = {os.getpid(): own.user + own.system}
+    if isinstance(processes, dict):
+        ticks = os.sysconf("SC_CLK_TCK")
+        for process in list(processes.values()):
+            pid = getattr(process, "pid", None)
+            if pid is None:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    # After the command's closing parenthesis: utime and stime are fields 14, 15.
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                used[pid] = (int(fields[11]) + int(fields[12])) / ticks
+            except (OSError, ValueError, IndexError):
+                continue
+    return used
+
+
+def _cores_used(
+    began: dict[int, float] | None, ended: dict[int, float] | None, seconds: float
+) -> float | None:
+    """Cores kept busy over `seconds` between two `_cpu_seconds` readings, counting the
+    processes in both."""
+    if began is None or ended is None or seconds <= 0:
+        return None
+    used = sum(ended[pid] - began[pid] for pid in began.keys() & ended.keys())
+    return max(used, 0.0) / seconds
 
 
 def _largest_footprint(executor: Any) -> int | None:

@@ -21,7 +21,8 @@ The rules, in the order `decide_workers` asks them:
    loop for cores); otherwise it is undone and the count it reached becomes a ceiling. A
    retire that left the training loop waiting is undone and the count it left becomes a floor.
 4. Settled. Once waiting stayed negligible for `calm_windows` windows, or the budget is
-   spent, the tuner holds; it wakes only if the loop waits more than `wake_above` (well above
+   spent (the slots, the memory, or the CPU: the loop and its workers keep `cpu_full` of the
+   cores busy), the tuner holds; it wakes only if the loop waits more than `wake_above` (well above
    the threshold of adding) for `wake_windows` windows in a row: a sudden slowdown.
 5. Adding, while the loop waits more than `add_above` of its time and the budget allows.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
@@ -89,6 +90,9 @@ class LoadWindow:
     (0 to 1)."""
     running: int
     """Workers taking tasks during the window."""
+    cpu: float | None = None
+    """Cores kept busy over the window by this process (the training loop, and worker threads)
+    and its worker processes: CPU seconds over the window's seconds; None where not measured."""
 
     @property
     def first(self) -> int:
@@ -160,6 +164,9 @@ class Tuning:
     max_reversals: int = 2
     """Changes against the one before after which the tuner is locked where it stands."""
     pause_share: float = 0.5
+    cpu_full: float = 0.9
+    """The CPU budget is spent once the loop and its workers keep this share of the cores busy:
+    another worker would take a core from them, not add one."""
     """A window whose longest gap between requests took more than this share of its time is a
     pause of the training loop, and tells nothing of loading."""
 
@@ -255,6 +262,12 @@ def decide_workers(
     tuner = attrs.evolve(tuner, calm=calm)
     if wait > tuning.add_above:
         spent = budget.spent_by(running)
+        cpu = window.cpu
+        if spent is None and cpu is not None and cpu >= tuning.cpu_full * budget.cpus:
+            spent = (
+                f"the CPU budget is spent (the loop and its workers kept {cpu:.1f} of "
+                f"{budget.cpus} cores busy)"
+            )
         ceiling = tuner.ceiling
         if spent is None and ceiling is not None and running >= ceiling:
             spent = f"adding past {ceiling} worker(s) did not pay earlier"

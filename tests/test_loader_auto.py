@@ -159,6 +159,8 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
         assert 0 <= window.waited <= window.seconds
         assert 0 <= window.longest_gap <= window.seconds
         assert 0 <= window.busy <= 1
+        # Cores kept busy by this process and its worker processes: measured, whatever the value.
+        assert window.cpu is not None and window.cpu >= 0
     assert [w.batch for w in seen] == sorted({w.batch for w in seen})
 
 

@@ -155,6 +155,18 @@ def test_the_slot_count_caps_the_count() -> None:
     assert any("every one of the 4 worker slots runs" in d.why for d in result.decisions[-4:])
 
 
+def test_no_worker_is_added_once_the_loop_and_its_workers_fill_the_cores() -> None:
+    busy = attrs.evolve(Workload(load=0.4, step=0.1).window(2, BATCHES), cpu=1.9)
+    tuner, decision = decide_workers(Tuner(), busy, WorkerBudget(8, cpus=2))
+    assert decision.move is TuningMove.HOLD
+    assert "the CPU budget is spent (the loop and its workers kept 1.9 of 2 cores busy)" in (
+        decision.why
+    )
+    assert tuner.settled
+    idle = attrs.evolve(busy, cpu=0.5)  # samples that wait on I/O: cores to spare
+    assert decide_workers(Tuner(), idle, WorkerBudget(8, cpus=2))[1].move is TuningMove.ADD
+
+
 def test_a_worker_over_the_memory_budget_is_retired() -> None:
     _, decision = decide_workers(
         Tuner(), Workload(load=0.4, step=0.1).window(3, BATCHES), WorkerBudget(8, 8, memory=2)
