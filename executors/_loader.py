@@ -82,6 +82,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     "pinned"; `pin_memory=True` puts the pin-memory stage over whichever executor loads.
     `multiprocessing_context` also takes a context of the `multiprocess` package.
 
+    `num_workers="auto"` (map-style datasets, executors that can start workers mid-epoch)
+    starts two workers and tunes the count as the loop runs; `stats().tuning` says what it did
+    and the count to pin (docs/choosing-num-workers.md).
+
     Like torch's, the class is generic in what it yields: `statecore.DataLoader[Batch]`.
     Every argument is kept as the public attribute of the same name (`executor` as given),
     so frameworks that rebuild a loader from its attributes (Lightning adding a distributed
