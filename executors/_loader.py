@@ -28,6 +28,7 @@ from torch.utils.data import IterDataPipe
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase, Progress, State, can_restart
+from statecore.executors._autotune import AutoTuner, AutoWorkers, auto_num_workers
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -100,6 +101,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     not depend on how many workers there are (docs/checkpointing.md, "Seeding per batch");
     None is "per-worker", torch's.
 
+    `num_workers="auto"` (map-style datasets, executors that can start workers mid-epoch)
+    starts two workers and tunes the count as the loop runs; `stats().tuning` says what it did
+    and the count to pin (docs/choosing-num-workers.md). It seeds per batch unless `seeding`
+    says otherwise.
+
     Like torch's, the class is generic in what it yields: `statecore.DataLoader[Batch]`.
     Every argument is kept as the public attribute of the same name (`executor` as given),
     so frameworks that rebuild a loader from its attributes (Lightning adding a distributed
@@ -113,7 +119,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -136,6 +142,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if isinstance(multiprocessing_context, multiprocess.context.BaseContext):
             # torch validates against the standard library's contexts; ours maps it back.
             multiprocessing_context = multiprocessing_context.get_start_method()
+        # "auto": as many worker slots as the budget allows, of which the tuner runs a few.
+        count: int = auto_num_workers(num_workers, dataset)
+        if isinstance(prefetch_factor, str):
+            raise ValueError(
+                f"prefetch_factor must be an integer (batches loaded in advance by each worker; "
+                f"torch's default is 2), got {prefetch_factor!r}: it is not tuned yet; "
+                'num_workers="auto" tunes the number of workers'
+            )
         # Keywords only: a framework that records the arguments of torch's __init__ (Lightning,
         # when this class did not exist yet as it patched torch's) then rebuilds this class
         # from names, and a sampler it injects cannot collide with a positional one.
@@ -145,7 +159,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            num_workers=num_workers,
+            num_workers=count,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             drop_last=drop_last,
@@ -159,7 +173,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             in_order=in_order,
         )
         self.executor = executor
-        self.executor_factory, self.loads_in_process = resolve_executor(executor, num_workers)
+        try:
+            self.executor_factory, self.loads_in_process = resolve_executor(executor, count)
+        except ValueError as error:
+            if not isinstance(count, AutoWorkers):
+                raise
+            raise ValueError(
+                f'num_workers="auto" runs up to {int(count)} workers (its slots), which this '
+                f"executor cannot: {error}"
+            ) from None
+        if isinstance(count, AutoWorkers):
+            _check_auto(self.executor_factory, self)
+        self._autotuner: AutoTuner | None = None
+        """The tuner of `num_workers="auto"`, made with the first iterator: what it learned
+        carries from one iterator to the next."""
         if snapshot_every_n_steps is not None and (
             isinstance(snapshot_every_n_steps, bool)
             or not isinstance(snapshot_every_n_steps, int)
@@ -206,7 +233,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _seeding_in_force(self) -> str:
         """The seeding this loader's iterators use: `seeding`, None resolved."""
-        return resolve_seeding(self.seeding, self.num_workers, self._dataset_kind == _ITER)
+        return resolve_seeding(
+            self.seeding,
+            self.num_workers,
+            self._dataset_kind == _ITER,
+            auto=isinstance(self.num_workers, AutoWorkers),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # What torch's DataLoader pickles: its attributes, so a used loader pickles too. The
@@ -218,6 +250,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return state
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "num_workers" and "loads_in_process" in vars(self):
+            value = auto_num_workers(value, self.dataset)
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
             # Resolved before anything changes: a refused value leaves the loader as it was.
             executor = value if name == "executor" else self.executor
@@ -238,6 +272,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             kept._shutdown()
             self._iterator = None
         return super().__iter__()
+
+    def check_worker_number_rationality(self) -> None:
+        # An auto loader's slots may outnumber the cores (samples that wait on I/O): its tuner
+        # keeps to the CPU budget itself, so torch's warning about too many workers is not due.
+        if not isinstance(self.__dict__.get("num_workers"), AutoWorkers):
+            super().check_worker_number_rationality()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if not self.loads_in_process:
@@ -290,6 +330,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             counters = self._trail.counters or LoaderCounters.of(None, self.num_workers)
             if restarts is not None:
                 counters = attrs.evolve(counters, restarts=restarts)
+        tuner = self.__dict__.get("_autotuner")
+        tuning = None if tuner is None else tuner.report()
         if self._tracer is None:
             return LoaderStats.counted(
                 counters,
@@ -298,9 +340,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 self.persistent_workers,
                 _executor_name(self),
                 traced=self.trace,
+                tuning=tuning,
             )
         # From the tracer's tables: the records of a trace at the limit took most of the time.
-        return attrs.evolve(self._tracer.stats(), counters=counters)
+        return attrs.evolve(self._tracer.stats(), counters=counters, tuning=tuning)
 
     def _restarts_left(self) -> int:
         budget = self.__dict__.get("_restarts")
@@ -489,6 +532,28 @@ def _check_replacing(factory: Any, loader: DataLoader[Any]) -> None:
             f"worker, and {name!r} cannot; use executor='mp' (processes) or 'thread', or leave "
             "worker_restarts at 0"
         )
+
+
+def _check_auto(factory: Any, loader: DataLoader[Any]) -> None:
+    """Refuse `num_workers="auto"` on an executor that cannot start a worker mid-epoch."""
+    if not capabilities_of(factory).replaces_workers:
+        raise ValueError(
+            f'num_workers="auto" adds and retires workers as the loader runs, which needs an '
+            f"executor that can start a worker in a slot mid-epoch, and {_executor_name(loader)!r} "
+            "cannot (it does not declare replaces_workers); use executor='mp' (processes), "
+            "'thread' or 'ray', or pick a count: num_workers=N"
+        )
+
+
+def _autotuner_for(loader: DataLoader[Any], slots: int) -> AutoTuner | None:
+    """The loader's tuner, made with its first iterator, if its num_workers is "auto"."""
+    if not isinstance(loader.num_workers, AutoWorkers) or loader.loads_in_process:
+        return None
+    tuner = loader.__dict__.get("_autotuner")
+    if tuner is None or tuner.slots != slots:
+        tuner = loader._autotuner = AutoTuner(slots)
+    tuner.seeding = loader._seeding_in_force()
+    return tuner
 
 
 def _executor_name(loader: DataLoader[Any]) -> str:
@@ -795,6 +860,7 @@ class _Iterator(_BaseDataLoaderIter):
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         self._driver: Driver | None = None
+        self._autotuner: AutoTuner | None = None
         self._epoch: EpochRecord | None = None
         self._log: SamplerLog | None = None
         self._trail = _Trail()
@@ -889,6 +955,7 @@ class _Iterator(_BaseDataLoaderIter):
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
         # with range()'s TypeError: operator.index does both.
         workers = self._workers = 1 if in_process else operator.index(loader.num_workers)
+        self._autotuner = _autotuner_for(loader, workers)
         prefetch = loader.prefetch_factor
         if not in_process and prefetch is not None and prefetch <= 0:
             # torch accepts 0 when built and refuses it here, when workers would start.
@@ -921,6 +988,9 @@ class _Iterator(_BaseDataLoaderIter):
             persistent_workers=self._persistent_workers and not in_process,
             lazy=in_process,
             restarts=0 if in_process else loader._restarts_left(),
+            # An auto loader starts with the count it learned (two at first); the others begin
+            # retired, and its tuner adds them as they pay.
+            started=None if self._autotuner is None else self._autotuner.workers,
         )
         factory = loader.executor_factory
         if isinstance(factory, Pinned):
@@ -935,11 +1005,14 @@ class _Iterator(_BaseDataLoaderIter):
             factory = Pinned(factory, in_process=in_process)
         if config.restarts or loader.worker_timeout:
             _check_replacing(factory, loader)
+        if self._autotuner is not None:
+            _check_auto(factory, loader)  # set after the loader was built, say
         launch = Launch(
             setup,
             workers,
             loader.multiprocessing_context,
             worker_restarts=0 if in_process else loader.worker_restarts,
+            started=config.started,
         )
         executor = _checked(factory)(launch)
         executor.start()
@@ -947,6 +1020,8 @@ class _Iterator(_BaseDataLoaderIter):
         # before it takes its first state.
         self._opening = _opening_mark(self._dataset) if in_process and resume is None else None
         tracer = loader._tracer_for(workers, config.persistent_workers)
+        if tracer is not None and self._autotuner is not None:
+            tracer.tuner = self._autotuner
         marked = self._dataset_kind != _ITER and has_state(self._dataset)
         # A persistent worker's replacement in a later epoch cannot be given what its copy of
         # such a dataset carried into the epoch; a datapipe's is its epoch's seed, which it is.
@@ -1035,6 +1110,8 @@ class _Iterator(_BaseDataLoaderIter):
         assert self._driver is not None
         self._seed_epoch += 1
         seeds = BatchSeeds.of(int(self._base_seed), self._seed_epoch) if self._per_batch else None
+        if self._autotuner is not None:
+            self._autotuner.begin_epoch()
         self._driver.start_epoch(
             None if first_iter else self._shared_seed, resume=start, marks=marks, seeds=seeds
         )
@@ -1149,12 +1226,23 @@ class _Iterator(_BaseDataLoaderIter):
         return data
 
     def _next_data(self) -> Any:
-        assert self._driver is not None
-        if self._resumed_from is None:
-            return self._driver.next()
+        driver = self._driver
+        assert driver is not None
+        tuner = self._autotuner
+        if self._resumed_from is None and tuner is None:
+            return driver.next()
         try:
-            return self._driver.next()
+            if tuner is None:
+                return driver.next()
+            # num_workers="auto": the tuner measures between the consumer's calls, and decides
+            # (every few batches) after this one was handed over.
+            asked = tuner.asking()
+            data = driver.next()
+            tuner.handed(driver, asked, driver.executor)
+            return data
         except StopIteration:
+            if self._resumed_from is None:
+                raise
             if self._num_yielded == self._resumed_from:
                 warnings.warn(EpochOverWarning(_EPOCH_OVER), stacklevel=3)
             self._resumed_from = None

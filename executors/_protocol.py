@@ -220,6 +220,16 @@ class Launch:
     behaviour, a lost worker fails the loader). Asked of the executor, for what it must report
     as a death: a thread ended by `SystemExit` goes on answering its tasks with that error
     without restarts, and is reported with `WorkerDied`, so that it is replaced, with them."""
+    started: int | None = None
+    """How many worker slots run from the start, the first ones (the scheduler's
+    `Config.started`); None: all. The others begin retired: the executor starts no worker in
+    them (not in `start()`, nor as tasks flow) until `replace` starts one there, which only an
+    executor declaring `replaces_workers` is given (a loader with `num_workers="auto"`)."""
+
+    @property
+    def running_at_start(self) -> int:
+        """The worker slots started from the start: `started`, or all of them."""
+        return self.num_workers if self.started is None else self.started
 
 
 ExecutorFactory = Callable[[Launch], Executor]

@@ -371,10 +371,14 @@ class RayExecutor(Confirming):
         # rather than one pickled into each actor's creation call. Our reference goes when
         # this returns; Ray keeps the object until every actor has read it.
         setup = library.put(self.launch.setup)
+        running = self.launch.running_at_start
         for worker in range(self.launch.num_workers):
-            actor = self._new_actor(setup, worker)
+            # A slot that begins retired has no actor until `replace` starts its first.
+            actor = self._new_actor(setup, worker) if worker < running else None
             self.actors.append(actor)
-            self.placements.append(actor.placement.remote())
+            self.placements.append(None if actor is None else actor.placement.remote())
+            if actor is None:
+                self.gone.add(worker)
             self.owed.append(deque())
             self.incarnations.append(0)
             self.resumed.append(None)
@@ -390,7 +394,8 @@ class RayExecutor(Confirming):
         actor in its slot (see the module docstring); its start is told as `WorkerStarted`."""
         worker, incarnation = command.worker, command.incarnation
         self._kill(worker)
-        self.lost.append(self.actors[worker])
+        if self.actors[worker] is not None:  # not a slot that began retired
+            self.lost.append(self.actors[worker])
         self.gone.discard(worker)
         self.owed[worker].clear()
         self.incarnations[worker] = incarnation
@@ -542,7 +547,8 @@ class RayExecutor(Confirming):
         self.closed = True
         for worker in range(len(self.actors)):
             self.stop_worker(worker)
-        library, actors = self.library, [*self.actors, *self.lost]
+        library = self.library
+        actors = [actor for actor in (*self.actors, *self.lost) if actor is not None]
         if actors and self._connected():
             # A call made after the kill fails as soon as Ray knows the actor is dead: waiting
             # for those failures is waiting for Ray to confirm that no actor is left.

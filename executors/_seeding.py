@@ -50,15 +50,19 @@ PER_BATCH = "per-batch"
 SEEDINGS = (PER_WORKER, PER_BATCH)
 
 
-def resolve_seeding(seeding: object, num_workers: object, iterable: bool = False) -> str:
+def resolve_seeding(
+    seeding: object, num_workers: object, iterable: bool = False, *, auto: bool = False
+) -> str:
     """The seeding a loader with these arguments uses: `seeding` checked, None resolved.
 
-    None is "per-worker", torch's, whatever `num_workers` is. An iterable dataset is refused
-    "per-batch": its workers each yield their own stream, so which samples a batch holds
-    depends on the number of workers whatever the seeds are.
+    None is "per-worker", torch's, whatever `num_workers` is, except for a loader that tunes
+    its number of workers (`auto`, `num_workers="auto"`): there it is "per-batch", so that its
+    batches do not depend on how many workers the tuner runs as each is made. An iterable
+    dataset is refused "per-batch": its workers each yield their own stream, so which samples
+    a batch holds depends on the number of workers whatever the seeds are.
     """
     if seeding is None:
-        return PER_WORKER
+        return PER_BATCH if auto and not iterable else PER_WORKER
     if not isinstance(seeding, str) or seeding not in SEEDINGS:
         raise ValueError(
             f"seeding must be one of {', '.join(map(repr, SEEDINGS))} or None (torch's "

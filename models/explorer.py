@@ -285,6 +285,10 @@ def tuning_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     yield Scenario(config, MapSpec(bounds.batches), deaths=0, tunes=1, timeouts=False, closes=False)
     config = Config(num_workers=2, prefetch_factor=1, persistent_workers=True)
     yield Scenario(config, _short(dataset), epochs=2, deaths=0, tunes=3, timeouts=False)
+    # Slots that begin retired (num_workers="auto" starts a few of its slots): only a tuner's
+    # add starts them.
+    config = Config(num_workers=3, prefetch_factor=1, started=1)
+    yield Scenario(config, dataset, deaths=0, tunes=2, timeouts=False, closes=False)
 
 
 def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:

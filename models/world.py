@@ -430,6 +430,9 @@ class World:
     ) -> World:
         """A fresh world whose consumer has just started the first epoch (unless not `begin`)."""
         n = scenario.config.num_workers
+        # Slots that begin retired (`Config.started`, as num_workers="auto" starts a few of
+        # its slots) have no worker until a tuner's add starts one: retired slots.
+        running = scenario.config.running_at_start
         world = cls(
             scenario=scenario,
             driven=DriverState.initial(scenario.config),
@@ -441,7 +444,7 @@ class World:
             queues=((),) * n,
             outbox=(),
             shards=((1, 0),) * n,
-            alive=(True,) * n,
+            alive=(True,) * running + (False,) * (n - running),
             incarnations=(0,) * n,
             started=(True,) * n,
             ghosts=((),) * n,
@@ -476,6 +479,7 @@ class World:
             sampler_failures_left=scenario.sampler_failures,
             executor_failures_left=scenario.executor_failures,
             tunes_left=scenario.tunes,
+            retired=frozenset(range(running, n)),
         )
         if not begin:
             return world

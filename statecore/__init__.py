@@ -101,6 +101,16 @@ from statecore._state import (
 )
 from statecore._step import Transition, can_restart, step
 from statecore._table import ECHOES, EDGES, RULES, TRANSITIONS, Rule
+from statecore._tuning import (
+    LoadWindow,
+    Tuner,
+    Tuning,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    decide_workers,
+    tuning_change_bound,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -186,6 +196,14 @@ __all__ = [
     "reshard",
     "step",
     "violations",
+    "LoadWindow",
+    "Tuner",
+    "Tuning",
+    "TuningDecision",
+    "TuningMove",
+    "WorkerBudget",
+    "decide_workers",
+    "tuning_change_bound",
 ]
 
 

@@ -379,6 +379,37 @@ class Config:
     restarts: int = attrs.field(default=0, validator=_at_least_zero)
     """Lost workers (dead, or stuck and killable) this scheduler replaces before a loss is
     fatal; 0, torch's behaviour, replaces none."""
+    started: int | None = None
+    """How many worker slots run from the start (the first ones); the others begin retired
+    (STOPPED) and run only once `AddRequested` starts them. None: every slot runs. A loader
+    tuning its worker count (`num_workers="auto"`) starts small this way. Map-style datasets
+    only: an iterable dataset's slot holds its own part of the data, which a slot that never
+    runs would lose."""
+
+    def __attrs_post_init__(self) -> None:
+        started = self.started
+        if started is None:
+            return
+        if (
+            not isinstance(started, int)
+            or isinstance(started, bool)
+            or not 1 <= started <= self.num_workers
+        ):
+            raise ValueError(
+                f"started must be an integer from 1 to num_workers={self.num_workers} (the worker "
+                f"slots running from the start), or None for all of them, got {started!r}"
+            )
+        if self.iterable and started < self.num_workers:
+            raise ValueError(
+                f"started={started} of {self.num_workers} worker slots: an iterable dataset's "
+                "slot holds its own part of the data, which a slot that never runs would lose; "
+                "start every slot (started=None)"
+            )
+
+    @property
+    def running_at_start(self) -> int:
+        """The worker slots that run from the start: `started`, or all of them."""
+        return self.num_workers if self.started is None else self.started
 
 
 @attrs.frozen
@@ -498,8 +529,12 @@ class Stats:
 
 
 def initial_state(config: Config) -> State:
-    """The state of a scheduler that has not started an epoch."""
-    workers = (WorkerStatus.ACTIVE,) * config.num_workers
+    """The state of a scheduler that has not started an epoch: the slots past
+    `config.started` begin retired."""
+    running = config.running_at_start
+    workers = (WorkerStatus.ACTIVE,) * running + (WorkerStatus.STOPPED,) * (
+        config.num_workers - running
+    )
     life = Lifecycle(
         phase=Phase.IDLE,
         epoch=0,

@@ -32,9 +32,9 @@ WORKER_SIDE = {
     "statecore.executors._worker",
 }
 """The executors' modules a worker process runs (`_incarnation`: a replacement sets itself up
-as the worker it replaces; `_seeding`: a batch seeded per batch is seeded there). Not among them: the main process's side of the
-mp executor (`executor`, `leases`, `taskpipe`, `descriptors`), the loader facade, the driver,
-the registry, the other executors."""
+as the worker it replaces; `_seeding`: a batch seeded per batch is seeded there). Not among
+them: the main process's side of the mp executor (`executor`, `leases`, `taskpipe`,
+`descriptors`), the loader facade, the driver, the registry, the other executors."""
 
 NEVER = ("statecore.models", "statecore.tools", "hypothesis")
 """Packages no worker runs any of."""

@@ -28,9 +28,11 @@ def _config_label(config: Config) -> str:
     persistent = "persistent" if config.persistent_workers else "one-epoch"
     # lazy: the sampler is read only when the consumer waits, as by a loader without workers
     sampler = "sampler=on-demand" if config.lazy else "sampler=ahead"
+    # Slots that begin retired, named only where some do: the other labels stay as they were.
+    started = "" if config.started is None else f" started={config.started}"
     return (
         f"workers={config.num_workers} prefetch={config.prefetch_factor} "
-        f"{kind:8} {order:9} {persistent:10} {sampler:17} restarts={config.restarts}"
+        f"{kind:8} {order:9} {persistent:10} {sampler:17} restarts={config.restarts}{started}"
     )
 
 

@@ -6,7 +6,8 @@ DataLoader it makes without `trace=False` (`STATECORE_TRACE=1`, which its worker
 inherit too). Once it ends, however it ends, each traced loader gets three files in the output
 folder: `loader-N.trace.json` (Chrome's trace event format: open it in https://ui.perfetto.dev
 or `chrome://tracing`), `loader-N.timeline.png` (with matplotlib) and `loader-N.verdict.txt`;
-the verdicts are printed too. The exit status is the script's. A child the script forks
+the verdicts are printed too (for a loader with `num_workers="auto"`, with what its tuner did
+and the count it settled on, to pin). The exit status is the script's. A child the script forks
 (`os.fork()`) and that runs on to the script's end writes nothing: only the profiled process
 writes.
 """
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+import attrs
+
 from statecore.executors._observe.tracer import (
     TRACE_VARIABLE,
     Tracer,
@@ -29,7 +32,7 @@ from statecore.executors._observe.tracer import (
 )
 from statecore.tools.progress import Bar
 
-__all__ = ["DEFAULT_OUT", "profile", "write_outputs"]
+__all__ = ["DEFAULT_OUT", "profile", "verdict_of", "write_outputs"]
 
 DEFAULT_OUT = "statecore-profile"
 PROGRESS_INTERVAL = 0.25
@@ -55,7 +58,7 @@ def write_outputs(tracer: Tracer, out: Path, name: str, log: TextIO) -> list[Pat
     trace = tracer.trace()
     written = [trace.write_chrome(out / f"{name}.trace.json")]
     verdict = out / f"{name}.verdict.txt"
-    verdict.write_text(trace.verdict() + "\n")
+    verdict.write_text(verdict_of(tracer) + "\n")
     written.append(verdict)
     try:
         written.append(draw_timeline(trace, out / f"{name}.timeline.png", title=name))
@@ -139,5 +142,15 @@ def profile(
         name = f"loader-{number}"
         files = write_outputs(tracer, folder, name, stderr)
         print(f"== {name} ({', '.join(str(file) for file in files)})", file=stdout)
-        print(tracer.trace().verdict(), file=stdout)
+        print(verdict_of(tracer), file=stdout)
     return status
+
+
+def verdict_of(tracer: Tracer) -> str:
+    """The loader's verdict, as `DataLoader.stats().verdict()` gives it: the trace's figures,
+    and for `num_workers="auto"` what its tuner did and the count it settled on, to pin."""
+    tuner = tracer.tuner
+    if tuner is None:
+        return tracer.trace().verdict()
+    stats = attrs.evolve(tracer.trace().stats(), tuning=tuner.report())
+    return stats.verdict()

@@ -194,6 +194,9 @@ class MultiprocessExecutor(Confirming):
         # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
         # killed while checking it, and shutdown would then block on it.
         self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
+        # Slots that begin retired start no process until `replace` starts one in them: taken
+        # as stopped, they are passed over by every launch.
+        self.stopping.update(range(self.launch.running_at_start, self.launch.num_workers))
         if self.launch.start_all_at_once:
             for worker in range(self.launch.num_workers):
                 self._launch(worker)

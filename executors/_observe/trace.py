@@ -22,13 +22,16 @@ import statistics
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from statecore import Phase, State, WorkerHang, WorkerLoss, WorkerStatus
+
+if TYPE_CHECKING:
+    from statecore.executors._autotune import AutoTuning
 
 __all__ = [
     "STRAGGLER_FACTOR",
@@ -501,6 +504,9 @@ class LoaderStats:
     retirements: tuple[RetiredWorker, ...] = ()
     """The workers retired, and their slots added back, as `Trace.retirements` (traced only;
     `counters.added` counts the slots added back untraced)."""
+    tuning: AutoTuning | None = None
+    """What `num_workers="auto"` did (its changes: when, how many, why; the count it stands
+    at), traced or not; None for a loader with a fixed count."""
 
     @property
     def restarts(self) -> int:
@@ -540,6 +546,7 @@ class LoaderStats:
         persistent_workers: bool,
         executor: str,
         traced: bool = False,
+        tuning: AutoTuning | None = None,
     ) -> LoaderStats:
         """The statistics of a loader with nothing traced: its counters and its settings."""
         return cls(
@@ -562,6 +569,7 @@ class LoaderStats:
             executor=executor,
             traced=traced,
             counters=counters,
+            tuning=tuning,
         )
 
     @property
@@ -672,7 +680,7 @@ class LoaderStats:
                 f"the training loop itself spent {_pct(mean_busy)} of the time loading, and "
                 "workers would load the next batches while it trains."
             )
-        elif mean_busy >= 0.75:
+        elif mean_busy >= 0.75 and self.tuning is None:  # an auto loader chooses its count
             if waits or self.num_workers < cores:
                 why = (
                     "the samples mostly wait rather than compute, so more workers than cores "
@@ -750,6 +758,8 @@ class LoaderStats:
             lines = [f"Not traced; {setting}"]
             if self.counters is not None:
                 lines.append(self.counters.describe())
+            if self.tuning is not None:
+                lines += self.tuning.describe()
             lines.append(
                 "For where the time goes (the training loop's waits, the workers' busy time, "
                 "the slowest samples), trace the loader: trace=True, or STATECORE_TRACE=1 in "
@@ -803,6 +813,8 @@ class LoaderStats:
             lines.append(f"{self.failed} task(s) raised.")
         lines += self._lost_lines()
         lines += self._retired_lines()
+        if self.tuning is not None:
+            lines += self.tuning.describe()
         tips = self.suggestions()
         if tips:
             lines.append("What to try:")

@@ -493,6 +493,9 @@ class Tracer:
         self.clock = clock
         self.tasks = _Tasks()
         """Every driver's tasks and waits, filled as they come."""
+        self.tuner: Any = None
+        """The loader's `AutoTuner` where its num_workers is "auto" (set by the loader), so
+        that `python -m statecore profile` can name the count it settled on."""
         self.marks: list[Moment] = []
         self.drivers = 0
         """Drivers wrapped so far."""

@@ -238,18 +238,26 @@ class ThreadExecutor(Confirming):
         # Copied here, in the consumer's iter(): what the main process changes afterwards is
         # not seen, as with worker processes.
         dataset = self.launch.setup.dataset
-        copies = [self._copy_for(worker, dataset) for worker in range(self.launch.num_workers)]
-        if self.launch.worker_restarts:
-            # One more, untouched by any worker, for replacements to copy theirs from.
+        running = self.launch.running_at_start
+        copies = [self._copy_for(worker, dataset) for worker in range(running)]
+        if self.launch.worker_restarts or running < self.launch.num_workers:
+            # One more, untouched by any worker, for replacements (and slots started later) to
+            # copy theirs from.
             self.original = _untouched(dataset)
-        for worker, own in enumerate(copies):
+        for worker in range(self.launch.num_workers):
             inbox: Inbox = queue.SimpleQueue()
+            # A slot that begins retired gets a thread that is never started: `replace`
+            # starts its first one.
+            own = copies[worker] if worker < running else (None, None)
             thread = self._thread(worker, 0, self.launch.setup, inbox, *own)
             self.inboxes.append(inbox)
             self.threads.append(thread)
             self.incarnations.append(0)
             self.resumed.append(None)
-            thread.start()
+            if worker < running:
+                thread.start()
+            else:
+                self.stopped.add(worker)
 
     def _thread(
         self,
@@ -274,7 +282,8 @@ class ThreadExecutor(Confirming):
         since a thread cannot be killed."""
         worker, incarnation = command.worker, command.incarnation
         self.inboxes[worker].put(None)
-        self.lost.append(self.threads[worker])
+        if self.threads[worker].ident is not None:  # not a slot that began retired
+            self.lost.append(self.threads[worker])
         self.stopped.discard(worker)
         self.incarnations[worker] = incarnation
         original = self.original
@@ -439,6 +448,6 @@ class ThreadExecutor(Confirming):
             self.stop_worker(worker)
         deadline = time.monotonic() + JOIN_TIMEOUT
         for thread in (*self.threads, *self.lost):
-            if thread not in self.stuck:
+            if thread not in self.stuck and thread.ident is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
         self.storages.clear()

@@ -1,0 +1,407 @@
+"""`num_workers="auto"`: the shell around the tuning policy (`statecore._tuning`).
+
+The loader keeps one `AutoTuner`. Between the consumer's `next()` calls it measures what the
+policy reads (how long the training loop waited inside `next()`, the gaps between requests,
+which workers had a task in hand), and every `WINDOW` batches hands the policy a `LoadWindow`
+and carries its decision out through the driver (`Driver.add`, `Driver.retire`): the changes go
+through the core's events, so every guarantee of the scheduler holds through them.
+
+Budgets: the slots (`slots_for`: four per core the process may use, so that a loader whose
+samples wait on I/O may run more workers than cores), the CPU budget (the cores: no worker is
+added once this process and its worker processes keep nearly all of them busy, and past them an
+added worker must pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
+the loader first starts, over the largest worker's measured footprint; worker processes only,
+since threads share one process).
+
+What it learned carries over: with persistent workers the retired slots stay retired into the
+next epoch; without, the next epoch's iterator starts with the count the last one ended with.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch.utils.data
+
+from statecore import (
+    LoadWindow,
+    Pending,
+    ProtocolError,
+    State,
+    Tuner,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    WorkerStatus,
+    decide_workers,
+)
+
+__all__ = [
+    "AUTO",
+    "AutoTuner",
+    "AutoTuning",
+    "AutoWorkers",
+    "TuningRecord",
+    "auto_num_workers",
+    "cpu_budget",
+    "slots_for",
+]
+
+AUTO = "auto"
+START_WITH = 2
+"""Workers an auto loader starts with (fewer where it has fewer slots): the first batch comes as
+quickly as with two."""
+WINDOW = 16
+"""Batches a window of figures covers at least: the policy is asked once per window."""
+WINDOW_SECONDS = 0.5
+"""Seconds a window covers at least: fast batches are counted over a longer window, whose
+figures wobble less."""
+SLOTS_PER_CPU = 4
+MEMORY_SHARE = 0.5
+"""The share of the memory available as the loader starts that its workers may take."""
+BUSY_EVERY = 4
+"""Which workers have a task in hand is sampled every this many batches (a scan of the
+window), not on every batch."""
+MEASURE_MEMORY_EVERY = 8
+"""Windows between two measures of the workers' footprint (a read of /proc per worker)."""
+
+_ACTIVE = WorkerStatus.ACTIVE
+_STOPPED = WorkerStatus.STOPPED
+_STARTING = WorkerStatus.STARTING
+_RETIRING = WorkerStatus.RETIRING
+
+
+class AutoWorkers(int):
+    """`num_workers="auto"` as the loader keeps it: an int, the worker slots (the most workers
+    it may run), which is what torch's own code and `get_worker_info().num_workers` see, that
+    remembers it was "auto". A loader rebuilt from its attributes (as frameworks do) is "auto"
+    again."""
+
+    def __repr__(self) -> str:
+        return f"AutoWorkers({int(self)})"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (AutoWorkers, (int(self),))
+
+
+def cpu_budget() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity
+        return os.cpu_count() or 1
+
+
+def slots_for(cpus: int) -> int:
+    """The worker slots of an auto loader on `cpus` cores: four per core, at least four."""
+    return max(SLOTS_PER_CPU * cpus, 4)
+
+
+def auto_num_workers(num_workers: Any, dataset: Any) -> Any:
+    """`num_workers` as the loader keeps it: "auto" becomes `AutoWorkers`; anything else is
+    left to torch's validation, except a string, refused as torch would refuse it, in words."""
+    if isinstance(num_workers, str):
+        if num_workers != AUTO:
+            raise ValueError(
+                f'num_workers option should be non-negative, or "auto" to let the loader choose '
+                f"and change the count as it runs; got num_workers={num_workers!r}"
+            )
+        num_workers = AutoWorkers(slots_for(cpu_budget()))
+    if isinstance(num_workers, AutoWorkers) and isinstance(
+        dataset, torch.utils.data.IterableDataset
+    ):
+        raise ValueError(
+            'num_workers="auto" needs a map-style dataset: each worker of an iterable dataset '
+            f"({type(dataset).__name__}) yields its own part of the data "
+            "(get_worker_info().id of num_workers), so retiring a worker mid-epoch would lose "
+            "the rest of its part and adding one would need a part nobody has. Pick a count: "
+            "num_workers=N (python -m statecore profile suggests one)"
+        )
+    return num_workers
+
+
+@attrs.frozen
+class TuningRecord:
+    """One change the tuner made."""
+
+    batch: int
+    """Batches handed over in the loader's life when it was decided."""
+    epoch: int
+    move: TuningMove
+    workers: int
+    """Workers running once it took effect."""
+    why: str
+
+    def describe(self) -> str:
+        verb = "added a worker" if self.move is TuningMove.ADD else "retired a worker"
+        return f"batch {self.batch} (epoch {self.epoch}): {verb}, {self.workers} now: {self.why}"
+
+
+@attrs.frozen
+class AutoTuning:
+    """What `num_workers="auto"` did: `DataLoader.stats().tuning`."""
+
+    slots: int
+    cpus: int
+    memory: int | None
+    """The most workers the memory budget held when last measured; None if not measured."""
+    workers: int
+    """Workers running now: the count to pin (`num_workers=...`) once it has settled."""
+    settled: bool
+    decisions: tuple[TuningRecord, ...]
+    latest: str
+    """The policy's latest reason, change or not."""
+    seeding: str = "per-batch"
+    """The loader's seeding: what a pinned loader needs too for the same random draws."""
+
+    def describe(self) -> list[str]:
+        """The tuning, in words, for the verdict."""
+        state = "settled on" if self.settled else "running"
+        memory = "" if self.memory is None else f", memory for {self.memory}"
+        lines = [
+            f'num_workers="auto": {state} {self.workers} worker(s) after '
+            f"{len(self.decisions)} change(s) (budget: {self.slots} slots, {self.cpus} cores"
+            f"{memory}); latest: {self.latest}."
+        ]
+        lines += [f"- {record.describe()}" for record in self.decisions]
+        if self.settled:
+            # Pinned, an auto loader's count seeds per worker unless told: say so, or the
+            # pinned run's random augmentations would differ from the tuned one's.
+            seeding = f', seeding="{self.seeding}"' if self.seeding == "per-batch" else ""
+            lines.append(f"To pin it: num_workers={self.workers}{seeding}.")
+        return lines
+
+
+class AutoTuner:
+    """The loader's tuner: measures between `next()` calls, asks the policy, carries out.
+
+    `decide` is the policy (tests pass their own, to drive it with figures of their choosing);
+    `clock` what the waits are timed with; a window covers at least `window` batches and
+    `window_seconds` seconds.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        cpus: int | None = None,
+        *,
+        decide: Callable[
+            [Tuner, LoadWindow, WorkerBudget], tuple[Tuner, TuningDecision]
+        ] = decide_workers,
+        clock: Callable[[], float] = time.perf_counter,
+        available_memory: int | None = None,
+        window: int = WINDOW,
+        window_seconds: float = WINDOW_SECONDS,
+    ) -> None:
+        self.slots = slots
+        self.window = window
+        self.window_seconds = window_seconds
+        self.cpus = cpu_budget() if cpus is None else cpus
+        self.decide = decide
+        self.clock = clock
+        self.tuner = Tuner()
+        self.workers = min(START_WITH, slots)
+        """Workers running (or to start with, in the next iterator)."""
+        self.records: list[TuningRecord] = []
+        self.latest = "measuring"
+        self.batch = 0
+        memory = _available_memory() if available_memory is None else available_memory
+        self.memory_budget = None if memory is None else memory * MEMORY_SHARE
+        self.memory: int | None = None
+        self.windows = 0
+        self.seeding = "per-batch"
+        """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
+        self._restart()
+
+    def _restart(self) -> None:
+        """Begin a new window with the next request."""
+        self.began: float | None = None
+        self.cpu_began: dict[int, float] | None = None
+        self.last: float | None = None
+        self.count = 0
+        self.waited = 0.0
+        self.longest_gap = 0.0
+        self.busy = 0.0
+        self.samples = 0
+
+    def begin_epoch(self) -> None:
+        """An epoch begins: its first batch (the workers' start-up) is not measured."""
+        self._restart()
+
+    def report(self) -> AutoTuning:
+        return AutoTuning(
+            slots=self.slots,
+            cpus=self.cpus,
+            memory=self.memory,
+            workers=self.workers,
+            settled=self.tuner.settled or self.tuner.locked,
+            decisions=tuple(self.records),
+            latest=self.latest,
+            seeding=self.seeding,
+        )
+
+    # --- between the consumer's calls ----------------------------------------------------------
+
+    def asking(self) -> float:
+        """The consumer asks for a batch: the moment it did."""
+        return self.clock()
+
+    def handed(self, driver: Any, asked: float, executor: Any) -> None:
+        """A batch was handed over, asked for at `asked`."""
+        now = self.clock()
+        self.batch += 1
+        state: State = driver.state
+        workers = state.life.workers
+        if self.last is None or _STARTING in workers or _RETIRING in workers:
+            # The epoch's first batch (start-up), or a change not in effect yet: the window
+            # begins once it is.
+            self._restart()
+            self.last = now
+            return
+        if self.began is None:
+            self.began = asked
+            self.cpu_began = _cpu_seconds(executor)
+        else:
+            self.longest_gap = max(self.longest_gap, asked - self.last)
+        self.waited += now - asked
+        self.last = now
+        count = self.count = self.count + 1
+        if count % BUSY_EVERY == 0:
+            running = workers.count(_ACTIVE)
+            if running:
+                holding = {slot.worker for slot in state.window if type(slot) is Pending}
+                self.busy += len(holding) / running
+                self.samples += 1
+        if count >= self.window and now - self.began >= self.window_seconds:
+            self._decide(driver, state, workers.count(_ACTIVE), now, executor)
+
+    def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
+        assert self.began is not None
+        seconds = now - self.began
+        window = LoadWindow(
+            batch=self.batch,
+            batches=self.count,
+            seconds=seconds,
+            waited=self.waited,
+            longest_gap=self.longest_gap,
+            busy=self.busy / self.samples if self.samples else 0.0,
+            running=running,
+            cpu=_cores_used(self.cpu_began, _cpu_seconds(executor), seconds),
+        )
+        self.windows += 1
+        if self.memory_budget is not None and (
+            self.memory is None or self.windows % MEASURE_MEMORY_EVERY == 0
+        ):
+            footprint = _largest_footprint(executor)
+            if footprint:
+                self.memory = max(1, int(self.memory_budget // footprint))
+        budget = WorkerBudget(self.slots, self.cpus, self.memory)
+        tuner, decision = self.decide(self.tuner, window, budget)
+        self.latest = decision.why
+        self._restart()
+        self.last = now
+        if decision.move is TuningMove.HOLD:
+            self.tuner = tuner
+            return
+        workers = state.life.workers
+        try:
+            if decision.move is TuningMove.ADD:
+                driver.add(workers.index(_STOPPED))
+                running += 1
+            else:
+                active = [
+                    w for w, s in enumerate(workers) if s is _ACTIVE and w != state.drawing_for
+                ]
+                driver.retire(active[-1])
+                running -= 1
+        except (ProtocolError, ValueError, IndexError) as refused:
+            # The scheduler refused (no slot left to add, the last worker): nothing changed.
+            self.latest = f"{decision.why}; not done: {refused}"
+            return
+        self.tuner = tuner
+        self.workers = running
+        self.records.append(
+            TuningRecord(self.batch, state.life.epoch, decision.move, running, decision.why)
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_seconds(executor: Any) -> dict[int, float] | None:
+    """CPU seconds used so far by this process (every thread: the training loop, worker
+    threads) and by each of the executor's worker processes, by pid; None where the workers run
+    elsewhere (Ray) and cannot be counted."""
+    while hasattr(executor, "inner"):
+        executor = executor.inner
+    processes = getattr(executor, "processes", None)
+    if processes is None and getattr(executor, "threads", None) is None:
+        return None  # neither processes of this machine nor threads of this process
+    own = os.times()
+    used = {os.getpid(): own.user + own.system}
+    if isinstance(processes, dict):
+        ticks = os.sysconf("SC_CLK_TCK")
+        for process in list(processes.values()):
+            pid = getattr(process, "pid", None)
+            if pid is None:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    # After the command's closing parenthesis: utime and stime are fields 14, 15.
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                used[pid] = (int(fields[11]) + int(fields[12])) / ticks
+            except (OSError, ValueError, IndexError):
+                continue
+    return used
+
+
+def _cores_used(
+    began: dict[int, float] | None, ended: dict[int, float] | None, seconds: float
+) -> float | None:
+    """Cores kept busy over `seconds` between two `_cpu_seconds` readings, counting the
+    processes in both."""
+    if began is None or ended is None or seconds <= 0:
+        return None
+    used = sum(ended[pid] - began[pid] for pid in began.keys() & ended.keys())
+    return max(used, 0.0) / seconds
+
+
+def _largest_footprint(executor: Any) -> int | None:
+    """The largest proportional set size (bytes) of the executor's worker processes; None
+    where they are not processes of this machine (threads, Ray) or cannot be read."""
+    while hasattr(executor, "inner"):  # a pin stage: the workers are its inner executor's
+        executor = executor.inner
+    processes = getattr(executor, "processes", None)
+    if not isinstance(processes, dict):
+        return None
+    largest = None
+    for process in list(processes.values()):
+        pid = getattr(process, "pid", None)
+        if pid is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                for line in rollup:
+                    if line.startswith("Pss:"):
+                        size = int(line.split()[1]) * 1024
+                        largest = size if largest is None else max(largest, size)
+                        break
+        except (OSError, ValueError):
+            continue
+    return largest

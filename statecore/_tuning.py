@@ -1,0 +1,363 @@
+"""How many workers should load: the policy of `num_workers="auto"`, as a pure function.
+
+The loader (the shell) measures, over a window of its latest batches, how long the training
+loop waited on loading, how fast batches came and how busy the running workers were; between
+two `next()` calls it hands that `LoadWindow` to `decide_workers`, with the `WorkerBudget` it
+may spend and the `Tuner` value `decide_workers` returned last time. It answers with the next
+`Tuner` and a `TuningDecision`: add a worker, retire one, or hold, each with the reason in
+words. Nothing here
+reads a clock, a file or the scheduler's state: every figure comes in as a value, so the
+policy is tested on recorded and made-up traces alone (tests/test_tuning_policy.py).
+
+The rules, in the order `decide_workers` asks them:
+
+1. Cool-down. A window that began less than `Tuning.cooldown` batches after the last change
+   (or before it took effect) tells nothing of the new count: hold.
+2. A pause. A window in which one gap between the consumer's requests took most of its time
+   (the training loop stopped asking: an evaluation, a checkpoint) says nothing of loading:
+   hold, and do not count it toward settling.
+3. Judging the last change. An add is kept only if batches came faster by `min_gain` (more
+   past the CPU budget, where another worker competes with the others and with the training
+   loop for cores); otherwise it is undone and the count it reached becomes a ceiling. A
+   retire that left the training loop waiting is undone and the count it left becomes a floor.
+4. Settled. Once waiting stayed negligible for `calm_windows` windows, or the budget is
+   spent (the slots, the memory, or the CPU: the loop and its workers keep `cpu_full` of the
+   cores busy), the tuner holds; it wakes only if the loop waits more than `wake_above` (well above
+   the threshold of adding) for `wake_windows` windows in a row: a sudden slowdown.
+5. Adding, while the loop waits more than `add_above` of its time and the budget allows.
+6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
+   each then busy less than `retire_busy` of the time.
+
+Hysteresis: the thresholds are apart (add over 10% waiting, settle under 2%, wake over 25%),
+each change is followed by a cool-down, and a change in the opposite direction to the one
+before (a reversal) narrows the range for good (a ceiling or a floor); after `max_reversals`
+reversals the tuner is locked where it stands. So however the figures wobble, it makes at
+most `(max_reversals + 1) * (slots - 1)` changes over a loader's life (`tuning_change_bound`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = [
+    "WorkerBudget",
+    "TuningDecision",
+    "TuningMove",
+    "Tuner",
+    "Tuning",
+    "LoadWindow",
+    "tuning_change_bound",
+    "decide_workers",
+]
+
+
+class TuningMove(enum.Enum):
+    """What the tuner asks of the loader."""
+
+    ADD = "add"
+    """Start one more worker (a retired slot)."""
+    RETIRE = "retire"
+    """Retire one worker: it finishes what it holds and stops."""
+    HOLD = "hold"
+    """Change nothing."""
+
+    def __repr__(self) -> str:
+        return f"TuningMove.{self.name}"
+
+
+@attrs.frozen
+class LoadWindow:
+    """What the loader measured over its latest batches, all after the last change took effect.
+
+    Times are seconds of the consumer's clock; the shell measures them, the policy only divides.
+    """
+
+    batch: int
+    """Batches handed over in the loader's life when the window ended (its own clock)."""
+    batches: int
+    """Batches the window covers."""
+    seconds: float
+    """How long they took, from the window's first request to its last batch."""
+    waited: float
+    """Of which the training loop spent waiting inside `next()`."""
+    longest_gap: float
+    """The longest time between a batch handed over and the next request (the loop's own work
+    on one batch, or a pause)."""
+    busy: float
+    """The share of the window the running workers had a task in hand, averaged over them
+    (0 to 1)."""
+    running: int
+    """Workers taking tasks during the window."""
+    cpu: float | None = None
+    """Cores kept busy over the window by this process (the training loop, and worker threads)
+    and its worker processes: CPU seconds over the window's seconds; None where not measured."""
+
+    @property
+    def first(self) -> int:
+        """The batch number the window began at."""
+        return self.batch - self.batches
+
+    @property
+    def wait_share(self) -> float:
+        """The share of the loop's time spent waiting on loading."""
+        return self.waited / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Batches per second over the window."""
+        return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+
+@attrs.frozen
+class WorkerBudget:
+    """What the tuner may spend."""
+
+    slots: int
+    """The most workers the loader can run: its worker slots."""
+    cpus: int
+    """The cores this process may use. Past them, an added worker must pay more to be kept."""
+    memory: int | None = None
+    """The most workers the memory budget holds (a share of available memory over a worker's
+    measured footprint); None where it is not measured (threads share one process)."""
+
+    @property
+    def limit(self) -> int:
+        """The most workers the budget allows now."""
+        return self.slots if self.memory is None else max(1, min(self.slots, self.memory))
+
+    def spent_by(self, running: int) -> str | None:
+        """Which budget `running` workers spend, in words, or None if some is left."""
+        if running < self.limit:
+            return None
+        if self.memory is not None and self.memory <= self.slots:
+            return f"the memory budget holds {self.limit} worker(s)"
+        return f"every one of the {self.slots} worker slots runs"
+
+
+@attrs.frozen
+class Tuning:
+    """The policy's thresholds. The defaults are the loader's."""
+
+    add_above: float = 0.10
+    """Add a worker while the training loop waits more than this share of its time."""
+    calm_below: float = 0.02
+    """Waiting under this share is negligible."""
+    wake_above: float = 0.25
+    """A settled tuner changes again only while the loop waits more than this."""
+    retire_busy: float = 0.6
+    """Retire one worker where the running workers' load, spread over one fewer, keeps each
+    busy under this share."""
+    cooldown: int = 8
+    """Batches after a change during which nothing is measured: a window must begin this many
+    batches after it. An added worker's first batches, and the batches queued behind them,
+    come late, and would make any add look as if it did not pay."""
+    calm_windows: int = 3
+    """Windows of negligible waiting in a row after which the tuner settles."""
+    wake_windows: int = 2
+    """Windows over `wake_above` in a row that wake a settled tuner."""
+    min_gain: float = 0.04
+    """An add is kept only if batches came faster by this share."""
+    min_gain_past_cpus: float = 0.08
+    """The same, for a worker past the CPU budget."""
+    max_reversals: int = 2
+    """Changes against the one before after which the tuner is locked where it stands."""
+    pause_share: float = 0.5
+    cpu_full: float = 0.9
+    """The CPU budget is spent once the loop and its workers keep this share of the cores busy:
+    another worker would take a core from them, not add one."""
+    """A window whose longest gap between requests took more than this share of its time is a
+    pause of the training loop, and tells nothing of loading."""
+
+
+@attrs.frozen
+class Tuner:
+    """What the policy remembers between decisions. `Tuner()` before the first."""
+
+    changed_at: int = 0
+    """The batch number of the last change."""
+    last: TuningMove = TuningMove.HOLD
+    """The direction of the last change (HOLD before the first)."""
+    judged: bool = True
+    """The last change has been judged (kept, or undone)."""
+    rate_before: float = 0.0
+    """Batches per second in the window that led to the last change."""
+    ceiling: int | None = None
+    """The most workers worth running: an add past it did not pay."""
+    floor: int = 1
+    """The fewest workers enough: a retire under it left the training loop waiting."""
+    reversals: int = 0
+    calm: int = 0
+    """Windows of negligible waiting in a row."""
+    loud: int = 0
+    """Windows over `Tuning.wake_above` in a row, while settled."""
+    settled: bool = False
+    locked: bool = False
+    """Settled for good: `Tuning.max_reversals` reversals were made."""
+    changes: int = 0
+
+
+@attrs.frozen
+class TuningDecision:
+    """The tuner's answer, with its reason in words (for `stats()` and the verdict)."""
+
+    move: TuningMove
+    why: str
+
+    @property
+    def changes(self) -> bool:
+        return self.move is not TuningMove.HOLD
+
+
+def tuning_change_bound(slots: int, tuning: Tuning = Tuning()) -> int:
+    """The most changes the tuner makes over a loader's life with `slots` worker slots."""
+    return (tuning.max_reversals + 1) * max(slots - 1, 0)
+
+
+def decide_workers(
+    tuner: Tuner, window: LoadWindow, budget: WorkerBudget, tuning: Tuning = Tuning()
+) -> tuple[Tuner, TuningDecision]:
+    """The next `Tuner` and the decision for `window` (see the module docstring)."""
+    running = window.running
+    if tuner.changes and window.first < tuner.changed_at + tuning.cooldown:
+        return tuner, _hold("cooling down after the last change")
+    if window.batches < 2 or window.seconds <= 0:
+        return tuner, _hold("too few batches to tell")
+    if window.longest_gap > tuning.pause_share * window.seconds:
+        return tuner, _hold(
+            "the training loop paused between two batches: the window tells nothing of loading"
+        )
+    wait = window.wait_share
+    rate = window.rate
+
+    if not tuner.judged:
+        tuner, undo = _judge(tuner, window, budget, tuning)
+        if undo is not None:
+            return tuner, undo
+
+    if tuner.locked:
+        return tuner, _hold(f"locked at {running} worker(s) after {tuner.reversals} reversals")
+    over_memory = budget.memory is not None and running > budget.limit
+    if over_memory:
+        return _change(
+            tuner,
+            TuningMove.RETIRE,
+            window,
+            tuning,
+            f"the memory budget holds {budget.limit} worker(s), and {running} run",
+        )
+
+    if tuner.settled:
+        if wait <= tuning.wake_above:
+            return attrs.evolve(tuner, loud=0), _hold(f"settled at {running} worker(s)")
+        loud = tuner.loud + 1
+        if loud < tuning.wake_windows:
+            return attrs.evolve(tuner, loud=loud), _hold(
+                f"settled at {running} worker(s); the training loop waited {wait:.0%}"
+            )
+        tuner = attrs.evolve(tuner, settled=False, loud=0, calm=0)
+
+    calm = tuner.calm + 1 if wait < tuning.calm_below else 0
+    tuner = attrs.evolve(tuner, calm=calm)
+    if wait > tuning.add_above:
+        spent = budget.spent_by(running)
+        cpu = window.cpu
+        if spent is None and cpu is not None and cpu >= tuning.cpu_full * budget.cpus:
+            spent = (
+                f"the CPU budget is spent (the loop and its workers kept {cpu:.1f} of "
+                f"{budget.cpus} cores busy)"
+            )
+        ceiling = tuner.ceiling
+        if spent is None and ceiling is not None and running >= ceiling:
+            spent = f"adding past {ceiling} worker(s) did not pay earlier"
+        if spent is not None:
+            return attrs.evolve(tuner, settled=True), _hold(
+                f"the training loop waited {wait:.0%}, and {spent}: settled at {running} worker(s)"
+            )
+        return _change(
+            attrs.evolve(tuner, rate_before=rate),
+            TuningMove.ADD,
+            window,
+            tuning,
+            f"the training loop waited {wait:.0%} of its time on loading",
+        )
+    busy = window.busy
+    if (
+        wait < tuning.calm_below
+        and running > tuner.floor
+        and busy * running <= (running - 1) * tuning.retire_busy
+    ):
+        return _change(
+            attrs.evolve(tuner, rate_before=rate),
+            TuningMove.RETIRE,
+            window,
+            tuning,
+            f"the workers were busy {busy:.0%} of the time and the training loop did not wait",
+        )
+    if calm >= tuning.calm_windows:
+        return attrs.evolve(tuner, settled=True), _hold(
+            f"waiting was negligible ({wait:.1%}) for {calm} windows: settled at {running} "
+            "worker(s)"
+        )
+    return tuner, _hold(f"the training loop waited {wait:.0%}: nothing to change")
+
+
+def _judge(
+    tuner: Tuner, window: LoadWindow, budget: WorkerBudget, tuning: Tuning
+) -> tuple[Tuner, TuningDecision | None]:
+    """Keep the last change, or undo it (None: kept)."""
+    running = window.running
+    if tuner.last is TuningMove.ADD and running > tuner.floor:
+        needed = tuning.min_gain_past_cpus if running > budget.cpus else tuning.min_gain
+        if window.rate < tuner.rate_before * (1 + needed):
+            tuner = attrs.evolve(tuner, ceiling=running - 1)
+            return _change(
+                tuner,
+                TuningMove.RETIRE,
+                window,
+                tuning,
+                f"worker {running} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
+                f"batches/s, under the {needed:.0%} gain asked",
+            )
+    elif (
+        tuner.last is TuningMove.RETIRE
+        and window.wait_share > tuning.add_above
+        and running < budget.limit
+        and (tuner.ceiling is None or running < tuner.ceiling)
+    ):
+        tuner = attrs.evolve(tuner, floor=running + 1)
+        return _change(
+            tuner,
+            TuningMove.ADD,
+            window,
+            tuning,
+            f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
+        )
+    return attrs.evolve(tuner, judged=True), None
+
+
+def _change(
+    tuner: Tuner, move: TuningMove, window: LoadWindow, tuning: Tuning, why: str
+) -> tuple[Tuner, TuningDecision]:
+    reversal = tuner.last is not TuningMove.HOLD and tuner.last is not move
+    reversals = tuner.reversals + reversal
+    locked = reversals >= tuning.max_reversals
+    tuner = attrs.evolve(
+        tuner,
+        changed_at=window.batch,
+        last=move,
+        # A locked tuner judges nothing more: an undo would be one more reversal.
+        judged=locked,
+        reversals=reversals,
+        calm=0,
+        loud=0,
+        settled=False,
+        locked=locked,
+        changes=tuner.changes + 1,
+    )
+    return tuner, TuningDecision(move, why)
+
+
+def _hold(why: str) -> TuningDecision:
+    return TuningDecision(TuningMove.HOLD, why)

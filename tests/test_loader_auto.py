@@ -1,0 +1,403 @@
+"""`DataLoader(num_workers="auto")` on real executors: it starts two workers, its tuner's
+decisions go through the core's add and retire, and whatever the tuner does the epoch's batches
+are torch's. The tuner's policy is replaced here by a script (`_scripted`), so nothing depends on
+how fast this machine runs; the policy itself is tests/test_tuning_policy.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.utils.data
+from _datasets import Numbers
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+import statecore
+from statecore import (
+    LoadWindow,
+    Tuner,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    WorkerStatus,
+)
+from statecore.executors import Launch
+from statecore.executors._autotune import AutoTuner, AutoWorkers, cpu_budget, slots_for
+from statecore.executors._inline import InlineExecutor
+
+pytestmark = pytest.mark.timeout(120)
+
+EXECUTORS = [{"executor": "mp", "multiprocessing_context": "fork"}, {"executor": "thread"}]
+ADD, RETIRE, HOLD = TuningMove.ADD, TuningMove.RETIRE, TuningMove.HOLD
+Decide = Callable[[Tuner, LoadWindow, WorkerBudget], tuple[Tuner, TuningDecision]]
+
+
+def _scripted(moves: list[TuningMove], seen: list[LoadWindow] | None = None) -> Decide:
+    """A policy that makes `moves`, one a window, then holds; `seen` gets every window."""
+    left = iter(moves)
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        if seen is not None:
+            seen.append(window)
+        move = next(left, HOLD)
+        return tuner, TuningDecision(move, f"scripted {move.value}")
+
+    return decide
+
+
+def _auto(dataset: Any, decide: Decide, **options: Any) -> statecore.DataLoader[Any]:
+    loader = statecore.DataLoader(dataset, num_workers="auto", **options)
+    assert isinstance(loader.num_workers, AutoWorkers)
+    # Windows of 16 batches, however quickly they come: no figure depends on this machine.
+    loader._autotuner = AutoTuner(loader.num_workers, decide=decide, window_seconds=0)
+    return loader
+
+
+def _torchs(dataset: Any, **options: Any) -> list[torch.Tensor]:
+    return list(torch.utils.data.DataLoader(dataset, num_workers=0, **options))
+
+
+def _equal(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+def _running(loader: statecore.DataLoader[Any]) -> int:
+    return loader.stats().counters.workers.count(WorkerStatus.ACTIVE)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_whatever_the_tuner_does_the_epoch_is_torchs(where: dict[str, Any]) -> None:
+    moves = [ADD, ADD, RETIRE, ADD, RETIRE, RETIRE, ADD]
+    loader = _auto(Numbers(400), _scripted(moves), batch_size=2, **where)
+    got = list(loader)
+    _equal(got, _torchs(Numbers(400), batch_size=2))
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    assert [record.move for record in tuning.decisions] == moves
+    assert [record.workers for record in tuning.decisions] == [3, 4, 3, 4, 3, 2, 3]
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_out_of_order_whatever_the_tuner_does_every_batch_comes_once(
+    where: dict[str, Any],
+) -> None:
+    moves = [ADD, ADD, RETIRE, RETIRE, ADD]
+    loader = _auto(Numbers(300), _scripted(moves), batch_size=3, in_order=False, **where)
+    got = sorted(int(x) for batch in loader for x in batch)
+    assert got == list(range(300))
+
+
+class WhoLoads(Dataset):  # type: ignore[type-arg]
+    """Item i is (i, the loading worker's id, its get_worker_info().num_workers)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        info = get_worker_info()
+        assert info is not None
+        return index, info.id, info.num_workers
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_an_auto_loader_starts_two_workers_of_its_slots(where: dict[str, Any]) -> None:
+    loader = _auto(WhoLoads(), _scripted([]), batch_size=None, **where)
+    slots = int(loader.num_workers)
+    assert slots == slots_for(cpu_budget())
+    iterator = iter(loader)
+    assert _running(loader) == 2
+    items = list(iterator)
+    # get_worker_info().num_workers names the slots, so that ids are below it.
+    assert {(worker, count) for _, worker, count in items} == {(0, slots), (1, slots)}
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_with_persistent_workers_the_learned_count_carries_into_the_next_epoch(
+    where: dict[str, Any],
+) -> None:
+    loader = _auto(Numbers(200), _scripted([ADD]), batch_size=2, persistent_workers=True, **where)
+    first = list(loader)
+    assert loader._autotuner is not None and loader._autotuner.workers == 3
+    iterator = iter(loader)
+    assert _running(loader) == 3
+    second = list(iterator)
+    expected = _torchs(Numbers(200), batch_size=2)
+    _equal(first, expected)
+    _equal(second, expected)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_without_persistent_workers_the_next_epoch_starts_with_the_learned_count(
+    where: dict[str, Any],
+) -> None:
+    loader = _auto(Numbers(200), _scripted([ADD, ADD, RETIRE]), batch_size=2, **where)
+    first = list(loader)
+    iterator = iter(loader)
+    assert _running(loader) == 3
+    second = list(iterator)
+    expected = _torchs(Numbers(200), batch_size=2)
+    _equal(first, expected)
+    _equal(second, expected)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str, Any]) -> None:
+    seen: list[LoadWindow] = []
+    loader = _auto(Numbers(200), _scripted([], seen), batch_size=2, **where)
+    list(loader)
+    assert len(seen) >= 5
+    for window in seen:
+        assert window.batches == 16
+        assert window.running == 2
+        assert 0 <= window.waited <= window.seconds
+        assert 0 <= window.longest_gap <= window.seconds
+        assert 0 <= window.busy <= 1
+        # Cores kept busy by this process and its worker processes: measured, whatever the value.
+        assert window.cpu is not None and window.cpu >= 0
+    assert [w.batch for w in seen] == sorted({w.batch for w in seen})
+
+
+def test_stats_and_the_verdict_report_the_decisions() -> None:
+    loader = _auto(Numbers(200), _scripted([ADD]), batch_size=2, executor="thread")
+    list(loader)
+    stats = loader.stats()
+    assert stats.tuning is not None
+    (record,) = stats.tuning.decisions
+    assert record.move is ADD and record.workers == 3 and record.why == "scripted add"
+    assert record.batch > 16 and record.epoch == 1
+    verdict = stats.verdict()
+    assert 'num_workers="auto"' in verdict
+    assert "added a worker, 3 now: scripted add" in verdict
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+def test_auto_is_refused_for_an_iterable_dataset() -> None:
+    with pytest.raises(ValueError, match=r'num_workers="auto" needs a map-style dataset') as e:
+        statecore.DataLoader(Stream(), num_workers="auto")
+    assert "Pick a count: num_workers=N" in str(e.value)
+    assert "Stream" in str(e.value)
+
+
+@attrs.frozen
+class _NoReplacing:
+    """An executor factory declaring nothing: it cannot start a worker mid-epoch."""
+
+    def __call__(self, launch: Launch) -> InlineExecutor:  # pragma: no cover - refused first
+        return InlineExecutor(launch)
+
+
+def test_auto_is_refused_on_an_executor_that_cannot_start_workers() -> None:
+    with pytest.raises(ValueError, match=r"_NoReplacing.*cannot \(it does not declare"):
+        statecore.DataLoader(Numbers(4), num_workers="auto", executor=_NoReplacing())
+
+
+def test_auto_is_refused_on_the_inline_executor_saying_why() -> None:
+    with pytest.raises(ValueError, match=r'num_workers="auto" runs up to \d+ workers.*inline'):
+        statecore.DataLoader(Numbers(4), num_workers="auto", executor="inline")
+
+
+@pytest.mark.parametrize("value", ["many", "Auto", ""])
+def test_another_string_is_refused_in_torchs_words(value: str) -> None:
+    with pytest.raises(ValueError, match=r'num_workers option should be non-negative, or "auto"'):
+        statecore.DataLoader(Numbers(4), num_workers=value)
+
+
+def test_prefetch_factor_auto_is_refused_in_words() -> None:
+    with pytest.raises(ValueError, match=r"prefetch_factor must be an integer.*not tuned yet"):
+        statecore.DataLoader(Numbers(4), num_workers="auto", prefetch_factor="auto")  # type: ignore[arg-type]
+
+
+def test_a_negative_count_is_still_refused_as_torch_refuses_it() -> None:
+    with pytest.raises(ValueError, match="num_workers option should be non-negative"):
+        statecore.DataLoader(Numbers(4), num_workers=-1)
+
+
+def test_auto_set_after_the_loader_was_built_is_auto() -> None:
+    loader = statecore.DataLoader(Numbers(4), num_workers=2)
+    loader.num_workers = "auto"  # type: ignore[assignment]
+    assert isinstance(loader.num_workers, AutoWorkers)
+    assert [int(b) for b in loader] == [0, 1, 2, 3]
+
+
+def test_a_loader_rebuilt_from_its_attributes_is_auto_again() -> None:
+    loader = statecore.DataLoader(Numbers(4), num_workers="auto")
+    again = statecore.DataLoader(loader.dataset, num_workers=loader.num_workers)
+    assert isinstance(again.num_workers, AutoWorkers)
+    assert int(again.num_workers) == int(loader.num_workers)
+
+
+AUTO_SCRIPT = """
+import attrs
+from _datasets import Numbers
+from statecore import DataLoader, TuningDecision, TuningMove
+from statecore.executors._autotune import AutoTuner
+
+def add_once_then_settle(tuner, window, budget):
+    if tuner.changes == 0:
+        return attrs.evolve(tuner, changes=1), TuningDecision(TuningMove.ADD, "scripted add")
+    return attrs.evolve(tuner, settled=True), TuningDecision(TuningMove.HOLD, "scripted hold")
+
+loader = DataLoader(Numbers(200), batch_size=2, num_workers="auto", executor="thread")
+loader._autotuner = AutoTuner(
+    loader.num_workers, decide=add_once_then_settle, window_seconds=0
+)
+for batch in loader:
+    pass
+"""
+
+
+def test_profile_names_the_count_an_auto_loader_settled_on(tmp_path: Any) -> None:
+    import io
+    import os
+
+    from statecore.tools.profile import profile
+
+    script = tmp_path / "auto.py"
+    script.write_text(AUTO_SCRIPT)
+    out, err = io.StringIO(), io.StringIO()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    import sys
+
+    sys.path.insert(0, tests)
+    try:
+        status = profile(str(script), (), tmp_path / "out", out, err, progress_bar=False)
+    finally:
+        sys.path.remove(tests)
+    assert status == 0, err.getvalue()
+    shown = out.getvalue()
+    assert 'num_workers="auto": settled on 3 worker(s) after 1 change(s)' in shown
+    assert 'To pin it: num_workers=3, seeding="per-batch".' in shown
+    assert (
+        'To pin it: num_workers=3, seeding="per-batch".'
+        in (tmp_path / "out" / "loader-0.verdict.txt").read_text()
+    )
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_checkpoint_of_an_auto_loader_resumes_exactly(where: dict[str, Any]) -> None:
+    loader = _auto(Numbers(200), _scripted([ADD, ADD, RETIRE]), batch_size=2, **where)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(60)]
+    state = loader.state_dict()
+    del iterator
+    resumed = _auto(Numbers(200), _scripted([ADD]), batch_size=2, **where)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    _equal(first + rest, _torchs(Numbers(200), batch_size=2))
+
+
+class _LoopClock:
+    """A clock for the tuner in which every batch takes the training loop `step` seconds and
+    is waited for `wait` seconds, whatever this machine does: asked, then handed over, in turn."""
+
+    def __init__(self, step: float, wait: float) -> None:
+        self.now = 0.0
+        self.step, self.wait = step, wait
+        self.asking = True
+
+    def __call__(self) -> float:
+        self.now += self.step if self.asking else self.wait
+        self.asking = not self.asking
+        return self.now
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not_pay(
+    where: dict[str, Any],
+) -> None:
+    # The loop waits 90% of its time, and batches come no faster with a third worker (the
+    # clock says so): the tuner adds one, finds it did not pay, retires it and settles.
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(loader.num_workers, clock=clock, window_seconds=0)
+    got = list(loader)
+    _equal(got, _torchs(Numbers(400), batch_size=2))
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 3), (RETIRE, 2)]
+    assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
+    assert "did not pay" in tuning.decisions[1].why
+    assert tuning.settled and tuning.workers == 2
+
+
+def test_the_memory_budget_is_measured_on_worker_processes() -> None:
+    loader = _auto(Numbers(200), _scripted([]), batch_size=2, executor="mp")
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    # Half the memory available over the largest worker's proportional set size: a count.
+    assert tuning.memory is not None and tuning.memory >= 1
+
+
+def test_worker_threads_are_not_counted_against_the_memory_budget() -> None:
+    loader = _auto(Numbers(200), _scripted([]), batch_size=2, executor="thread")
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None and tuning.memory is None
+
+
+class _Draws(Dataset):  # type: ignore[type-arg]
+    """Item i: [i, a draw from `random`, one from torch, one from numpy], as an augmentation
+    draws: from the worker's own generators in a worker thread, the process-wide ones else."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, index: int) -> list[float]:
+        import random
+
+        import numpy
+
+        own = getattr(get_worker_info(), "rng", None)
+        if own is not None:
+            return [
+                index,
+                own.random_generator.random(),
+                torch.rand(1, generator=own.torch_generator).item(),
+            ]
+        return [index, random.random(), torch.rand(1).item(), float(numpy.random.rand())]
+
+
+def _drawn(loader: statecore.DataLoader[Any]) -> list[list[list[float]]]:
+    return [[[float(x) for x in column] for column in batch] for batch in loader]
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_an_auto_loader_seeds_per_batch_so_its_draws_are_any_fixed_counts(
+    where: dict[str, Any],
+) -> None:
+    # Left to itself (seeding=None), an auto loader seeds each batch from its position: while
+    # the tuner adds and retires workers, the random draws are those of a fixed count seeding
+    # per batch.
+    def options() -> dict[str, Any]:
+        return {"batch_size": 2, "generator": torch.Generator().manual_seed(7), **where}
+
+    moves = [ADD, ADD, RETIRE, ADD]
+    tuned = _drawn(_auto(_Draws(), _scripted(moves), **options()))
+    fixed = _drawn(statecore.DataLoader(_Draws(), num_workers=3, seeding="per-batch", **options()))
+    per_worker = _drawn(_auto(_Draws(), _scripted(moves), seeding="per-worker", **options()))
+    assert tuned == fixed
+    assert per_worker != fixed  # what the default spares the user
+
+
+def test_an_auto_loader_keeps_torchs_seeds_when_told_and_says_what_to_pin() -> None:
+    told = statecore.DataLoader(Numbers(8), num_workers="auto", executor="thread")
+    kept = statecore.DataLoader(
+        Numbers(8), num_workers="auto", executor="thread", seeding="per-worker"
+    )
+    assert told._seeding_in_force() == "per-batch"
+    assert kept._seeding_in_force() == "per-worker"

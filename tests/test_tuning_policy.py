@@ -1,0 +1,263 @@
+"""The tuning policy of `num_workers="auto"` (statecore._tuning), alone: traces of figures in,
+decisions out, no loader and no clock. The traces come from a small model of a loader: each
+worker takes `load` seconds a batch (sharing `cpus` cores where the work is CPU-bound), the
+training loop `step` seconds; noise is drawn by Hypothesis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from statecore._tuning import (
+    LoadWindow,
+    Tuner,
+    Tuning,
+    TuningDecision,
+    TuningMove,
+    WorkerBudget,
+    decide_workers,
+    tuning_change_bound,
+)
+
+BATCHES = 16
+"""Batches per window, as the loader measures them."""
+
+
+@attrs.frozen
+class Workload:
+    """A steady loader: a worker makes a batch in `load` seconds of its own work, the loop
+    uses one in `step`; CPU-bound workers share `cpus` cores (None: they wait on I/O)."""
+
+    load: float
+    step: float
+    cpus: int | None = None
+
+    def window(
+        self, running: int, batch: int, noise: tuple[float, float, float] = (0, 0, 0)
+    ) -> LoadWindow:
+        effective = running if self.cpus is None else min(running, self.cpus)
+        rate = min(effective / self.load, 1 / self.step)
+        seconds = BATCHES / rate
+        waited = max(seconds - BATCHES * self.step, 0.0)
+        busy = min(rate * self.load / effective, 1.0) * effective / running
+        time_noise, wait_noise, busy_noise = noise
+        return LoadWindow(
+            batch=batch,
+            batches=BATCHES,
+            seconds=seconds * (1 + time_noise),
+            waited=min(waited * (1 + wait_noise) + abs(wait_noise) * 0.01 * seconds, seconds),
+            longest_gap=self.step,
+            busy=min(max(busy * (1 + busy_noise), 0.0), 1.0),
+            running=running,
+        )
+
+
+@attrs.frozen
+class Run:
+    counts: list[int]
+    """Workers running after each window."""
+    decisions: list[TuningDecision]
+    tuner: Tuner
+
+    @property
+    def changes(self) -> list[TuningDecision]:
+        return [d for d in self.decisions if d.changes]
+
+    @property
+    def final(self) -> int:
+        return self.counts[-1]
+
+
+def run(
+    workload: Callable[[int], Workload],
+    budget: WorkerBudget,
+    windows: int = 60,
+    start: int = 2,
+    noise: Callable[[int], tuple[float, float, float]] = lambda i: (0, 0, 0),
+) -> Run:
+    """Feed `decide_workers` a window at a time, carrying out its decisions as the loader would.
+    `workload(i)` is the workload during window `i` (a slowdown changes it)."""
+    tuner, running, batch = Tuner(), start, 0
+    counts, decisions = [], []
+    for i in range(windows):
+        batch += BATCHES
+        tuner, decision = decide_workers(
+            tuner, workload(i).window(running, batch, noise(i)), budget
+        )
+        if decision.move is TuningMove.ADD:
+            running += 1
+        elif decision.move is TuningMove.RETIRE:
+            running -= 1
+        assert 1 <= running <= budget.slots
+        counts.append(running)
+        decisions.append(decision)
+    return Run(counts, decisions, tuner)
+
+
+def steady(workload: Workload) -> Callable[[int], Workload]:
+    return lambda i: workload
+
+
+def test_an_io_bound_loader_gets_workers_until_the_loop_stops_waiting() -> None:
+    # Four workers keep up with the loop; the tuner starts with two.
+    result = run(steady(Workload(load=0.4, step=0.1)), WorkerBudget(slots=16, cpus=2))
+    assert result.final == 4
+    assert result.tuner.settled
+    assert all(d.move is TuningMove.HOLD for d in result.decisions[-20:])
+    assert "waited" in result.changes[0].why
+
+
+def test_a_worker_past_the_cores_that_does_not_speed_loading_is_retired() -> None:
+    # CPU-bound work on two cores: a third worker makes batches no faster.
+    result = run(steady(Workload(load=0.4, step=0.01, cpus=2)), WorkerBudget(slots=8, cpus=2))
+    assert result.final == 2
+    assert [d.move for d in result.changes] == [TuningMove.ADD, TuningMove.RETIRE]
+    assert "did not pay" in result.changes[1].why
+    assert result.tuner.ceiling == 2
+
+
+def test_workers_the_loop_does_not_wait_for_are_retired() -> None:
+    # One worker makes batches twice as fast as the loop uses them.
+    result = run(steady(Workload(load=0.05, step=0.1)), WorkerBudget(slots=8, cpus=2))
+    assert result.final == 1
+    assert result.changes[0].move is TuningMove.RETIRE
+    assert "busy" in result.changes[0].why
+    assert result.tuner.settled
+
+
+def test_a_retire_that_leaves_the_loop_waiting_is_undone_and_sets_a_floor() -> None:
+    # Two workers idle most of the time, so one is retired; then loading gets slower, and one
+    # worker alone leaves the loop waiting.
+    def workload(i: int) -> Workload:
+        return Workload(load=0.05 if i == 0 else 0.15, step=0.1)
+
+    result = run(workload, WorkerBudget(slots=8, cpus=4))
+    assert [d.move for d in result.changes] == [TuningMove.RETIRE, TuningMove.ADD]
+    assert "with 1 worker(s) the training loop waited" in result.changes[1].why
+    assert result.tuner.floor == 2
+    assert result.final == 2
+
+
+def test_the_memory_budget_caps_the_count() -> None:
+    result = run(steady(Workload(load=0.6, step=0.1)), WorkerBudget(slots=16, cpus=8, memory=3))
+    assert result.final == 3
+    assert result.tuner.settled
+    assert any("memory budget holds 3" in d.why for d in result.decisions[-4:])
+
+
+def test_the_slot_count_caps_the_count() -> None:
+    result = run(steady(Workload(load=0.6, step=0.1)), WorkerBudget(slots=4, cpus=8))
+    assert result.final == 4
+    assert result.changes[-1].move is TuningMove.ADD
+    assert any("every one of the 4 worker slots runs" in d.why for d in result.decisions[-4:])
+
+
+def test_no_worker_is_added_once_the_loop_and_its_workers_fill_the_cores() -> None:
+    busy = attrs.evolve(Workload(load=0.4, step=0.1).window(2, BATCHES), cpu=1.9)
+    tuner, decision = decide_workers(Tuner(), busy, WorkerBudget(8, cpus=2))
+    assert decision.move is TuningMove.HOLD
+    assert "the CPU budget is spent (the loop and its workers kept 1.9 of 2 cores busy)" in (
+        decision.why
+    )
+    assert tuner.settled
+    idle = attrs.evolve(busy, cpu=0.5)  # samples that wait on I/O: cores to spare
+    assert decide_workers(Tuner(), idle, WorkerBudget(8, cpus=2))[1].move is TuningMove.ADD
+
+
+def test_a_worker_over_the_memory_budget_is_retired() -> None:
+    _, decision = decide_workers(
+        Tuner(), Workload(load=0.4, step=0.1).window(3, BATCHES), WorkerBudget(8, 8, memory=2)
+    )
+    assert decision.move is TuningMove.RETIRE
+    assert "memory budget holds 2" in decision.why
+
+
+def test_a_sudden_slowdown_wakes_a_settled_tuner() -> None:
+    def workload(i: int) -> Workload:
+        return Workload(load=0.2 if i < 20 else 0.6, step=0.1)
+
+    result = run(workload, WorkerBudget(slots=16, cpus=8))
+    assert result.counts[19] == 2  # settled at two before the slowdown
+    assert result.decisions[19].move is TuningMove.HOLD and "settled" in result.decisions[19].why
+    assert result.final == 6
+
+
+def test_a_loop_that_stops_asking_retires_nothing() -> None:
+    # The loop paused (an evaluation) for most of the window: the idle workers say nothing.
+    window = attrs.evolve(
+        Workload(load=0.2, step=0.1).window(2, BATCHES), seconds=60.0, longest_gap=58.0
+    )
+    tuner, decision = decide_workers(Tuner(), window, WorkerBudget(8, 8))
+    assert decision.move is TuningMove.HOLD and "paused" in decision.why
+    assert tuner == Tuner()
+
+
+def test_no_decision_is_taken_on_a_window_that_began_within_the_cooldown() -> None:
+    waiting = Workload(load=0.4, step=0.1)
+    tuner, decision = decide_workers(Tuner(), waiting.window(2, 32), WorkerBudget(8, 8))
+    assert decision.move is TuningMove.ADD
+    cooldown = Tuning().cooldown
+    for first in (30, 32, 32 + cooldown - 1):  # began before the change, or within the cool-down
+        later = waiting.window(3, first + BATCHES)
+        _, decision = decide_workers(tuner, later, WorkerBudget(8, 8))
+        assert decision.why == "cooling down after the last change"
+    _, decision = decide_workers(
+        tuner, waiting.window(3, 32 + cooldown + BATCHES), WorkerBudget(8, 8)
+    )
+    assert decision.why != "cooling down after the last change"
+
+
+def test_a_steady_loader_at_the_right_count_is_left_alone() -> None:
+    result = run(steady(Workload(load=0.2, step=0.1)), WorkerBudget(slots=8, cpus=8))
+    assert result.changes == []
+
+
+# --- noise ------------------------------------------------------------------------------------
+
+NOISE = st.tuples(st.floats(-0.2, 0.2), st.floats(-0.3, 0.3), st.floats(-0.3, 0.3))
+"""Within 20% on a window's time, 30% on the waiting and on the workers' busy share."""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    noises=st.lists(NOISE, min_size=80, max_size=80),
+    load=st.floats(0.01, 1.0),
+    step=st.floats(0.01, 0.3),
+    cpus=st.one_of(st.none(), st.integers(1, 8)),
+    slots=st.integers(1, 12),
+)
+def test_under_any_bounded_noise_the_number_of_changes_is_bounded(
+    noises: list[tuple[float, float, float]],
+    load: float,
+    step: float,
+    cpus: int | None,
+    slots: int,
+) -> None:
+    result = run(
+        steady(Workload(load, step, cpus)),
+        WorkerBudget(slots=slots, cpus=cpus or 8),
+        windows=len(noises),
+        start=min(2, slots),
+        noise=lambda i: noises[i],
+    )
+    assert len(result.changes) <= tuning_change_bound(slots)
+    assert result.tuner.reversals <= Tuning().max_reversals
+
+
+@settings(max_examples=60, deadline=None)
+@given(noises=st.lists(NOISE, min_size=80, max_size=80))
+def test_noise_around_a_well_served_loop_changes_nothing(
+    noises: list[tuple[float, float, float]],
+) -> None:
+    # Two workers, each busy all the time, keep the loop from waiting: noise within bounds
+    # neither adds (waiting stays far under 10%) nor retires (they stay far over 60% busy).
+    result = run(
+        steady(Workload(load=0.2, step=0.1)),
+        WorkerBudget(slots=8, cpus=8),
+        windows=len(noises),
+        noise=lambda i: noises[i],
+    )
+    assert result.changes == []
