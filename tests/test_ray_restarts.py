@@ -4,7 +4,7 @@ and the epoch hands over what torch's uninterrupted run does.
 
 Against a real local Ray instance (tests/_ray_local.py). The default tier runs one restart; the
 exhaustive tier runs persistent workers, restarts spent, and a stuck actor killed and replaced
-here, and the conformance kit's replacement cases on Ray with the whole kit
+here, and the conformance kit's replacement cases on Ray with the rest of the kit
 (tests/test_ray_executor.py).
 """
 
