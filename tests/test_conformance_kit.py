@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from _broken import Blanking, Misnumbering, Unstamped
+from hypothesis import settings as Settings
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from statecore import ReplaceWorker, WorkerDied
@@ -89,7 +90,10 @@ def test_the_replacement_cases_fail_a_replacement_whose_answers_are_not_stamped(
 def test_the_pinned_executor_passes_the_kit_over_each_inner_executor(
     inner: str, pinning_clones: None
 ) -> None:
-    report = check_executor(pinned(inner, pin=torch_pin_memory))
+    # The Hypothesis machine with 3 drawn runs, not the kit's 10: it draws the inner
+    # executor's configurations, which the test above runs it for with the full 10.
+    machine = Settings(max_examples=3, stateful_step_count=6, deadline=None, derandomize=True)
+    report = check_executor(pinned(inner, pin=torch_pin_memory), settings=machine)
     # Over an executor with workers it passes the replacement cases on (and thread's are the
     # default tier's proof that it does; mp's are the exhaustive tier's).
     replaced = () if inner == "inline" else tuple(case.name for case in replace_cases())
