@@ -292,31 +292,37 @@ def tuning_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
 
 
 def representative_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
-    """The default scenarios without the largest: out of order only with one worker, and three
-    workers only without persistence; of those where workers come and go
-    (`restart_scenarios`), those of two workers out of order or persistent, and of three
-    persistent on an iterable dataset.
+    """The default scenarios without the largest: out of order only with one worker, three
+    workers only without persistence, prefetch 2 only without persistence; of those where
+    workers come and go (`restart_scenarios`), none that is persistent on an iterable dataset,
+    none of two workers (with two restarts) out of order or persistent, none of three in order
+    and not persistent; every tuning scenario.
 
     Out-of-order runs of several workers, and persistent runs of three, are where the worlds
     multiply (one three-worker persistent scenario alone has more worlds than all of these
     together); these keep every edge of the transition table that the default bounds reach,
     every number of workers and prefetch, and every combination of dataset kind, order and
-    persistence, at about a seventh of the cost. The default test tier explores these; the
+    persistence, at about a tenth of the cost. The default test tier explores these; the
     exhaustive tier and `python -m statecore check` explore them all.
     """
     for scenario in default_scenarios(bounds):
         config = scenario.config
-        if config.restarts or scenario.hangs or scenario.tunes:
-            # Workers that come and go: all but where these worlds multiply, two workers (with
-            # two restarts) out of order or persistent, three with a persistent iterable.
+        if scenario.tunes:
+            yield scenario
+        elif config.restarts or scenario.hangs:
+            # Workers that come and go: all but where these worlds multiply.
             two = config.num_workers == 2 and config.restarts == 2
             if two and (config.persistent_workers or not config.in_order):
                 continue
-            if config.num_workers == 3 and config.iterable and config.persistent_workers:
+            if config.iterable and config.persistent_workers:
+                continue
+            if config.num_workers == 3 and config.in_order and not config.persistent_workers:
                 continue
             yield scenario
-        elif (config.in_order or config.num_workers == 1) and (
-            config.num_workers <= 2 or not config.persistent_workers
+        elif (
+            (config.in_order or config.num_workers == 1)
+            and (config.num_workers <= 2 or not config.persistent_workers)
+            and (config.prefetch_factor == 1 or not config.persistent_workers)
         ):
             yield scenario
 

@@ -20,23 +20,73 @@ from statecore.executors._inline import InlineExecutor
 from statecore.tools.cli import main
 from statecore.tools.demo import Progress, SyntheticImages, compare_batches
 
+# Runs a statecore command in a fresh interpreter in which Ray cannot be imported, as where it
+# was never installed (tests/test_registry_optional.py plays it the same way).
+_WITHOUT_RAY = (
+    "import sys; sys.modules['ray'] = None\n"
+    "from statecore.tools.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+_QUIET = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
-@pytest.mark.timeout(300)
-def test_the_quick_demo_matches_torch_and_prints_the_table() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "statecore", "demo", "--quick"],
+
+def _rows(stdout: str) -> set[str]:
+    return {line.split()[0] for line in stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def quick_demo_without_ray() -> subprocess.CompletedProcess[str]:
+    """One run of the quick demo, shared by the tests of what it prints: each run starts every
+    executor's workers and torch's, so the default tier runs it once."""
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RAY, "demo", "--quick", "--batches", "2"],
         capture_output=True,
         text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=280,
+        env=_QUIET,
     )
+
+
+@pytest.mark.timeout(300)
+def test_the_quick_demo_matches_torch_and_prints_the_table(
+    quick_demo_without_ray: subprocess.CompletedProcess[str],
+) -> None:
+    done = quick_demo_without_ray
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
-    assert {"executor", "inline", "mp", "torch"} <= rows, done.stdout
+    assert {"executor", "inline", "mp", "thread", "torch"} <= _rows(done.stdout), done.stdout
     assert "MISMATCH" not in done.stdout
     # stderr is a pipe here, not a terminal: one line per stage, no bar redrawn in place.
     assert "\r" not in done.stderr
     assert "demo: inline (num_workers=0) run 1/2 ..." in done.stderr.splitlines()
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_runs_without_ray_and_says_it_skipped_it(
+    quick_demo_without_ray: subprocess.CompletedProcess[str],
+) -> None:
+    done = quick_demo_without_ray
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ray: skipped, pip install -e '.[ray]'" in done.stdout.splitlines()
+    assert "ray" not in _rows(done.stdout)
+
+
+# With Ray installed the demo runs it too (a local Ray instance and its actors: about as long
+# as the rest of the demo); what it prints is tested above, and Ray's batches against torch's in
+# tests/test_ray_executor.py.
+@pytest.mark.exhaustive
+@pytest.mark.timeout(300)
+def test_the_quick_demo_with_ray_installed_runs_ray_too_and_matches_torch() -> None:
+    pytest.importorskip("ray")
+    done = subprocess.run(
+        [sys.executable, "-m", "statecore", "demo", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=_QUIET,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {"executor", "inline", "mp", "ray", "torch"} <= _rows(done.stdout), done.stdout
+    assert "MISMATCH" not in done.stdout
 
 
 def _batches(size: int = 12) -> list[object]:

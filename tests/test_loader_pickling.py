@@ -32,7 +32,11 @@ def _local_dataset_and_collate() -> tuple[Dataset, Callable[[list[int]], Any]]: 
     return Squares(), lambda batch: ["collated", *batch]
 
 
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+# Both start methods pickle the process the same way (with dill); spawn also starts each worker's
+# interpreter afresh (torch imported in each), so the default tier runs forkserver alone.
+@pytest.mark.parametrize(
+    "context", [pytest.param("spawn", marks=pytest.mark.exhaustive), "forkserver"]
+)
 @WORKERS
 def test_local_dataset_and_lambda_collate_load_in_fresh_interpreters(context: str) -> None:
     dataset, collate = _local_dataset_and_collate()

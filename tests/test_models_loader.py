@@ -21,11 +21,23 @@ def test_inline_and_thread_loaders_hold_under_the_exhaustive_budget() -> None:
     run_state_machine_as_test(loader_machine(), settings=settings.get_profile("exhaustive"))
 
 
+# Each example starts and kills worker processes: the default tier draws 5 (a thirtieth of the
+# ci profile's budget), the exhaustive tier 15 (a twentieth of its profile's).
 @pytest.mark.timeout(300)
 def test_process_loaders_hand_the_uninterrupted_run_through_worker_deaths() -> None:
     run_state_machine_as_test(
         loader_machine(setups(executors=("mp",)), replacing=True),
-        settings=settings(settings(), max_examples=settings().max_examples // 15),
+        settings=settings(settings(), max_examples=settings().max_examples // 30),
+    )
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(600)
+def test_process_loaders_hold_through_worker_deaths_under_a_larger_budget() -> None:
+    exhaustive = settings.get_profile("exhaustive")
+    run_state_machine_as_test(
+        loader_machine(setups(executors=("mp",)), replacing=True),
+        settings=settings(exhaustive, max_examples=exhaustive.max_examples // 20),
     )
 
 

@@ -7,8 +7,8 @@ machine's full budget against it.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 
 import attrs
 import pytest
@@ -83,18 +83,16 @@ def _explore_under(job: tuple[str, Scenario]) -> Report:
 
 def _first_caught(mutant: Mutant) -> Report | None:
     """The first default scenario of the mutant's scope, in their order, whose exploration
-    reports `mutant`; they are explored two at a time, each in a worker process."""
+    reports `mutant`; they are explored two at a time, each in a worker process.
+
+    multiprocessing's pool, not concurrent.futures': leaving the block terminates its workers,
+    so the scenarios after the first catch that were still being explored (often the largest,
+    three workers or persistent ones) are dropped, not waited for."""
     jobs = [(mutant.name, scenario) for scenario in mutant.scope()]
-    with ProcessPoolExecutor(2) as pool:
-        futures = [pool.submit(_explore_under, job) for job in jobs]
-        try:
-            for future in futures:
-                report = future.result()
-                if not report.ok:
-                    return report
-        finally:
-            for future in futures:
-                future.cancel()
+    with multiprocessing.Pool(2) as pool:
+        for report in pool.imap(_explore_under, jobs):
+            if not report.ok:
+                return report
     return None
 
 

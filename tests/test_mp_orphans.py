@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -114,29 +115,46 @@ def run_and_kill(tmp_path: Path, method: str, variant: str = "plain") -> tuple[s
     return workers, helpers
 
 
+@pytest.fixture(scope="module")
+def killed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], tuple[set[int], set[int]]]]:
+    """`run_and_kill` with the plain script, once per start method for the whole module: the
+    test of the workers' exit and that of the helpers' share the run (each run starts an
+    interpreter that imports torch). Whatever still runs is killed when the module ends."""
+    runs: dict[str, tuple[set[int], set[int]]] = {}
+
+    def under(method: str) -> tuple[set[int], set[int]]:
+        if method not in runs:
+            runs[method] = run_and_kill(tmp_path_factory.mktemp(method), method)
+        return runs[method]
+
+    try:
+        yield under
+    finally:
+        for workers, helpers in runs.values():
+            kill_all(workers | helpers)
+
+
 @pytest.mark.parametrize(
     "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
 )
-def test_workers_exit_when_their_loader_process_is_killed(tmp_path: Path, method: str) -> None:
-    workers, helpers = run_and_kill(tmp_path, method)
-    try:
-        assert wait_gone(workers, GONE_WITHIN) == set()
-    finally:
-        kill_all(workers | helpers)
+def test_workers_exit_when_their_loader_process_is_killed(
+    killed: Callable[[str], tuple[set[int], set[int]]], method: str
+) -> None:
+    workers, _ = killed(method)
+    assert wait_gone(workers, GONE_WITHIN) == set()
 
 
 @pytest.mark.parametrize(
     "method", ["forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
 )
 def test_the_fork_server_and_resource_tracker_exit_when_the_loader_process_is_killed(
-    tmp_path: Path, method: str
+    killed: Callable[[str], tuple[set[int], set[int]]], method: str
 ) -> None:
-    workers, helpers = run_and_kill(tmp_path, method)
-    try:
-        assert helpers, "the script started no helper process"
-        assert wait_gone(helpers, GONE_WITHIN) == set()
-    finally:
-        kill_all(workers | helpers)
+    _, helpers = killed(method)
+    assert helpers, "the script started no helper process"
+    assert wait_gone(helpers, GONE_WITHIN) == set()
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver"])

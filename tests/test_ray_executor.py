@@ -33,12 +33,14 @@ from _checkpoints import roundtrip, run_to_end, take
 from _datasets import Numbers, ShardedRange, StatefulDataset, StatefulIterator
 from _ray_local import live_actors, local_cluster, owned_references, settles
 from hypothesis import settings as Settings
+from hypothesis.stateful import run_state_machine_as_test
 from torch.utils.data import Dataset, IterableDataset
 
 import statecore
 from statecore import LoaderTimeoutError, WorkerDiedError
 from statecore.executors import RayOptions
-from statecore.models.kit import check_executor, matrix
+from statecore.models.conformance import executor_machine
+from statecore.models.kit import check_executor, matrix, replace_cases, run_case
 
 ray = pytest.importorskip("ray")
 
@@ -230,7 +232,9 @@ def test_an_iterable_checkpoint_taken_under_ray_resumes_each_workers_part_exactl
 # through abandoned epochs) and the Hypothesis machine. Map-style batches, iterable shards and
 # answers out of order are compared above; the rest of the matrix is the loader's, which the
 # default tier compares for the other executors (tests/test_conformance_kit.py), and the
-# exhaustive tier runs all of it for Ray.
+# exhaustive tier runs the rest of it for Ray. The kit's replacement cases (about ten actors more)
+# are the exhaustive tier's too: the default tier replaces a killed actor once
+# (tests/test_ray_restarts.py) and runs the replacement cases on the thread and mp executors.
 RAY_CASES = (
     "shuffled by a generator",
     "dataset error in its turn",
@@ -241,24 +245,31 @@ RAY_CASES = (
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_the_ray_executor_passes_the_conformance_kit_on_rays_own_paths(cluster: Any) -> None:
-    # The Hypothesis machine with fewer drawn runs than the kit's default 10.
-    machine = Settings(max_examples=3, stateful_step_count=6, deadline=None, derandomize=True)
     cases = [case for case in matrix(in_process=False) if case.name in RAY_CASES]
     assert len(cases) == len(RAY_CASES)
-    # raises ConformanceError on any difference from torch
-    report = check_executor("ray", settings=machine, cases=cases)
-    assert "'ray'" in report.describe()
+    for case in cases:
+        run_case("ray", case)  # raises ConformanceError on any difference from torch
+    # The Hypothesis machine with fewer drawn runs than the kit's default 10.
+    machine = Settings(max_examples=3, stateful_step_count=6, deadline=None, derandomize=True)
+    run_state_machine_as_test(
+        executor_machine("ray", in_process=False, max_workers=2), settings=machine
+    )
     assert settles(lambda: not live_actors())
 
 
 @pytest.mark.exhaustive
 @pytest.mark.timeout(600)
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-def test_the_ray_executor_passes_the_whole_conformance_kit(cluster: Any) -> None:
-    # `check_executor("ray")` with its defaults passes too (docs/distributed.md).
+def test_the_ray_executor_passes_the_rest_of_the_conformance_kit(cluster: Any) -> None:
+    # Through `check_executor("ray")` itself (docs/distributed.md), on the cases the test above
+    # leaves out: with it, the whole matrix.
     machine = Settings(max_examples=3, stateful_step_count=6, deadline=None, derandomize=True)
-    report = check_executor("ray", settings=machine)
+    rest = [case for case in matrix(in_process=False) if case.name not in RAY_CASES]
+    report = check_executor("ray", settings=machine, cases=rest)
     assert "'ray'" in report.describe()
+    assert set(report.cases) | set(RAY_CASES) == {case.name for case in matrix(False)}
+    # Ray declares that it replaces workers: the kit ran its replacement cases on actors.
+    assert report.replace_cases == tuple(case.name for case in replace_cases())
     assert settles(lambda: not live_actors())
 
 
