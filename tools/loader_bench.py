@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import attrs
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "measure_memory",
     "measure_side",
     "missing_dependencies",
+    "rotated",
     "round_order",
     "pair_ratios",
     "plot",
@@ -70,6 +71,9 @@ __all__ = [
     "run_benchmark",
     "write_json",
 ]
+
+_Taking = TypeVar("_Taking")
+"""What takes turns in a round: a loader (`Side`), or a worker count in the sweep."""
 
 ROUNDS = 5
 """Rounds per workload by default: one run of each loader in each."""
@@ -82,16 +86,22 @@ _ALWAYS = (Side.TORCH, Side.STATECORE)
 INSTALL_HINT = "pip install -e '.[bench]' in the statecore checkout"
 
 
+def rotated(number: int, items: Sequence[_Taking]) -> tuple[_Taking, ...]:
+    """`items` rotated by `number` places: in round `number` (from 0), each goes first, and
+    after each other, equally often over `len(items)` rounds."""
+    shift = number % len(items)
+    return (*items[shift:], *items[:shift])
+
+
 def round_order(
     number: int, sides: Sequence[Side] = (Side.TORCH, Side.STATECORE)
 ) -> tuple[Side, ...]:
     """The order the loaders run in, in round number `number` (from 0): `sides` rotated by
-    one place a round, so that each goes first, and after each other, equally often.
+    one place a round (`rotated`, which the sweep's worker counts take turns by too).
 
     With two sides, torch goes first in even rounds and statecore in odd ones.
     """
-    shift = number % len(sides)
-    return (*sides[shift:], *sides[:shift])
+    return rotated(number, sides)
 
 
 def pair_ratios(

@@ -39,6 +39,7 @@ __all__ = [
     "Loader",
     "Losses",
     "Measurement",
+    "Mixed",
     "NumpyWork",
     "PythonWork",
     "Rows",
@@ -228,6 +229,33 @@ class PythonWork(torch.utils.data.Dataset[float]):
         for step in range(self.steps):
             total = (total * 31 + step) % 1_000_003
         return time.thread_time() - started
+
+
+class Mixed(torch.utils.data.Dataset[float]):
+    """Samples that wait, then compute: a read from storage followed by decoding (by default
+    2 ms of sleep, then about 1 ms of one core in pure Python, holding the GIL).
+
+    Each returns its seconds of work: the sleep as measured, plus the CPU time its thread spent
+    computing (time waiting for a core or the GIL is not counted).
+    """
+
+    def __init__(self, size: int, seconds: float = 0.002, steps: int = 14_000) -> None:
+        self.size = size
+        self.seconds = seconds
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        slept = time.perf_counter() - started
+        computing = time.thread_time()
+        total = index
+        for step in range(self.steps):
+            total = (total * 31 + step) % 1_000_003
+        return slept + time.thread_time() - computing
 
 
 class Floats(torch.utils.data.Dataset[torch.Tensor]):
