@@ -172,6 +172,12 @@ def _add_bench(commands: Any) -> None:
         "Ray instance unless RAY_ADDRESS names a cluster; needs the ray extra)",
     )
     bench_parser.add_argument(
+        "--auto",
+        action="store_true",
+        help='also time statecore with num_workers="auto" on the workloads with workers and a '
+        "map-style dataset (an auto column)",
+    )
+    bench_parser.add_argument(
         "--sweep",
         action="store_true",
         help="instead of torch against statecore: statecore with num_workers in 1, 2, 4, 8, 16 "
@@ -198,9 +204,10 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.sweep:
         from statecore.tools import sweep
 
-        if args.plot is not None or args.ray:
+        if args.plot is not None or args.ray or args.auto:
             print(
-                "bench: --sweep draws no plot and runs no Ray: drop --plot and --ray",
+                "bench: --sweep runs auto against fixed counts itself, and draws no plot and "
+                "runs no Ray: drop --plot, --ray and --auto",
                 file=sys.stderr,
             )
             return 2
@@ -223,6 +230,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         memory=args.memory,
         progress_bar=args.progress,
         ray=args.ray,
+        auto=args.auto,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 
