@@ -20,7 +20,7 @@ from statecore.tools.sweep import AUTO, COUNTS, SweepResult, SweepRun, TuningSum
 
 
 def _result(medians: dict[sweep.Count, list[float]]) -> SweepResult:
-    tuning = TuningSummary(True, 3, ((20, "add", 3),), 0.5, "settled")
+    tuning = TuningSummary(True, 3, ((20, "add", 3, "the loop waited"),), 0.5, "settled")
     runs = {
         count: tuple(SweepRun(100, 100 / rate, tuning if count == AUTO else None) for rate in rates)
         for count, rates in medians.items()

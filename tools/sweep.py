@@ -181,8 +181,9 @@ class TuningSummary:
     settled: bool
     workers: int
     """Workers running at the end of the run: the count it settled on, if it settled."""
-    changes: tuple[tuple[int, str, int], ...]
-    """Each change: the batch it was decided at, "add" or "retire", the workers after it."""
+    changes: tuple[tuple[int, str, int, str], ...]
+    """Each change: the batch it was decided at, "add" or "retire", the workers after it, and
+    the policy's reason (in the JSON; the table leaves it out)."""
     seconds: float
     """From the first batch to the batch of the last change (0 with no change): tuning."""
     latest: str
@@ -193,7 +194,9 @@ class TuningSummary:
         return self.changes[-1][0] if self.changes else 0
 
     def describe(self) -> str:
-        changes = ", ".join(f"b{batch} {move}->{workers}" for batch, move, workers in self.changes)
+        changes = ", ".join(
+            f"b{batch} {move}->{workers}" for batch, move, workers, _ in self.changes
+        )
         state = "settled on" if self.settled else "ended (not settled) at"
         return (
             f"{state} {self.workers}; {len(self.changes)} change(s) "
@@ -261,7 +264,7 @@ def _tuning(loader: torch.utils.data.DataLoader[Any], arrivals: Sequence[float])
     tuning = loader.stats().tuning  # type: ignore[attr-defined]
     assert tuning is not None, "an auto loader reports its tuning"
     changes = tuple(
-        (record.batch, record.move.value, record.workers) for record in tuning.decisions
+        (record.batch, record.move.value, record.workers, record.why) for record in tuning.decisions
     )
     last = changes[-1][0] if changes else 0
     seconds = arrivals[min(last, len(arrivals)) - 1] - arrivals[0] if last else 0.0
