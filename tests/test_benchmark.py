@@ -42,6 +42,7 @@ from statecore.tools.workloads import (
     Timing,
     Unit,
     Workload,
+    measure,
     select,
 )
 
@@ -582,6 +583,65 @@ def test_the_cli_passes_ray_to_bench_and_bench_adds_the_ray_side(
         "io": True,
         "inline-b1": False,
     }
+
+
+# --- the auto side (bench --auto) ----------------------------------------------------------------
+
+
+def test_auto_runs_only_when_asked_for_on_map_style_workloads_with_workers() -> None:
+    assert Side.AUTO not in workload("processes-b64").sides  # the default run is unchanged
+    assert workload("processes-b64").with_auto().sides == (
+        Side.TORCH,
+        Side.STATECORE,
+        Side.THREADS,
+        Side.AUTO,
+    )
+    assert Side.AUTO not in workload("inline-b1").with_auto().sides  # no workers
+    assert Side.AUTO not in workload("processes-iterable").with_auto().sides  # refused there
+    assert Side.AUTO.loader_class() is Side.STATECORE.loader_class()
+    assert Side.AUTO.options() == {"num_workers": "auto"}
+
+
+@WORKERS
+def test_an_auto_run_builds_its_loader_with_num_workers_auto() -> None:
+    import statecore
+
+    built: list[object] = []
+
+    class Recording(statecore.DataLoader):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(kwargs["num_workers"])
+            super().__init__(*args, **kwargs)
+
+    measure(workload("processes-b64", 4).with_auto(), Recording, Side.AUTO.options())
+    assert built == ["auto"]
+
+
+def test_the_auto_columns_and_json_appear_only_when_auto_ran(tmp_path: Path) -> None:
+    plain = made_up_report()
+    assert "auto" not in plain.table().splitlines()[0]
+    io = plain.results[1]
+    auto_runs = (Measurement(1.0, 0.45), Measurement(1.0, 0.40), Measurement(1.1, 0.475))
+    with_auto = attrs.evolve(plain, results=(plain.results[0], attrs.evolve(io, auto=auto_runs)))
+    table = with_auto.table()
+    assert table.splitlines()[0].split()[-4:] == ["rounds", "auto", "(min-max)", "ratio"]
+    row = next(line for line in table.splitlines() if line.startswith("io ") and "x" in line)
+    assert row.split()[-3:] == ["43.2", "(40.0-45.0)", "0.50x"]
+    assert 'auto: statecore with num_workers="auto"' in table
+    path = tmp_path / "figures.json"
+    write_json(with_auto, str(path))
+    again = BenchReport.from_json(json.loads(path.read_text()))
+    assert again.results[1].auto == auto_runs
+    assert "auto" not in json.loads(json.dumps(plain.to_json()))["workloads"][1]
+
+
+def test_the_cli_passes_auto_to_bench(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(loader_bench, "bench", lambda **options: seen.update(options) or 0)
+    assert main(["bench", "--auto", "--only", "io"]) == 0
+    assert seen["auto"] is True
+    assert main(["bench", "--only", "io"]) == 0
+    assert seen["auto"] is False
 
 
 def test_bench_ray_without_ray_installed_names_the_extra_before_running_anything(

@@ -171,6 +171,21 @@ def _add_bench(commands: Any) -> None:
         help='also time statecore with executor="ray" on the workloads with workers (a local '
         "Ray instance unless RAY_ADDRESS names a cluster; needs the ray extra)",
     )
+    bench_parser.add_argument(
+        "--auto",
+        action="store_true",
+        help='also time statecore with num_workers="auto" on the workloads with workers and a '
+        "map-style dataset (an auto column)",
+    )
+    bench_parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead of torch against statecore: statecore with num_workers in 1, 2, 4, 8, 16 "
+        'and "auto", taking turns in rounds, on an I/O-bound, a CPU-bound, a mixed, a '
+        "straggler and a busy-consumer workload; medians, the best count, auto's ratio to it, "
+        "what auto settled on and peak memory (takes --quick, --only, --rounds, --batches, "
+        "--json, --no-memory)",
+    )
     bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     _add_no_progress(bench_parser)
 
@@ -186,6 +201,25 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.batches is not None and args.batches < 2:
         print("bench: --batches must be at least 2", file=sys.stderr)
         return 2
+    if args.sweep:
+        from statecore.tools import sweep
+
+        if args.plot is not None or args.ray or args.auto:
+            print(
+                "bench: --sweep runs auto against fixed counts itself, and draws no plot and "
+                "runs no Ray: drop --plot, --ray and --auto",
+                file=sys.stderr,
+            )
+            return 2
+        return sweep.sweep(
+            quick=args.quick,
+            only=args.only,
+            rounds=args.rounds,
+            batches=args.batches,
+            json_path=args.json,
+            memory=args.memory,
+            command=shlex.join(["python", "-m", "statecore", *argv]),
+        )
     return loader_bench.bench(
         quick=args.quick,
         only=args.only,
@@ -196,6 +230,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         memory=args.memory,
         progress_bar=args.progress,
         ray=args.ray,
+        auto=args.auto,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import attrs
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "measure_memory",
     "measure_side",
     "missing_dependencies",
+    "rotated",
     "round_order",
     "pair_ratios",
     "plot",
@@ -70,6 +71,9 @@ __all__ = [
     "run_benchmark",
     "write_json",
 ]
+
+_Taking = TypeVar("_Taking")
+"""What takes turns in a round: a loader (`Side`), or a worker count in the sweep."""
 
 ROUNDS = 5
 """Rounds per workload by default: one run of each loader in each."""
@@ -82,16 +86,22 @@ _ALWAYS = (Side.TORCH, Side.STATECORE)
 INSTALL_HINT = "pip install -e '.[bench]' in the statecore checkout"
 
 
+def rotated(number: int, items: Sequence[_Taking]) -> tuple[_Taking, ...]:
+    """`items` rotated by `number` places: in round `number` (from 0), each goes first, and
+    after each other, equally often over `len(items)` rounds."""
+    shift = number % len(items)
+    return (*items[shift:], *items[:shift])
+
+
 def round_order(
     number: int, sides: Sequence[Side] = (Side.TORCH, Side.STATECORE)
 ) -> tuple[Side, ...]:
     """The order the loaders run in, in round number `number` (from 0): `sides` rotated by
-    one place a round, so that each goes first, and after each other, equally often.
+    one place a round (`rotated`, which the sweep's worker counts take turns by too).
 
     With two sides, torch goes first in even rounds and statecore in odd ones.
     """
-    shift = number % len(sides)
-    return (*sides[shift:], *sides[:shift])
+    return rotated(number, sides)
 
 
 def pair_ratios(
@@ -157,6 +167,8 @@ class WorkloadResult:
     """Why the memory could not be measured, if it could not: the timings still stand."""
     ray: tuple[Measurement, ...] = ()
     """statecore's runs with `executor="ray"`, when asked for (`bench --ray`)."""
+    auto: tuple[Measurement, ...] = ()
+    """statecore's runs with `num_workers="auto"`, when asked for (`bench --auto`)."""
 
     @property
     def ok(self) -> bool:
@@ -173,6 +185,7 @@ class WorkloadResult:
             Side.STATECORE: self.statecore,
             Side.THREADS: self.threads,
             Side.RAY: self.ray,
+            Side.AUTO: self.auto,
         }[side]
 
     def figures(self, side: Side) -> tuple[float, ...]:
@@ -243,8 +256,13 @@ class WorkloadResult:
             "first": [which.value for which in self.first],
             "error": self.error,
             "memory_error": self.memory_error,
-            # Ray's figures only where it ran: a report without them reads as it always did.
-            **{which.value: side(which) for which in Side if which is not Side.RAY or self.ray},
+            # Ray's and auto's figures only where they ran: a report without them reads as it
+            # always did.
+            **{
+                which.value: side(which)
+                for which in Side
+                if which in _ALWAYS + (Side.THREADS,) or self.runs(which)
+            },
         }
 
     @classmethod
@@ -275,6 +293,7 @@ class WorkloadResult:
             memory=memory,
             memory_error=data.get("memory_error"),
             ray=runs(Side.RAY),
+            auto=runs(Side.AUTO),
         )
 
 
@@ -364,6 +383,7 @@ class BenchReport:
     def table(self) -> str:
         """The report as the command prints it."""
         with_ray = any(result.ray for result in self.results)
+        with_auto = any(result.auto for result in self.results)
         header = (
             f"{'workload':20} {'unit':8} {'torch median (min-max)':>23} "
             f"{'statecore (min-max)':>21} {'ratio':>6} "
@@ -371,6 +391,8 @@ class BenchReport:
         )
         if with_ray:
             header += f" {'ray (min-max)':>21} {'ratio':>6}"
+        if with_auto:
+            header += f" {'auto (min-max)':>21} {'ratio':>6}"
         lines = [header]
         for result in self.results:
             if not result.ok:
@@ -392,6 +414,9 @@ class BenchReport:
             if with_ray:
                 ray_ratio = f"{result.ratio_of(Side.RAY):5.2f}x" if result.ray else "-"
                 row += f" {cells[Side.RAY]:>21} {ray_ratio:>6}"
+            if with_auto:
+                auto_ratio = f"{result.ratio_of(Side.AUTO):5.2f}x" if result.auto else "-"
+                row += f" {cells[Side.AUTO]:>21} {auto_ratio:>6}"
             lines.append(row)
         cost = self.state_cost()
         if cost is not None:
@@ -410,7 +435,8 @@ class BenchReport:
         lines += [
             "ratio: median over rounds of statecore throughput / torch throughput "
             '(above 1: statecore faster); threads: statecore with executor="thread"'
-            + ('; ray: statecore with executor="ray" (a local Ray instance)' if with_ray else ""),
+            + ('; ray: statecore with executor="ray" (a local Ray instance)' if with_ray else "")
+            + ('; auto: statecore with num_workers="auto"' if with_auto else ""),
             "% ideal: (measured work of every sample / workers) / elapsed; "
             "us/batch and ms: lower is better",
             f"machine: {self.machine.describe()}; {self.seconds:.0f} s in all",
@@ -450,22 +476,25 @@ class BenchReport:
         measured = [result for result in self.results if result.memory or result.memory_error]
         if not measured:
             return []
+        with_auto = any(result.auto for result in self.results)
         lines = [
             "peak memory, MB of PSS (main process + workers) added by one run "
             "(whole tree at its peak)",
-            f"{'workload':20} {'torch':>16} {'statecore':>16} {'threads':>16}",
+            f"{'workload':20} {'torch':>16} {'statecore':>16} {'threads':>16}"
+            + (f" {'auto':>16}" if with_auto else ""),
         ]
         for result in measured:
             if result.memory_error is not None:
                 lines.append(f"{result.name:20} FAILED: {result.memory_error}")
                 continue
             cells = []
-            for side in Side:
+            for side in (Side.TORCH, Side.STATECORE, Side.THREADS, Side.AUTO):
                 peak = result.peak(side)
                 cells.append(
                     "-" if peak is None else f"{_megabytes(peak.added)} ({_megabytes(peak.peak)})"
                 )
-            lines.append(f"{result.name:20} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}")
+            row = f"{result.name:20} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}"
+            lines.append(row + (f" {cells[3]:>16}" if with_auto else ""))
         return lines
 
     def state_cost(self) -> float | None:
@@ -621,6 +650,7 @@ def _run_rounds(
         memory=tuple(memory),
         memory_error=memory_error,
         ray=tuple(runs[Side.RAY][:complete]),
+        auto=tuple(runs[Side.AUTO][:complete]),
     )
 
 
@@ -744,6 +774,7 @@ _COLORS = {
     Side.STATECORE: "tab:blue",
     Side.THREADS: "tab:green",
     Side.RAY: "tab:red",
+    Side.AUTO: "tab:purple",
 }
 
 
@@ -867,8 +898,12 @@ def bench(
     memory: bool = True,
     progress_bar: bool = True,
     ray: bool = False,
+    auto: bool = False,
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
+
+    `auto` adds statecore with `num_workers="auto"` as one more loader on the workloads with
+    workers and a map-style dataset (docs/choosing-num-workers.md).
 
     `ray` adds statecore's Ray executor as one more loader on the workloads with workers (a
     local Ray instance unless this process is connected to one, or RAY_ADDRESS says where).
@@ -908,6 +943,8 @@ def bench(
         workloads = tuple(attrs.evolve(workload, rounds=None) for workload in workloads)
     if ray:
         workloads = tuple(workload.with_ray() for workload in workloads)
+    if auto:
+        workloads = tuple(workload.with_auto() for workload in workloads)
     count = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
     executors = "default executor, threads and ray" if ray else "default executor and threads"
     print(

@@ -39,6 +39,7 @@ __all__ = [
     "Loader",
     "Losses",
     "Measurement",
+    "Mixed",
     "NumpyWork",
     "PythonWork",
     "Rows",
@@ -228,6 +229,33 @@ class PythonWork(torch.utils.data.Dataset[float]):
         for step in range(self.steps):
             total = (total * 31 + step) % 1_000_003
         return time.thread_time() - started
+
+
+class Mixed(torch.utils.data.Dataset[float]):
+    """Samples that wait, then compute: a read from storage followed by decoding (by default
+    2 ms of sleep, then about 1 ms of one core in pure Python, holding the GIL).
+
+    Each returns its seconds of work: the sleep as measured, plus the CPU time its thread spent
+    computing (time waiting for a core or the GIL is not counted).
+    """
+
+    def __init__(self, size: int, seconds: float = 0.002, steps: int = 14_000) -> None:
+        self.size = size
+        self.seconds = seconds
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> float:
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        slept = time.perf_counter() - started
+        computing = time.thread_time()
+        total = index
+        for step in range(self.steps):
+            total = (total * 31 + step) % 1_000_003
+        return slept + time.thread_time() - computing
 
 
 class Floats(torch.utils.data.Dataset[torch.Tensor]):
@@ -502,6 +530,10 @@ class Side(enum.Enum):
     RAY = "ray"
     """statecore with `executor="ray"`: its workers are Ray actors. Opt-in (`bench --ray`):
     only workloads made `with_ray()` run it."""
+    AUTO = "auto"
+    """statecore with `num_workers="auto"` (its default executor): the loader starts two
+    workers and tunes the count as it runs. Opt-in (`bench --auto`): only workloads made
+    `with_auto()` run it, where they have workers and a map-style dataset."""
 
     def loader_class(self) -> type[Loader]:
         if self is Side.TORCH:
@@ -515,6 +547,8 @@ class Side(enum.Enum):
         """Loader arguments of this side's own, beyond the workload's."""
         if self is Side.THREADS:
             return {"executor": "thread"}
+        if self is Side.AUTO:
+            return {"num_workers": "auto"}
         return {"executor": "ray"} if self is Side.RAY else {}
 
     def runs(self, workload: Workload) -> bool:
@@ -522,6 +556,10 @@ class Side(enum.Enum):
         statecore loads in the calling thread whatever its executor; Ray only when asked."""
         if self is Side.RAY:
             return workload.ray and workload.num_workers > 0
+        if self is Side.AUTO:
+            # An auto loader refuses an iterable dataset, the workloads the loader does not
+            # shuffle (torch refuses to shuffle one).
+            return workload.auto and workload.num_workers > 0 and workload.shuffle
         return self is not Side.THREADS or workload.num_workers > 0
 
 
@@ -562,6 +600,8 @@ class Workload:
     """Whether the benchmark also measures each loader's peak memory on this workload."""
     ray: bool = False
     """Whether statecore's Ray executor runs too (`bench --ray`), on a workload with workers."""
+    auto: bool = False
+    """Whether statecore with `num_workers="auto"` runs too (`bench --auto`)."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -586,6 +626,10 @@ class Workload:
     def with_ray(self) -> Workload:
         """This workload with statecore's Ray executor as one more side (`Side.RAY`)."""
         return attrs.evolve(self, ray=True)
+
+    def with_auto(self) -> Workload:
+        """This workload with statecore's `num_workers="auto"` as one more side (`Side.AUTO`)."""
+        return attrs.evolve(self, auto=True)
 
     def quick(self) -> Workload:
         """This workload as `--quick` runs it: smaller epochs, and maybe fewer pairs."""
@@ -913,7 +957,8 @@ def measure(
     arguments = workload.loader_arguments()
     if loader_class is not torch.utils.data.DataLoader:
         arguments.update(workload.ours)
-    loader = loader_class(dataset, **arguments, **(options or {}))
+    arguments.update(options or {})  # a side's own arguments win (`Side.AUTO`'s num_workers)
+    loader = loader_class(dataset, **arguments)
     try:
         return _TIMERS[workload.timing](workload, loader)
     finally:

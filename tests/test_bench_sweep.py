@@ -1,0 +1,94 @@
+"""`python -m statecore bench --sweep` (`statecore.tools.sweep`): fixed worker counts and
+`num_workers="auto"` side by side. No timing is asserted: only the report's shape and the
+arithmetic of its figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import statistics
+from pathlib import Path
+
+import multiprocess
+import pytest
+from _side_by_side import WORKERS
+
+from statecore.tools import sweep
+from statecore.tools.loader_bench import rotated
+from statecore.tools.sweep import AUTO, COUNTS, SweepResult, SweepRun, TuningSummary
+
+
+def _result(medians: dict[sweep.Count, list[float]]) -> SweepResult:
+    tuning = TuningSummary(True, 3, ((20, "add", 3, "the loop waited"),), 0.5, "settled")
+    runs = {
+        count: tuple(SweepRun(100, 100 / rate, tuning if count == AUTO else None) for rate in rates)
+        for count, rates in medians.items()
+    }
+    return SweepResult(sweep.SWEEP[0], runs, tuple(COUNTS[:1]))
+
+
+def test_the_best_fixed_count_is_the_one_with_the_highest_median_and_auto_is_not_a_candidate() -> (
+    None
+):
+    result = _result({1: [10, 11, 12], 2: [30, 20, 25], 4: [22, 23, 24], AUTO: [40, 41, 42]})
+    assert result.best == 2
+
+
+def test_autos_ratio_is_its_median_over_the_best_counts_median() -> None:
+    result = _result({1: [10, 11, 12], 2: [30, 20, 25], AUTO: [20, 24, 30]})
+    assert result.ratio == pytest.approx(24 / 25)
+
+
+def test_the_rounds_rotate_so_each_count_and_auto_go_first_in_turn() -> None:
+    taking = (*COUNTS, AUTO)
+    firsts = [rotated(number, taking)[0] for number in range(len(taking))]
+    assert firsts == list(taking)
+
+
+@WORKERS
+def test_the_quickest_sweep_runs_every_count_and_auto_and_reports_them(tmp_path: Path) -> None:
+    out, errors = io.StringIO(), io.StringIO()
+    path = tmp_path / "sweep.json"
+    code = sweep.sweep(
+        quick=True,
+        only=["io-4ms"],
+        rounds=1,
+        batches=3,
+        json_path=str(path),
+        stream=out,
+        errors=errors,
+    )
+    assert code == 0, errors.getvalue()
+    (result,) = json.loads(path.read_text())["results"]
+    assert set(result["medians"]) == {*map(str, COUNTS), AUTO}
+    assert all(len(runs) == 1 for runs in result["runs"].values())
+    fixed = {count: result["medians"][str(count)] for count in COUNTS}
+    assert result["best"] == max(fixed, key=fixed.__getitem__)
+    assert result["ratio"] == pytest.approx(result["medians"][AUTO] / fixed[result["best"]])
+    (auto_run,) = result["runs"][AUTO]
+    assert auto_run["tuning"] is not None and result["settled_on"] == [
+        auto_run["tuning"]["workers"]
+    ]
+    medians = [run["batches"] / run["seconds"] for run in result["runs"]["1"]]
+    assert fixed[1] == pytest.approx(statistics.median(medians))
+    table = out.getvalue()
+    assert "io-4ms" in table and "auto/best" in table and "best fixed" in table
+    if sweep.AVAILABLE:
+        assert set(result["memory"]) == {*map(str, COUNTS), AUTO}
+        assert "peak memory added" in table
+    assert multiprocessing.active_children() == [] and multiprocess.active_children() == []
+
+
+def test_an_unknown_sweep_workload_is_refused_with_the_names_there_are() -> None:
+    errors = io.StringIO()
+    assert sweep.sweep(only=["nope"], stream=io.StringIO(), errors=errors) == 2
+    assert "nope" in errors.getvalue() and "io-4ms" in errors.getvalue()
+
+
+def test_a_training_step_spins_its_cpu_time() -> None:
+    import time
+
+    started = time.thread_time()
+    sweep.spin(0.01)
+    assert time.thread_time() - started >= 0.01
