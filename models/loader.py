@@ -222,6 +222,30 @@ class ShardsWithState(IterableDataset[int]):
         self.start = state["start"]
 
 
+class CountsEpochs(ShardsWithState):
+    """`ShardsWithState` (rewinding) whose dataset also counts its epochs, moving on as its
+    part runs dry, as a dataset keeping its own epoch does: worker k's item j of epoch e is
+    1000 * e + 100 * k + j. A resume must run a part dry again exactly where the uninterrupted
+    run's ran dry, and nowhere else: a replacement, an epoch broken off, a state taken at an
+    epoch's edge all show in the items' epochs."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        super().__init__(counts, rewinds=True)
+        self.epoch = 0
+
+    def _items(self, items: list[int]) -> Iterator[int]:
+        for item in super()._items(items):
+            yield 1000 * self.epoch + item
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.epoch = state["epoch"]
+
+
 class Understated(Sampler[int]):
     """A sampler whose `__len__` says `missing` fewer than it yields; torch tolerates it."""
 
@@ -376,6 +400,8 @@ class Setup:
             return Shards(self.counts)
         if self.dataset == "stateful-iterator":
             return StatefulShards(self.counts)
+        if self.dataset == "counting-epochs":
+            return CountsEpochs(self.counts)
         return ShardsWithState(self.counts, rewinds=self.dataset == "rewinding")
 
     def build(self, board: Switchboard) -> DataLoader[Any]:
