@@ -96,15 +96,18 @@ def restored(setup: WorkerSetup, worker: int, mark: Standing, later_epoch: bool)
     holds; in a `later_epoch` those are past, and the setup's dataset is the start.
     """
     resume, ended, ended_open = setup.resume, setup.ended, setup.ended_open
+    resume_dry = setup.resume_dry
     if later_epoch:
-        resume, ended, ended_open = None, None, frozenset()
+        resume, ended, ended_open, resume_dry = None, None, frozenset(), frozenset()
     if isinstance(mark, Carried):
         ended = _placed(ended, worker, mark.ended, setup.num_workers)
         ended_open = ended_open | {worker} if mark.open else ended_open - {worker}
         mark = mark.mark
     if mark is not None:
         resume = _placed(resume, worker, mark, setup.num_workers)
-    return attrs.evolve(setup, resume=resume, ended=ended, ended_open=ended_open)
+    return attrs.evolve(
+        setup, resume=resume, ended=ended, ended_open=ended_open, resume_dry=resume_dry
+    )
 
 
 def _placed(

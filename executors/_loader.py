@@ -786,6 +786,12 @@ def _carried_over(
     carried_open = _open(marks, previous.carried, carried_open)
     if iterable and not previous.complete and marks is not None:
         answered = {w for w, mark in enumerate(marks) if mark not in (None, (0, None))}
+        if previous.carried is None:
+            # Nothing lived on into the epoch broken out of: a part that handed over no batch
+            # stood where its dataset began, and was not run dry unless found so (a dataset
+            # counting its epochs as its part runs dry must not count that one). Where
+            # something lived on, such a part stands as `carried` says, open or not.
+            answered = set(range(len(marks)))
         carried_open |= frozenset(answered) - previous.progress.dry
     return _merged(marks, previous.carried), carried_open
 
@@ -976,6 +982,7 @@ class _Iterator(_BaseDataLoaderIter):
             resume=None if resume is None or in_main else resume.workers,
             ended=None if in_main else self._carried,
             ended_open=frozenset() if self._carried is None else self._carries_open,
+            resume_dry=frozenset() if resume is None or in_main else resume.progress.dry,
             batch_size=loader.batch_size,
             snapshot_every=loader.snapshot_every_n_steps or None,
             trace=loader.trace,

@@ -77,6 +77,10 @@ class WorkerSetup:
     to where it stood as that epoch ended, and starts the next from there; the worker's mark
     in `resume`, if any, then positions it in the resumed epoch."""
     ended_open: frozenset[int] = attrs.field(default=frozenset(), eq=False)
+    resume_dry: frozenset[int] = attrs.field(default=frozenset(), eq=False)
+    """The workers whose part of an iterable dataset the checkpoint of `resume` had found dry:
+    the resumed epoch asks them nothing, and their part is run dry as they start, as the
+    original's was (a dataset may count its epochs as its part runs dry)."""
     batch_size: int | None = None
     """An iterable dataset's batch size (with `auto_collation`), for reading batches again
     outside a task (`WorkerRuntime._carry`)."""
@@ -198,6 +202,10 @@ class WorkerRuntime:
         """How this worker seeds itself for a batch of a loader that seeds per batch (a
         `SeededTask`), as its seat allows (`_seeding.seeder_for`); set by the start-up. None:
         its tasks are loaded unseeded."""
+        self.dry_unread = setup.iterable and worker_id in setup.resume_dry
+        """Found dry at the checkpoint this epoch resumes, this worker is asked nothing more in
+        it: its part, restored where its last batch left it, is read to its end as its next
+        epoch starts (a persistent worker's), where the original's ran dry."""
         if dataset is None:
             dataset = setup.dataset
             if init_error is None:
@@ -303,6 +311,12 @@ class WorkerRuntime:
             self._restart("while restarting the dataset for the next epoch")
             return
         # The epoch is over: every item left of it, the `skip` batches' included, was read.
+        self._read_to_end()
+        self._restart("while restarting the dataset for the next epoch")
+
+    def _read_to_end(self) -> None:
+        """Read the dataset iterator's items to its end, nothing collated, as the original's
+        were (a dataset may change its state as its iterator runs dry)."""
         iterator, self.skip = self.fetcher.dataset_iter, 0
         while True:
             try:
@@ -311,7 +325,6 @@ class WorkerRuntime:
                 break
             except Exception:
                 continue  # its error was handed over before the checkpoint
-        self._restart("while restarting the dataset for the next epoch")
 
     def _mark(self) -> Mark:
         """The mark of the batch (or error) just yielded, its dataset's state every so often."""
@@ -501,7 +514,10 @@ class WorkerRuntime:
             self.dataset = _reseed_datapipe(self.dataset, command.seed)
         self.exhausted = False
         if self.init_error is None:
+            if self.dry_unread and self.stateful:
+                self._read_to_end()
             self._restart("while restarting the dataset for a new epoch")
+        self.dry_unread = False
         return WorkerResumed(self.worker_id, command.epoch)
 
     def _capture(

@@ -24,6 +24,10 @@ batches the program was handed, across every resume, must be that run's (in orde
 same multiset (`in_order=False`). A resume rolls the program's record back to the saved one,
 as a restarted job forgets what it trained on after its checkpoint.
 
+Hypothesis's draws depend on the program's choices alone, never on the workers' timing: the
+record moves as the uninterrupted run says, and a loader handing anything else is a violation
+kept and raised as the run ends (see `loader_machine`).
+
 Failures print as runnable programs: a `Setup` is a valid Python expression.
 """
 
@@ -41,7 +45,7 @@ from typing import Any
 import attrs
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from torch.utils.data import (
     Dataset,
     IterableDataset,
@@ -88,6 +92,7 @@ DATASETS = (
     "stateful-iterator",  # the iterator has state_dict/load_state_dict
     "stateful-dataset",  # the dataset has the state, and its next iterator starts from it
     "rewinding",  # as stateful-dataset, but its state returns to the start once exhausted
+    "counting-epochs",  # as rewinding, and it counts its epochs as its part runs dry
 )
 """The kinds of dataset a `Setup` names. Iterable ones take per-worker counts, short and
 uneven (0 included): shards that run dry at different times."""
@@ -216,6 +221,30 @@ class ShardsWithState(IterableDataset[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start = state["start"]
+
+
+class CountsEpochs(ShardsWithState):
+    """`ShardsWithState` (rewinding) whose dataset also counts its epochs, moving on as its
+    part runs dry, as a dataset keeping its own epoch does: worker k's item j of epoch e is
+    1000 * e + 100 * k + j. A resume must run a part dry again exactly where the uninterrupted
+    run's ran dry, and nowhere else: a replacement, an epoch broken off, a state taken at an
+    epoch's edge all show in the items' epochs."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        super().__init__(counts, rewinds=True)
+        self.epoch = 0
+
+    def _items(self, items: list[int]) -> Iterator[int]:
+        for item in super()._items(items):
+            yield 1000 * self.epoch + item
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.epoch = state["epoch"]
 
 
 class Understated(Sampler[int]):
@@ -372,6 +401,8 @@ class Setup:
             return Shards(self.counts)
         if self.dataset == "stateful-iterator":
             return StatefulShards(self.counts)
+        if self.dataset == "counting-epochs":
+            return CountsEpochs(self.counts)
         return ShardsWithState(self.counts, rewinds=self.dataset == "rewinding")
 
     def build(self, board: Switchboard) -> DataLoader[Any]:
@@ -536,6 +567,19 @@ def _loads_what_a_break_left(setup: Setup, record: _Record) -> bool:
     )
 
 
+_END = object()
+"""What a `next()` gives at an epoch's end, in place of a batch."""
+
+
+def _ran_ahead_counts(setup: Setup) -> bool:
+    """Whether a break leaves a dataset whose state depends on timing: persistent workers
+    broken out of have loaded ahead as far as their speed took them, and a dataset counting
+    its epochs counts the one broken off only if a worker's loading ahead ran its part dry,
+    so the uninterrupted run itself differs run to run. The loader machine breaks no such
+    loop (in the main process, which loads nothing ahead, it does)."""
+    return setup.dataset == "counting-epochs" and setup.persistent
+
+
 def loader_machine(
     setup_strategy: st.SearchStrategy[Setup] | None = None, *, replacing: bool = False
 ) -> type[RuleBasedStateMachine]:
@@ -545,7 +589,15 @@ def loader_machine(
 
     `replacing`: with the rule that kills a worker the loader replaces (`Setup.restarts`,
     worker processes). Only there: a rule that is never enabled still changes what
-    Hypothesis draws, and so which examples a fixed budget (a derandomized one) meets."""
+    Hypothesis draws, and so which examples a fixed budget (a derandomized one) meets.
+
+    What Hypothesis draws depends on the choices alone, never on timing: the program's record
+    (its epoch, how many batches it was handed, whether it is in its loop) moves as the
+    uninterrupted run says it must, whatever the loader hands. A loader that hands anything
+    else (a wrong batch, an early or late end, an error) is a violation, kept and raised as
+    the run ends (`teardown`), and the loader is driven no further: a loader going wrong at a
+    moment set by its workers' speed (a mutant) must not end the run at that moment, or the
+    same choices would draw a different number of steps (Hypothesis's FlakyStrategyDefinition)."""
     drawn = setups() if setup_strategy is None else setup_strategy
 
     class LoaderMachine(RuleBasedStateMachine):
@@ -554,12 +606,17 @@ def loader_machine(
         board: Switchboard
         loader: DataLoader[Any]
         iterator: Iterator[Any] | None
+        """The loader's iterator the program holds (None once a violation stopped it)."""
+        looping: bool
+        """Whether the program is in an epoch's loop."""
         record: _Record
         saved: _Saved | None
         killed: set[int]
         """The worker processes the program killed (`a_worker_is_killed_and_replaced`)."""
         told: set[int]
         """Those of them a restart warning named, as far as the program caught them."""
+        violation: Violation | None
+        """The first thing the loader did that the uninterrupted run does not."""
 
         @initialize(setup=drawn)
         def start(self, setup: Setup) -> None:
@@ -567,9 +624,11 @@ def loader_machine(
             self.oracles = {}
             self.board = Switchboard()
             self.iterator = None
+            self.looping = False
             self.record = _Record()
             self.saved = None
             self.killed, self.told = set(), set()
+            self.violation = None
             self._rng = torch.get_rng_state()
             torch.manual_seed(setup.seed)
             self._rng_at_begin = torch.get_rng_state()
@@ -581,6 +640,7 @@ def loader_machine(
                 _retire(self.loader)
             if hasattr(self, "_rng"):
                 torch.set_rng_state(self._rng)
+            self.handed_what_the_uninterrupted_run_hands()
 
         # -- the program's moves --
 
@@ -588,22 +648,28 @@ def loader_machine(
             record = self.record
             return record.epoch + (1 if record.dropped else 0) < EPOCHS
 
-        def _begin(self) -> Iterator[Any]:
-            if self.iterator is None:
-                if self.record.dropped:
-                    # The program moves on: the epoch it broke out of is left unfinished.
-                    self.record = _Record(
-                        self.record.epoch + 1, self.record.seen, self.record.ended
-                    )
-                self._rng_at_begin = torch.get_rng_state()
-                self.iterator = iter(self.loader)
-            return self.iterator
+        def _begin(self) -> None:
+            if self.looping:
+                return
+            if self.record.dropped:
+                # The program moves on: the epoch it broke out of is left unfinished.
+                self.record = _Record(self.record.epoch + 1, self.record.seen, self.record.ended)
+            self._rng_at_begin = torch.get_rng_state()
+            self.looping = True
+            if self.violation is None:
+                try:
+                    self.iterator = iter(self.loader)
+                except Exception as error:
+                    self._violated(f"iter(loader) raised {error!r}", error)
 
         def _next(self, interrupt: bool) -> None:
-            iterator = self._begin()
+            self._begin()
+            if self.iterator is None:
+                self._takes(_END)  # stopped by a violation: the record moves on alone
+                return
             self.board.armed = interrupt
             try:
-                batch = next(iterator)
+                batch = next(self.iterator)
             except KeyboardInterrupt:
                 # Asks again at once, as a notebook user re-runs the cell: whether the interrupt
                 # landed (a batch may already have been waiting) leaves no trace in the record,
@@ -612,38 +678,47 @@ def loader_machine(
                 self._next(interrupt=False)
                 return
             except StopIteration:
-                self.iterator = None
-                self.record = self.record.end()
+                self._takes(_END)
+                return
+            except Exception as error:
+                self._violated(f"next() raised {error!r}", error)
+                self._takes(_END)
                 return
             finally:
                 self.board.armed = False
-            self.record = self.record.handed(_plain(batch))
+            self._takes(_plain(batch))
 
-        @precondition(lambda self: self.iterator is None and self._can_iterate())
+        @precondition(lambda self: not self.looping and self._can_iterate())
         @rule()
         def starts_an_epoch(self) -> None:
             self._begin()
 
-        @precondition(lambda self: self.iterator is not None or self._can_iterate())
+        @precondition(lambda self: self.looping or self._can_iterate())
         @rule()
         def asks_for_a_batch(self) -> None:
             self._next(interrupt=False)
 
-        @precondition(lambda self: self.iterator is not None)
+        @precondition(lambda self: self.looping)
         @rule()
         def is_interrupted_in_next(self) -> None:
             # Then asks again, as a notebook user does: nothing lost, nothing repeated.
             self._next(interrupt=True)
 
-        @precondition(lambda self: self.iterator is not None)
+        @precondition(lambda self: self.looping and not _ran_ahead_counts(self.setup))
         @rule()
         def breaks_out_of_its_loop(self) -> None:
             self.iterator = None
+            self.looping = False
             self.record = attrs.evolve(self.record, dropped=True)
 
         @rule(through_json=st.booleans())
         def saves(self, through_json: bool) -> None:
-            state = _roundtrip(self.loader.state_dict(), through_json)
+            state: dict[str, Any] = {}
+            if self.violation is None:
+                try:
+                    state = _roundtrip(self.loader.state_dict(), through_json)
+                except Exception as error:
+                    self._violated(f"state_dict() raised {error!r}", error)
             # A state taken after a break describes the dropped epoch until the next iter():
             # resumed, that epoch goes on.
             record = attrs.evolve(self.record, dropped=False)
@@ -653,7 +728,11 @@ def loader_machine(
         def asks_for_a_state_it_drops(self) -> None:
             # A state may be asked for at any moment, and asking changes nothing; also keeps a
             # rule enabled once every epoch is over.
-            self.loader.state_dict()
+            if self.violation is None:
+                try:
+                    self.loader.state_dict()
+                except Exception as error:
+                    self._violated(f"state_dict() raised {error!r}", error)
 
         @precondition(lambda self: self.saved is not None)
         @rule()
@@ -666,11 +745,7 @@ def loader_machine(
             self.record = saved.record
 
         @precondition(
-            lambda self: (
-                self.setup.executor == "mp"
-                and not self.setup.restarts
-                and self.iterator is not None
-            )
+            lambda self: self.setup.executor == "mp" and not self.setup.restarts and self.looping
         )
         @rule(which=st.integers(0, 3))
         def loses_a_worker(self, which: int) -> None:
@@ -679,32 +754,39 @@ def loader_machine(
             # epoch's end: how many batches came before the death depends on timing, the
             # epoch's batches do not, so the record after this rule does not.
             pids = self.board.worker_pids()
-            if pids:
+            if pids and self.violation is None:
                 os.kill(pids[which % len(pids)], signal.SIGKILL)
-            iterator = self.iterator
-            assert iterator is not None
-            try:
-                for batch in iterator:
-                    self.record = self.record.handed(_plain(batch))
-            except WorkerDiedError:
-                died = True
-            else:
-                died = False  # the epoch ended before the death was noticed
+            died = False
+            if self.iterator is not None:
+                try:
+                    self._drains(self.iterator)
+                except WorkerDiedError:
+                    died = True
+                except Exception as error:
+                    self._violated(f"next() raised {error!r}", error)
             rng = self._rng_of_the_epoch() if died else torch.get_rng_state()
-            self._restart(_roundtrip(self.loader.state_dict(), through_json=False))
+            state: dict[str, Any] = {}
+            if self.violation is None:
+                try:
+                    state = _roundtrip(self.loader.state_dict(), through_json=False)
+                except Exception as error:
+                    self._violated(f"state_dict() raised {error!r}", error)
+            self._restart(state)
             torch.set_rng_state(rng)
             self._rng_at_begin = rng
             self.record = attrs.evolve(self.record, dropped=False)
             # A state taken once every batch was handed over (the death noticed before the
             # StopIteration) resumes that epoch, which then ends with no batch.
-            if died:
-                for batch in iter(self.loader):
-                    self.record = self.record.handed(_plain(batch))
-            self.record = self.record.end()
+            if died and self.violation is None:
+                try:
+                    self._drains(iter(self.loader))
+                except Exception as error:
+                    self._violated(f"the resumed epoch raised {error!r}", error)
+            self._ends_the_epoch()
 
         if replacing:
 
-            @precondition(lambda self: self.setup.restarts > 0 and self.iterator is not None)
+            @precondition(lambda self: self.setup.restarts > 0 and self.looping)
             @rule(
                 which=st.integers(0, 3),
                 saves=st.sampled_from(("never", "killed", "noticed")),
@@ -716,19 +798,19 @@ def loader_machine(
                 # A worker process is killed mid-epoch with restarts left, and the program asks
                 # for its next batch: that call, or a later one (the next epoch's, for a persistent
                 # worker found dead only then), notices the death and replaces the worker, telling
-                # the user once. The invariant holds the batches to the uninterrupted run's:
-                # nothing lost, nothing repeated. A state taken right after the kill (`killed`), or
-                # right after the call (`noticed`, its replacement perhaps not answered yet), is
-                # this rule's to save; `resumes` loads it in a fresh loader at once, and the
-                # rules after may too.
-                pids = self.board.worker_pids()
-                if not pids:
-                    return  # every worker of this epoch stopped (or none started yet)
+                # the user once. The batches must be the uninterrupted run's: nothing lost,
+                # nothing repeated. A state taken right after the kill (`killed`), or right after
+                # the call (`noticed`, its replacement perhaps not answered yet), is this rule's
+                # to save; `resumes` loads it in a fresh loader at once, and the rules after may
+                # too. Whether a worker is left to kill depends on timing (every worker of the
+                # epoch may have stopped): the program's moves do not.
                 if _loads_what_a_break_left(self.setup, self.record):
                     return
-                pid = pids[which % len(pids)]
-                os.kill(pid, signal.SIGKILL)
-                self.killed.add(pid)
+                pids = self.board.worker_pids()
+                if pids and self.violation is None:
+                    pid = pids[which % len(pids)]
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.add(pid)
                 if saves == "killed":
                     self.saves(through_json=False)
                 with warnings.catch_warnings(record=True) as caught:
@@ -742,7 +824,7 @@ def loader_machine(
                     next((p for p in self.killed if f"(pid {p})" in text), None) for text in told
                 ]
                 if None in named or len(set(named)) < len(named) or self.told & set(named):
-                    raise Violation(f"the program killed {sorted(self.killed)}, was told {told}")
+                    self._violated(f"the program killed {sorted(self.killed)}, was told {told}")
                 self.told |= {p for p in named if p is not None}
                 if saves == "noticed":
                     self.saves(through_json=False)
@@ -756,19 +838,26 @@ def loader_machine(
             docs/checkpointing.md: a program whose global generator stands where the epoch
             began gets the uninterrupted run's stream after a resume; one standing elsewhere
             moves on by a fresh epoch's draws."""
-            if self.iterator is None and not self.record.dropped:
+            if not self.looping and not self.record.dropped:
                 return torch.get_rng_state()
             return self._rng_at_begin
 
         def _restart(self, state: dict[str, Any]) -> None:
             self.iterator = None
-            _retire(self.loader)
-            self.board = Switchboard()
-            self.loader = self.setup.build(self.board)
-            with warnings.catch_warnings():
-                # A state taken at an epoch's last batch warns that the resumed epoch is empty.
-                warnings.simplefilter("ignore", UserWarning)
-                self.loader.load_state_dict(state)
+            self.looping = False
+            if self.violation is not None:
+                return
+            try:
+                _retire(self.loader)
+                self.board = Switchboard()
+                self.loader = self.setup.build(self.board)
+                with warnings.catch_warnings():
+                    # A state taken at an epoch's last batch warns that the resumed epoch is
+                    # empty.
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.loader.load_state_dict(state)
+            except Exception as error:
+                self._violated(f"resuming from a saved state raised {error!r}", error)
 
         # -- the oracle --
 
@@ -777,23 +866,58 @@ def loader_machine(
                 self.oracles[taken] = self.setup.uninterrupted(taken)
             return self.oracles[taken]
 
-        @invariant()
-        def handed_what_the_uninterrupted_run_hands(self) -> None:
-            if not hasattr(self, "record"):
-                return
+        def _violated(self, what: str, cause: BaseException | None = None) -> None:
+            """Keeps the first violation and stops driving the loader."""
+            if self.violation is None:
+                self.violation = Violation(f"epoch {self.record.epoch}: {what}")
+                self.violation.__cause__ = cause
+                self.iterator = None
+
+        def _takes(self, outcome: Any) -> None:
+            """The program is handed `outcome` (a batch, or `_END`); the record moves on by
+            what the uninterrupted run hands there, which a violation (kept) says it is not."""
             record = self.record
-            for epoch, seen in enumerate(record.seen[: record.epoch + 1]):
-                expected = self._oracle(record.taken(epoch))
-                ended = epoch in record.ended
-                if self.setup.in_order or self.setup.workers < 2:
-                    fits = list(seen) == (expected if ended else expected[: len(seen)])
+            expected = self._oracle(record.taken(record.epoch))
+            seen = record.seen[record.epoch]
+            if self.setup.in_order or self.setup.workers < 2:
+                due = expected[len(seen)] if len(seen) < len(expected) else _END
+            else:
+                left = Counter(map(repr, expected)) - Counter(map(repr, seen))
+                if not left:
+                    due = _END
+                elif outcome is not _END and repr(outcome) in left:
+                    due = outcome
                 else:
-                    got, want = Counter(map(repr, seen)), Counter(map(repr, expected))
-                    fits = got == want if ended else not (got - want)
-                if not fits:
-                    raise Violation(
-                        f"epoch {epoch} ({'ended' if ended else 'so far'}): handed {list(seen)}, "
-                        f"the uninterrupted run hands {expected}"
-                    )
+                    due = next(batch for batch in expected if repr(batch) in left)
+            if self.violation is None and outcome != due:
+                self._violated(
+                    f"after {list(seen)}, handed "
+                    f"{'the end' if outcome is _END else outcome}, where the uninterrupted run "
+                    f"hands {expected}"
+                )
+            if due is _END:
+                self.iterator = None
+                self.looping = False
+                self.record = record.end()
+            else:
+                self.record = record.handed(due)
+
+        def _drains(self, iterator: Iterator[Any]) -> None:
+            """Takes the batches of `iterator` to its end, or to a violation."""
+            for batch in iterator:
+                self._takes(_plain(batch))
+                if self.violation is not None:
+                    return
+
+        def _ends_the_epoch(self) -> None:
+            """The loader ended the epoch here; after a violation, the record runs to its end."""
+            epoch = self.record.epoch
+            while self.record.epoch == epoch:
+                self._takes(_END)
+
+        def handed_what_the_uninterrupted_run_hands(self) -> None:
+            """Raises the violation kept, if any (the run's verdict, given at its end)."""
+            if self.violation is not None:
+                raise self.violation
 
     return LoaderMachine
