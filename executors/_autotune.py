@@ -6,7 +6,7 @@ which workers had a task in hand), and every `WINDOW` batches hands the policy a
 and carries its decision out through the driver (`Driver.add`, `Driver.retire`): the changes go
 through the core's events, so every guarantee of the scheduler holds through them.
 
-Budgets: the slots (`slots_for`: four per core the process may use, so that a loader whose
+Budgets: the slots (`slots_for`: eight per core the process may use, so that a loader whose
 samples wait on I/O may run more workers than cores), the CPU budget (the cores: no worker is
 added once this process and its worker processes keep nearly all of them busy, and past them an
 added worker must pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
@@ -60,7 +60,7 @@ WINDOW = 16
 WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
-SLOTS_PER_CPU = 4
+SLOTS_PER_CPU = 8
 MEMORY_SHARE = 0.5
 """The share of the memory available as the loader starts that its workers may take."""
 BUSY_EVERY = 4
@@ -100,8 +100,10 @@ def cpu_budget() -> int:
 
 
 def slots_for(cpus: int) -> int:
-    """The worker slots of an auto loader on `cpus` cores: four per core, at least four."""
-    return max(SLOTS_PER_CPU * cpus, 4)
+    """The worker slots of an auto loader on `cpus` cores: eight per core, at least sixteen
+    (an I/O-bound load is served best by many more workers than cores; the memory budget, a
+    worker's measured footprint, still bounds them)."""
+    return max(SLOTS_PER_CPU * cpus, 16)
 
 
 def auto_num_workers(num_workers: Any, dataset: Any) -> Any:
@@ -310,21 +312,27 @@ class AutoTuner:
         if decision.move is TuningMove.HOLD:
             self.tuner = tuner
             return
-        workers = state.life.workers
+        before = running
         try:
-            if decision.move is TuningMove.ADD:
-                driver.add(workers.index(_STOPPED))
-                running += 1
-            else:
-                active = [
-                    w for w, s in enumerate(workers) if s is _ACTIVE and w != state.drawing_for
-                ]
-                driver.retire(active[-1])
-                running -= 1
+            for _ in range(decision.workers):
+                workers = driver.state.life.workers
+                if decision.move is TuningMove.ADD:
+                    driver.add(workers.index(_STOPPED))
+                    running += 1
+                else:
+                    active = [
+                        w
+                        for w, s in enumerate(workers)
+                        if s is _ACTIVE and w != driver.state.drawing_for
+                    ]
+                    driver.retire(active[-1])
+                    running -= 1
         except (ProtocolError, ValueError, IndexError) as refused:
-            # The scheduler refused (no slot left to add, the last worker): nothing changed.
+            # The scheduler refused (no slot left to add, the last worker): the workers it
+            # changed before (of several) stay changed.
             self.latest = f"{decision.why}; not done: {refused}"
-            return
+            if running == before:
+                return
         self.tuner = tuner
         self.workers = running
         self.records.append(

@@ -23,6 +23,7 @@ from statecore import (
     TuningMove,
     WorkerBudget,
     WorkerStatus,
+    decide_workers,
 )
 from statecore.executors import Launch
 from statecore.executors._autotune import AutoTuner, AutoWorkers, cpu_budget, slots_for
@@ -104,6 +105,13 @@ class WhoLoads(Dataset):  # type: ignore[type-arg]
         info = get_worker_info()
         assert info is not None
         return index, info.id, info.num_workers
+
+
+def test_an_auto_loader_on_two_cores_has_sixteen_slots_for_io_bound_samples() -> None:
+    # Samples that wait on I/O are served best by many more workers than cores.
+    assert slots_for(2) == 16
+    assert slots_for(1) == 16
+    assert slots_for(4) == 32
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
@@ -315,23 +323,52 @@ class _LoopClock:
         return self.now
 
 
+def _cores(cpu: float | None) -> Decide:
+    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured)."""
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        return decide_workers(tuner, attrs.evolve(window, cpu=cpu), budget)
+
+    return decide
+
+
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not_pay(
     where: dict[str, Any],
 ) -> None:
-    # The loop waits 90% of its time, and batches come no faster with a third worker (the
-    # clock says so): the tuner adds one, finds it did not pay, retires it and settles.
+    # The loop waits 90% of its time, and batches come no faster with more workers (the clock
+    # says so), the cores unmeasured: the tuner doubles the count, finds the two it added did
+    # not pay, retires both and settles.
     loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(loader.num_workers, clock=clock, window_seconds=0)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(None), clock=clock, window_seconds=0)
     got = list(loader)
     _equal(got, _torchs(Numbers(400), batch_size=2))
     tuning = loader.stats().tuning
     assert tuning is not None
-    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 3), (RETIRE, 2)]
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (RETIRE, 2)]
     assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
-    assert "did not pay" in tuning.decisions[1].why
+    assert "workers 3-4 did not pay" in tuning.decisions[1].why
     assert tuning.settled and tuning.workers == 2
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_the_real_policy_doubles_to_its_slots_for_a_starving_loop_with_cores_to_spare(
+    where: dict[str, Any],
+) -> None:
+    # The same starving loop, its workers using a tenth of a core: batches coming no faster is
+    # noise while the loop starves, so the tuner keeps each add and doubles up to its slots.
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(0.1), clock=clock, window_seconds=0)
+    got = list(loader)
+    _equal(got, _torchs(Numbers(400), batch_size=2))
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (ADD, 8), (ADD, 16)]
+    assert tuning.workers == 16
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:
