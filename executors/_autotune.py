@@ -140,9 +140,12 @@ class TuningRecord:
     workers: int
     """Workers running once it took effect."""
     why: str
+    by: int = 1
+    """Workers it added or retired."""
 
     def describe(self) -> str:
-        verb = "added a worker" if self.move is TuningMove.ADD else "retired a worker"
+        verb = "added" if self.move is TuningMove.ADD else "retired"
+        verb += " a worker" if self.by == 1 else f" {self.by} workers"
         return f"batch {self.batch} (epoch {self.epoch}): {verb}, {self.workers} now: {self.why}"
 
 
@@ -336,7 +339,14 @@ class AutoTuner:
         self.tuner = tuner
         self.workers = running
         self.records.append(
-            TuningRecord(self.batch, state.life.epoch, decision.move, running, decision.why)
+            TuningRecord(
+                self.batch,
+                state.life.epoch,
+                decision.move,
+                running,
+                decision.why,
+                abs(running - before),
+            )
         )
 
 

@@ -369,6 +369,7 @@ def test_the_real_policy_doubles_to_its_slots_for_a_starving_loop_with_cores_to_
     assert tuning is not None
     assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (ADD, 8), (ADD, 16)]
     assert tuning.workers == 16
+    assert "added 8 workers, 16 now" in tuning.decisions[-1].describe()
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:
