@@ -33,6 +33,7 @@ from statecore import (
     ProtocolError,
     State,
     Tuner,
+    Tuning,
     TuningDecision,
     TuningMove,
     WorkerBudget,
@@ -61,6 +62,9 @@ WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
 SLOTS_PER_CPU = 8
+COOLDOWN = Tuning().cooldown
+"""Batches after a change before a window begins: the policy holds on a window begun sooner, so
+measuring one would cost a whole window per change."""
 MEMORY_SHARE = 0.5
 """The share of the memory available as the loader starts that its workers may take."""
 BUSY_EVERY = 4
@@ -221,6 +225,8 @@ class AutoTuner:
         self.memory_budget = None if memory is None else memory * MEMORY_SHARE
         self.memory: int | None = None
         self.windows = 0
+        self.changed_at = -COOLDOWN
+        """The batch of the last change."""
         self.seeding = "per-batch"
         """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
         self._restart()
@@ -264,9 +270,14 @@ class AutoTuner:
         self.batch += 1
         state: State = driver.state
         workers = state.life.workers
-        if self.last is None or _STARTING in workers or _RETIRING in workers:
-            # The epoch's first batch (start-up), or a change not in effect yet: the window
-            # begins once it is.
+        if (
+            self.last is None
+            or _STARTING in workers
+            or _RETIRING in workers
+            or self.batch <= self.changed_at + COOLDOWN
+        ):
+            # The epoch's first batch (start-up), a change not in effect yet, or its cool-down
+            # (a window begun in it would only be held): the window begins after them.
             self._restart()
             self.last = now
             return
@@ -338,6 +349,7 @@ class AutoTuner:
                 return
         self.tuner = tuner
         self.workers = running
+        self.changed_at = self.batch
         self.records.append(
             TuningRecord(
                 self.batch,

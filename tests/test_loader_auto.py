@@ -19,6 +19,7 @@ import statecore
 from statecore import (
     LoadWindow,
     Tuner,
+    Tuning,
     TuningDecision,
     TuningMove,
     WorkerBudget,
@@ -170,6 +171,21 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
         # Cores kept busy by this process and its worker processes: measured, whatever the value.
         assert window.cpu is not None and window.cpu >= 0
     assert [w.batch for w in seen] == sorted({w.batch for w in seen})
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, Any]) -> None:
+    # The policy holds on a window begun within the cool-down: measuring one would only delay
+    # the next decision by a whole window.
+    seen: list[LoadWindow] = []
+    loader = _auto(Numbers(400), _scripted([ADD], seen), batch_size=2, **where)
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    (record,) = tuning.decisions
+    later = [window for window in seen if window.batch > record.batch]
+    assert later
+    assert all(window.first >= record.batch + Tuning().cooldown for window in later)
 
 
 def test_stats_and_the_verdict_report_the_decisions() -> None:
