@@ -63,6 +63,9 @@ WINDOW_SECONDS = 0.5
 figures wobble less."""
 SLOTS_PER_CPU = 8
 COOLDOWN = Tuning().cooldown
+STARVED = Tuning().starved_above
+"""A window after one in which the loop waited over this share covers `WINDOW` batches however
+quickly they came."""
 """Batches after a change before a window begins: the policy holds on a window begun sooner, so
 measuring one would cost a whole window per change."""
 MEMORY_SHARE = 0.5
@@ -226,6 +229,8 @@ class AutoTuner:
         self.memory: int | None = None
         self.windows = 0
         self.changed_at = -COOLDOWN
+        self.starving = False
+        """The loop waited over `STARVED` of the last window."""
         """The batch of the last change."""
         self.seeding = "per-batch"
         """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
@@ -295,7 +300,10 @@ class AutoTuner:
                 holding = {slot.worker for slot in state.window if type(slot) is Pending}
                 self.busy += len(holding) / running
                 self.samples += 1
-        if count >= self.window and now - self.began >= self.window_seconds:
+        # A starving loop is measured over `window` batches alone: its waiting is not noise, and
+        # each half second spent measuring it is spent starving.
+        seconds = 0.0 if self.starving else self.window_seconds
+        if count >= self.window and now - self.began >= seconds:
             self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
@@ -312,6 +320,7 @@ class AutoTuner:
             cpu=_cores_used(self.cpu_began, _cpu_seconds(executor), seconds),
         )
         self.windows += 1
+        self.starving = window.wait_share > STARVED
         if self.memory_budget is not None and (
             self.memory is None or self.windows % MEASURE_MEMORY_EVERY == 0
         ):

@@ -188,6 +188,21 @@ def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, An
     assert all(window.first >= record.batch + Tuning().cooldown for window in later)
 
 
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_starving_loop_is_measured_over_shorter_windows(where: dict[str, Any]) -> None:
+    # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the first window covers
+    # half a second (51 batches: the first begins at its first request); once the loop is seen
+    # starving, windows cover 16 batches.
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    list(loader)
+    assert seen[0].batches == 51
+    assert [window.batches for window in seen[1:]] == [16] * (len(seen) - 1)
+    assert len(seen) > 3
+
+
 def test_stats_and_the_verdict_report_the_decisions() -> None:
     loader = _auto(Numbers(200), _scripted([ADD]), batch_size=2, executor="thread")
     list(loader)
