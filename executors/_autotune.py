@@ -6,7 +6,7 @@ which workers had a task in hand), and every `WINDOW` batches hands the policy a
 and carries its decision out through the driver (`Driver.add`, `Driver.retire`): the changes go
 through the core's events, so every guarantee of the scheduler holds through them.
 
-Budgets: the slots (`slots_for`: four per core the process may use, so that a loader whose
+Budgets: the slots (`slots_for`: eight per core the process may use, so that a loader whose
 samples wait on I/O may run more workers than cores), the CPU budget (the cores: no worker is
 added once this process and its worker processes keep nearly all of them busy, and past them an
 added worker must pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
@@ -33,6 +33,7 @@ from statecore import (
     ProtocolError,
     State,
     Tuner,
+    Tuning,
     TuningDecision,
     TuningMove,
     WorkerBudget,
@@ -60,7 +61,13 @@ WINDOW = 16
 WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
-SLOTS_PER_CPU = 4
+SLOTS_PER_CPU = 8
+COOLDOWN = Tuning().cooldown
+STARVED = Tuning().starved_above
+"""A window after one in which the loop waited over this share covers `WINDOW` batches however
+quickly they came."""
+"""Batches after a change before a window begins: the policy holds on a window begun sooner, so
+measuring one would cost a whole window per change."""
 MEMORY_SHARE = 0.5
 """The share of the memory available as the loader starts that its workers may take."""
 BUSY_EVERY = 4
@@ -100,8 +107,10 @@ def cpu_budget() -> int:
 
 
 def slots_for(cpus: int) -> int:
-    """The worker slots of an auto loader on `cpus` cores: four per core, at least four."""
-    return max(SLOTS_PER_CPU * cpus, 4)
+    """The worker slots of an auto loader on `cpus` cores: eight per core, at least sixteen
+    (an I/O-bound load is served best by many more workers than cores; the memory budget, a
+    worker's measured footprint, still bounds them)."""
+    return max(SLOTS_PER_CPU * cpus, 16)
 
 
 def auto_num_workers(num_workers: Any, dataset: Any) -> Any:
@@ -138,9 +147,12 @@ class TuningRecord:
     workers: int
     """Workers running once it took effect."""
     why: str
+    by: int = 1
+    """Workers it added or retired."""
 
     def describe(self) -> str:
-        verb = "added a worker" if self.move is TuningMove.ADD else "retired a worker"
+        verb = "added" if self.move is TuningMove.ADD else "retired"
+        verb += " a worker" if self.by == 1 else f" {self.by} workers"
         return f"batch {self.batch} (epoch {self.epoch}): {verb}, {self.workers} now: {self.why}"
 
 
@@ -216,6 +228,10 @@ class AutoTuner:
         self.memory_budget = None if memory is None else memory * MEMORY_SHARE
         self.memory: int | None = None
         self.windows = 0
+        self.changed_at = -COOLDOWN
+        self.starving = False
+        """The loop waited over `STARVED` of the last window."""
+        """The batch of the last change."""
         self.seeding = "per-batch"
         """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
         self._restart()
@@ -259,9 +275,14 @@ class AutoTuner:
         self.batch += 1
         state: State = driver.state
         workers = state.life.workers
-        if self.last is None or _STARTING in workers or _RETIRING in workers:
-            # The epoch's first batch (start-up), or a change not in effect yet: the window
-            # begins once it is.
+        if (
+            self.last is None
+            or _STARTING in workers
+            or _RETIRING in workers
+            or self.batch <= self.changed_at + COOLDOWN
+        ):
+            # The epoch's first batch (start-up), a change not in effect yet, or its cool-down
+            # (a window begun in it would only be held): the window begins after them.
             self._restart()
             self.last = now
             return
@@ -279,7 +300,10 @@ class AutoTuner:
                 holding = {slot.worker for slot in state.window if type(slot) is Pending}
                 self.busy += len(holding) / running
                 self.samples += 1
-        if count >= self.window and now - self.began >= self.window_seconds:
+        # A starving loop is measured over `window` batches alone: its waiting is not noise, and
+        # each half second spent measuring it is spent starving.
+        seconds = 0.0 if self.starving else self.window_seconds
+        if count >= self.window and now - self.began >= seconds:
             self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
@@ -296,6 +320,7 @@ class AutoTuner:
             cpu=_cores_used(self.cpu_began, _cpu_seconds(executor), seconds),
         )
         self.windows += 1
+        self.starving = window.wait_share > STARVED
         if self.memory_budget is not None and (
             self.memory is None or self.windows % MEASURE_MEMORY_EVERY == 0
         ):
@@ -310,25 +335,39 @@ class AutoTuner:
         if decision.move is TuningMove.HOLD:
             self.tuner = tuner
             return
-        workers = state.life.workers
+        before = running
         try:
-            if decision.move is TuningMove.ADD:
-                driver.add(workers.index(_STOPPED))
-                running += 1
-            else:
-                active = [
-                    w for w, s in enumerate(workers) if s is _ACTIVE and w != state.drawing_for
-                ]
-                driver.retire(active[-1])
-                running -= 1
+            for _ in range(decision.workers):
+                workers = driver.state.life.workers
+                if decision.move is TuningMove.ADD:
+                    driver.add(workers.index(_STOPPED))
+                    running += 1
+                else:
+                    active = [
+                        w
+                        for w, s in enumerate(workers)
+                        if s is _ACTIVE and w != driver.state.drawing_for
+                    ]
+                    driver.retire(active[-1])
+                    running -= 1
         except (ProtocolError, ValueError, IndexError) as refused:
-            # The scheduler refused (no slot left to add, the last worker): nothing changed.
+            # The scheduler refused (no slot left to add, the last worker): the workers it
+            # changed before (of several) stay changed.
             self.latest = f"{decision.why}; not done: {refused}"
-            return
+            if running == before:
+                return
         self.tuner = tuner
         self.workers = running
+        self.changed_at = self.batch
         self.records.append(
-            TuningRecord(self.batch, state.life.epoch, decision.move, running, decision.why)
+            TuningRecord(
+                self.batch,
+                state.life.epoch,
+                decision.move,
+                running,
+                decision.why,
+                abs(running - before),
+            )
         )
 
 

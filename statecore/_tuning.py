@@ -18,13 +18,20 @@ The rules, in the order `decide_workers` asks them:
    hold, and do not count it toward settling.
 3. Judging the last change. An add is kept only if batches came faster by `min_gain` (more
    past the CPU budget, where another worker competes with the others and with the training
-   loop for cores); otherwise it is undone and the count it reached becomes a ceiling. A
-   retire that left the training loop waiting is undone and the count it left becomes a floor.
+   loop for cores); otherwise it is undone and the count it reached becomes a ceiling. Not
+   while the loop still starves (waits more than `starved_above`) and the cores are measured
+   to have room: a starved loop is not served by fewer workers, so a slower window is noise,
+   and the add is kept. A retire that left the training loop waiting is undone and the count
+   it left becomes a floor.
 4. Settled. Once waiting stayed negligible for `calm_windows` windows, or the budget is
    spent (the slots, the memory, or the CPU: the loop and its workers keep `cpu_full` of the
    cores busy), the tuner holds; it wakes only if the loop waits more than `wake_above` (well above
-   the threshold of adding) for `wake_windows` windows in a row: a sudden slowdown.
-5. Adding, while the loop waits more than `add_above` of its time and the budget allows.
+   the threshold of adding) for `wake_windows` windows in a row: a sudden slowdown. Waking
+   while the loop starves and the cores are measured to have room drops the ceiling: it was
+   set on noise, or the load changed.
+5. Adding, while the loop waits more than `add_above` of its time and the budget allows: one
+   worker, or, while it starves (waits more than `starved_above`), as many as run already
+   (doubling, within the budget and the ceiling). An add undone undoes all it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -161,6 +168,9 @@ class Tuning:
     """An add is kept only if batches came faster by this share."""
     min_gain_past_cpus: float = 0.08
     """The same, for a worker past the CPU budget."""
+    starved_above: float = 0.5
+    """While the loop waits more than this share, adding doubles the count, and an add is not
+    undone unless the cores are measured full: waiting that much is not noise."""
     max_reversals: int = 2
     """Changes against the one before after which the tuner is locked where it stands."""
     pause_share: float = 0.5
@@ -176,6 +186,8 @@ class Tuner:
     """What the policy remembers between decisions. `Tuner()` before the first."""
 
     changed_at: int = 0
+    added: int = 1
+    """Workers the last add started (undoing it retires them all)."""
     """The batch number of the last change."""
     last: TuningMove = TuningMove.HOLD
     """The direction of the last change (HOLD before the first)."""
@@ -204,6 +216,8 @@ class TuningDecision:
 
     move: TuningMove
     why: str
+    workers: int = 1
+    """How many workers to add or retire."""
 
     @property
     def changes(self) -> bool:
@@ -256,7 +270,11 @@ def decide_workers(
             return attrs.evolve(tuner, loud=loud), _hold(
                 f"settled at {running} worker(s); the training loop waited {wait:.0%}"
             )
-        tuner = attrs.evolve(tuner, settled=False, loud=0, calm=0)
+        # A ceiling set while the cores had room was noise: a starved loop wakes past it.
+        cpu = window.cpu
+        spare = cpu is not None and cpu < tuning.cpu_full * budget.cpus
+        ceiling = None if spare and wait > tuning.starved_above else tuner.ceiling
+        tuner = attrs.evolve(tuner, settled=False, loud=0, calm=0, ceiling=ceiling)
 
     calm = tuner.calm + 1 if wait < tuning.calm_below else 0
     tuner = attrs.evolve(tuner, calm=calm)
@@ -275,12 +293,17 @@ def decide_workers(
             return attrs.evolve(tuner, settled=True), _hold(
                 f"the training loop waited {wait:.0%}, and {spent}: settled at {running} worker(s)"
             )
+        left = budget.limit - running
+        if ceiling is not None:
+            left = min(left, ceiling - running)
+        adding = max(1, min(running, left)) if wait > tuning.starved_above else 1
         return _change(
             attrs.evolve(tuner, rate_before=rate),
             TuningMove.ADD,
             window,
             tuning,
             f"the training loop waited {wait:.0%} of its time on loading",
+            adding,
         )
     busy = window.busy
     if (
@@ -310,15 +333,26 @@ def _judge(
     running = window.running
     if tuner.last is TuningMove.ADD and running > tuner.floor:
         needed = tuning.min_gain_past_cpus if running > budget.cpus else tuning.min_gain
-        if window.rate < tuner.rate_before * (1 + needed):
-            tuner = attrs.evolve(tuner, ceiling=running - 1)
+        cpu = window.cpu
+        # A starved loop with cores to spare is not served better by fewer workers: a slower
+        # window then is noise (a shared machine), not an add that did not pay.
+        starved = (
+            window.wait_share > tuning.starved_above
+            and cpu is not None
+            and cpu < tuning.cpu_full * budget.cpus
+        )
+        if window.rate < tuner.rate_before * (1 + needed) and not starved:
+            added = max(1, min(tuner.added, running - tuner.floor))
+            tuner = attrs.evolve(tuner, ceiling=running - added)
+            who = f"worker {running}" if added == 1 else f"workers {running - added + 1}-{running}"
             return _change(
                 tuner,
                 TuningMove.RETIRE,
                 window,
                 tuning,
-                f"worker {running} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
+                f"{who} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
                 f"batches/s, under the {needed:.0%} gain asked",
+                added,
             )
     elif (
         tuner.last is TuningMove.RETIRE
@@ -338,7 +372,12 @@ def _judge(
 
 
 def _change(
-    tuner: Tuner, move: TuningMove, window: LoadWindow, tuning: Tuning, why: str
+    tuner: Tuner,
+    move: TuningMove,
+    window: LoadWindow,
+    tuning: Tuning,
+    why: str,
+    workers: int = 1,
 ) -> tuple[Tuner, TuningDecision]:
     reversal = tuner.last is not TuningMove.HOLD and tuner.last is not move
     reversals = tuner.reversals + reversal
@@ -355,8 +394,9 @@ def _change(
         settled=False,
         locked=locked,
         changes=tuner.changes + 1,
+        added=workers if move is TuningMove.ADD else tuner.added,
     )
-    return tuner, TuningDecision(move, why)
+    return tuner, TuningDecision(move, why, workers)
 
 
 def _hold(why: str) -> TuningDecision:

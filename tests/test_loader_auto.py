@@ -19,10 +19,12 @@ import statecore
 from statecore import (
     LoadWindow,
     Tuner,
+    Tuning,
     TuningDecision,
     TuningMove,
     WorkerBudget,
     WorkerStatus,
+    decide_workers,
 )
 from statecore.executors import Launch
 from statecore.executors._autotune import AutoTuner, AutoWorkers, cpu_budget, slots_for
@@ -106,6 +108,13 @@ class WhoLoads(Dataset):  # type: ignore[type-arg]
         return index, info.id, info.num_workers
 
 
+def test_an_auto_loader_on_two_cores_has_sixteen_slots_for_io_bound_samples() -> None:
+    # Samples that wait on I/O are served best by many more workers than cores.
+    assert slots_for(2) == 16
+    assert slots_for(1) == 16
+    assert slots_for(4) == 32
+
+
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_an_auto_loader_starts_two_workers_of_its_slots(where: dict[str, Any]) -> None:
     loader = _auto(WhoLoads(), _scripted([]), batch_size=None, **where)
@@ -162,6 +171,36 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
         # Cores kept busy by this process and its worker processes: measured, whatever the value.
         assert window.cpu is not None and window.cpu >= 0
     assert [w.batch for w in seen] == sorted({w.batch for w in seen})
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, Any]) -> None:
+    # The policy holds on a window begun within the cool-down: measuring one would only delay
+    # the next decision by a whole window.
+    seen: list[LoadWindow] = []
+    loader = _auto(Numbers(400), _scripted([ADD], seen), batch_size=2, **where)
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    (record,) = tuning.decisions
+    later = [window for window in seen if window.batch > record.batch]
+    assert later
+    assert all(window.first >= record.batch + Tuning().cooldown for window in later)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_starving_loop_is_measured_over_shorter_windows(where: dict[str, Any]) -> None:
+    # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the first window covers
+    # half a second (51 batches: the first begins at its first request); once the loop is seen
+    # starving, windows cover 16 batches.
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    list(loader)
+    assert seen[0].batches == 51
+    assert [window.batches for window in seen[1:]] == [16] * (len(seen) - 1)
+    assert len(seen) > 3
 
 
 def test_stats_and_the_verdict_report_the_decisions() -> None:
@@ -315,23 +354,53 @@ class _LoopClock:
         return self.now
 
 
+def _cores(cpu: float | None) -> Decide:
+    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured)."""
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        return decide_workers(tuner, attrs.evolve(window, cpu=cpu), budget)
+
+    return decide
+
+
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not_pay(
     where: dict[str, Any],
 ) -> None:
-    # The loop waits 90% of its time, and batches come no faster with a third worker (the
-    # clock says so): the tuner adds one, finds it did not pay, retires it and settles.
+    # The loop waits 90% of its time, and batches come no faster with more workers (the clock
+    # says so), the cores unmeasured: the tuner doubles the count, finds the two it added did
+    # not pay, retires both and settles.
     loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(loader.num_workers, clock=clock, window_seconds=0)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(None), clock=clock, window_seconds=0)
     got = list(loader)
     _equal(got, _torchs(Numbers(400), batch_size=2))
     tuning = loader.stats().tuning
     assert tuning is not None
-    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 3), (RETIRE, 2)]
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (RETIRE, 2)]
     assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
-    assert "did not pay" in tuning.decisions[1].why
+    assert "workers 3-4 did not pay" in tuning.decisions[1].why
     assert tuning.settled and tuning.workers == 2
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_the_real_policy_doubles_to_its_slots_for_a_starving_loop_with_cores_to_spare(
+    where: dict[str, Any],
+) -> None:
+    # The same starving loop, its workers using a tenth of a core: batches coming no faster is
+    # noise while the loop starves, so the tuner keeps each add and doubles up to its slots.
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(0.1), clock=clock, window_seconds=0)
+    got = list(loader)
+    _equal(got, _torchs(Numbers(400), batch_size=2))
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (ADD, 8), (ADD, 16)]
+    assert tuning.workers == 16
+    assert "added 8 workers, 16 now" in tuning.decisions[-1].describe()
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:

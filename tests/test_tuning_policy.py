@@ -34,6 +34,8 @@ class Workload:
     load: float
     step: float
     cpus: int | None = None
+    cpu_per_worker: float | None = None
+    """Cores each running worker keeps busy, as the loader measures them (None: not measured)."""
 
     def window(
         self, running: int, batch: int, noise: tuple[float, float, float] = (0, 0, 0)
@@ -52,6 +54,7 @@ class Workload:
             longest_gap=self.step,
             busy=min(max(busy * (1 + busy_noise), 0.0), 1.0),
             running=running,
+            cpu=None if self.cpu_per_worker is None else self.cpu_per_worker * running,
         )
 
 
@@ -88,9 +91,9 @@ def run(
             tuner, workload(i).window(running, batch, noise(i)), budget
         )
         if decision.move is TuningMove.ADD:
-            running += 1
+            running += decision.workers
         elif decision.move is TuningMove.RETIRE:
-            running -= 1
+            running -= decision.workers
         assert 1 <= running <= budget.slots
         counts.append(running)
         decisions.append(decision)
@@ -217,6 +220,74 @@ def test_a_steady_loader_at_the_right_count_is_left_alone() -> None:
 
 # --- noise ------------------------------------------------------------------------------------
 
+IO_WAIT = Workload(load=0.4, step=0.02, cpu_per_worker=0.05)
+"""Samples that wait on I/O: twenty workers would keep up with the loop, and each takes a
+twentieth of a core."""
+
+
+def test_a_starving_io_bound_loop_doubles_its_workers_up_to_sixteen_on_two_cores() -> None:
+    result = run(steady(IO_WAIT), WorkerBudget(slots=16, cpus=2), windows=8)
+    assert [d.workers for d in result.changes] == [2, 4, 8]
+    assert result.final == 16
+
+
+def test_a_loop_waiting_a_little_gets_one_worker_at_a_time() -> None:
+    # Three workers keep up: the loop waits a third of its time with two, not over half.
+    result = run(steady(Workload(load=0.3, step=0.1)), WorkerBudget(slots=16, cpus=8))
+    assert [(d.move, d.workers) for d in result.changes] == [(TuningMove.ADD, 1)]
+    assert result.final == 3
+
+
+def test_an_undone_add_of_several_workers_retires_them_all() -> None:
+    # CPU-bound on two cores, the loop starving: two workers added at once make batches no
+    # faster, and both go.
+    result = run(steady(Workload(load=0.4, step=0.01, cpus=2)), WorkerBudget(slots=8, cpus=2))
+    assert [(d.move, d.workers) for d in result.changes] == [
+        (TuningMove.ADD, 2),
+        (TuningMove.RETIRE, 2),
+    ]
+    assert "workers 3-4 did not pay" in result.changes[1].why
+
+
+def test_a_slower_window_while_the_loop_starves_with_cores_to_spare_keeps_the_add() -> None:
+    # A shared machine: the window after the add ran 30% slower, though the loop still waited
+    # most of its time and the workers used a fraction of the cores. That is noise, not an
+    # add that did not pay: the add stays, and no ceiling is set.
+    def noise(i: int) -> tuple[float, float, float]:
+        return (0.3, 0.0, 0.0) if i == 2 else (0.0, 0.0, 0.0)
+
+    result = run(steady(IO_WAIT), WorkerBudget(slots=16, cpus=2), windows=3, noise=noise)
+    assert [d.move for d in result.changes] == [TuningMove.ADD, TuningMove.ADD]
+    assert result.tuner.ceiling is None
+    assert result.final == 8
+
+
+def test_a_ceiling_set_on_noise_expires_when_the_loop_starves_with_cores_to_spare() -> None:
+    # Settled under a ceiling of two (an add judged on a noisy window), the loop waiting most
+    # of its time, the cores nearly idle: the tuner wakes past the ceiling.
+    tuner = Tuner(
+        changes=2, changed_at=0, ceiling=2, settled=True, reversals=1, last=TuningMove.RETIRE
+    )
+    budget = WorkerBudget(slots=16, cpus=2)
+    decisions = []
+    for i in range(1, 1 + Tuning().wake_windows):
+        tuner, decision = decide_workers(tuner, IO_WAIT.window(2, 100 + i * BATCHES), budget)
+        decisions.append(decision)
+    assert decisions[-1].move is TuningMove.ADD
+    assert tuner.ceiling is None
+
+
+def test_a_ceiling_holds_where_the_cores_are_not_measured() -> None:
+    tuner = Tuner(changes=2, ceiling=2, settled=True, reversals=1, last=TuningMove.RETIRE)
+    unmeasured = attrs.evolve(IO_WAIT, cpu_per_worker=None)
+    for i in range(1, 1 + 2 * Tuning().wake_windows):
+        tuner, decision = decide_workers(
+            tuner, unmeasured.window(2, 100 + i * BATCHES), WorkerBudget(slots=16, cpus=2)
+        )
+        assert decision.move is TuningMove.HOLD
+    assert tuner.ceiling == 2
+
+
 NOISE = st.tuples(st.floats(-0.2, 0.2), st.floats(-0.3, 0.3), st.floats(-0.3, 0.3))
 """Within 20% on a window's time, 30% on the waiting and on the workers' busy share."""
 
@@ -227,7 +298,8 @@ NOISE = st.tuples(st.floats(-0.2, 0.2), st.floats(-0.3, 0.3), st.floats(-0.3, 0.
     load=st.floats(0.01, 1.0),
     step=st.floats(0.01, 0.3),
     cpus=st.one_of(st.none(), st.integers(1, 8)),
-    slots=st.integers(1, 12),
+    slots=st.integers(1, 16),
+    cpu_per_worker=st.one_of(st.none(), st.floats(0.0, 1.0)),
 )
 def test_under_any_bounded_noise_the_number_of_changes_is_bounded(
     noises: list[tuple[float, float, float]],
@@ -235,9 +307,10 @@ def test_under_any_bounded_noise_the_number_of_changes_is_bounded(
     step: float,
     cpus: int | None,
     slots: int,
+    cpu_per_worker: float | None,
 ) -> None:
     result = run(
-        steady(Workload(load, step, cpus)),
+        steady(Workload(load, step, cpus, cpu_per_worker)),
         WorkerBudget(slots=slots, cpus=cpus or 8),
         windows=len(noises),
         start=min(2, slots),
