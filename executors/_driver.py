@@ -88,7 +88,7 @@ from statecore import (
     progress,
     step,
 )
-from statecore.executors._incarnation import Carried, Standing
+from statecore.executors._incarnation import Carried, RanDry, Standing
 from statecore.executors._observe.seam import Observer, observed
 from statecore.executors._protocol import (
     Executor,
@@ -211,7 +211,8 @@ class Driver:
         try:
             self.ledger = _NO_LEDGER  # an outcome of the epoch being left behind, and the void
             if self.worker_marks is not None:
-                self.worker_marks = self.worker_marks.begin(marks or {})
+                dry = () if resume is None else resume.dry
+                self.worker_marks = self.worker_marks.begin(marks or {}, dry)
             self.request(ResetRequested(seed, resume))
             self._go_on(False)
         except BaseException as error:
@@ -789,7 +790,8 @@ class WorkerMarks:
     those recorded after that epoch was left (a `break`) included: where a persistent worker's
     dataset stood as it went on into this epoch (see `begin`)."""
     dry: tuple[int, ...] = ()
-    """The workers whose iterable part ran dry this epoch (their exhaustion recorded)."""
+    """The workers whose iterable part ran dry this epoch (their exhaustion recorded, or the
+    checkpoint's this epoch resumes)."""
     left_dry: tuple[int, ...] = ()
     """The workers whose part had run dry as the epoch before was left: the others' stand
     where `left` says, in an iterator not read to its end."""
@@ -799,10 +801,11 @@ class WorkerMarks:
         """Each worker's mark as received (a checkpoint's), nothing answered."""
         return cls(_sorted(marks))
 
-    def begin(self, marks: Mapping[int, Mark]) -> WorkerMarks:
+    def begin(self, marks: Mapping[int, Mark], dry: Iterable[int] = ()) -> WorkerMarks:
         """The marks as the next epoch starts from `marks` (a checkpoint's, or none), on the
         same workers: where each one's dataset stands now becomes where it stood as the epoch
-        before was left.
+        before was left. `dry`: the workers the checkpoint had found dry, whose parts ran dry
+        in this epoch before it was resumed (asked nothing, they answer no exhaustion).
 
         An epoch left before its end (a `break`) leaves tasks with the workers, which they
         still load, in their turn, before they start the next epoch (their answers are stale:
@@ -810,7 +813,9 @@ class WorkerMarks:
         `answer`), so that it ends where each worker's dataset stood as the next epoch began.
         """
         standing = {w: mark for w in self._workers() if (mark := self.latest(w)) is not None}
-        return WorkerMarks(_sorted(marks), left=_sorted(standing), left_dry=self.dry)
+        return WorkerMarks(
+            _sorted(marks), dry=tuple(sorted(set(dry))), left=_sorted(standing), left_dry=self.dry
+        )
 
     def latest(self, worker: int) -> Mark | None:
         """The mark of `worker`'s last answer recorded this epoch, received or not, else its
@@ -837,10 +842,13 @@ class WorkerMarks:
         mark = self.latest(worker)
         if carried and iterable:
             open_ = worker not in self.left_dry
-            return Carried(_get(self.left, worker), open_, mark)
-        if mark is None and not iterable:
-            mark = _get(self.left, worker)
-        return mark
+            standing: Mark | Carried | None = Carried(_get(self.left, worker), open_, mark)
+        elif mark is None and not iterable:
+            standing = _get(self.left, worker)
+        else:
+            standing = mark
+        # Its part had run dry: its replacement may be asked nothing more this epoch.
+        return RanDry(standing) if iterable and worker in self.dry else standing
 
     def answer(
         self, answer: TaskCompleted | TaskFailed | WorkerExhausted, base: int

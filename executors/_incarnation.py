@@ -28,7 +28,7 @@ from statecore import (
 )
 from statecore.executors._worker import Mark, WorkerSetup
 
-__all__ = ["Carried", "Standing", "replacement_setup", "restored", "stamped"]
+__all__ = ["Carried", "RanDry", "Standing", "replacement_setup", "restored", "stamped"]
 
 
 @attrs.frozen
@@ -50,10 +50,26 @@ class Carried:
     """The mark of its last answer of this epoch recorded (None: it answered nothing yet)."""
 
 
-Standing = Mark | Carried | None
+@attrs.frozen
+class RanDry:
+    """A lost worker whose iterable part had run dry in this epoch (its exhaustion recorded, or
+    found by the checkpoint the epoch resumes), restored to `standing`.
+
+    The scheduler may ask its replacement nothing more in the epoch (the epoch's end may be
+    known already), and a part restored to its last batch has not run dry: so the replacement
+    reads it to its end as its next epoch starts (`WorkerSetup.resume_dry`), as the lost
+    worker's had been, unless a task of this epoch finds it dry first. A dataset that changes
+    its state as its part runs dry (counting its epochs) then goes on as the lost one's would.
+    """
+
+    standing: Mark | Carried | None
+
+
+Standing = Mark | Carried | RanDry | None
 """Where a lost worker's dataset stood, as the driver tells `Replacing.replace`: the mark of its
 last answer of this epoch the main process recorded, None for where the executor started the
-epoch, or `Carried` for a persistent worker's iterable dataset in a later epoch."""
+epoch, `Carried` for a persistent worker's iterable dataset in a later epoch, either wrapped in
+`RanDry` where its part had run dry in this epoch."""
 
 _SLOTS: dict[type[Event], Callable[[Any, int], None]] = {
     kind: kind.__dict__["incarnation"].__set__
@@ -93,12 +109,15 @@ def restored(setup: WorkerSetup, worker: int, mark: Standing, later_epoch: bool)
 
     None is where the epoch began as the executor started it: in its first epoch that may be a
     checkpoint's position, and what carried over into it from the epoch before, which `setup`
-    holds; in a `later_epoch` those are past, and the setup's dataset is the start.
+    holds; in a `later_epoch` those are past, and the setup's dataset is the start. A `RanDry`
+    also puts the worker where a checkpoint's dry workers go (`WorkerSetup.resume_dry`).
     """
     resume, ended, ended_open = setup.resume, setup.ended, setup.ended_open
     resume_dry = setup.resume_dry
     if later_epoch:
         resume, ended, ended_open, resume_dry = None, None, frozenset(), frozenset()
+    if isinstance(mark, RanDry):
+        resume_dry, mark = resume_dry | {worker}, mark.standing
     if isinstance(mark, Carried):
         ended = _placed(ended, worker, mark.ended, setup.num_workers)
         ended_open = ended_open | {worker} if mark.open else ended_open - {worker}

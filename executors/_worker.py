@@ -78,9 +78,10 @@ class WorkerSetup:
     in `resume`, if any, then positions it in the resumed epoch."""
     ended_open: frozenset[int] = attrs.field(default=frozenset(), eq=False)
     resume_dry: frozenset[int] = attrs.field(default=frozenset(), eq=False)
-    """The workers whose part of an iterable dataset the checkpoint of `resume` had found dry:
-    the resumed epoch asks them nothing, and their part is run dry as they start, as the
-    original's was (a dataset may count its epochs as its part runs dry)."""
+    """The workers whose part of an iterable dataset the checkpoint of `resume` had found dry
+    (or, for a replacement, the lost worker's driver: `executors._incarnation.RanDry`): the
+    epoch may ask them nothing more, and their part is run dry as their next epoch starts, as
+    the original's was (a dataset may count its epochs as its part runs dry)."""
     batch_size: int | None = None
     """An iterable dataset's batch size (with `auto_collation`), for reading batches again
     outside a task (`WorkerRuntime._carry`)."""
@@ -203,9 +204,10 @@ class WorkerRuntime:
         `SeededTask`), as its seat allows (`_seeding.seeder_for`); set by the start-up. None:
         its tasks are loaded unseeded."""
         self.dry_unread = setup.iterable and worker_id in setup.resume_dry
-        """Found dry at the checkpoint this epoch resumes, this worker is asked nothing more in
-        it: its part, restored where its last batch left it, is read to its end as its next
-        epoch starts (a persistent worker's), where the original's ran dry."""
+        """Found dry at the checkpoint this epoch resumes (or, for a replacement, by the worker
+        it replaces), this worker may be asked nothing more in it: its part, restored where its
+        last batch left it, is read to its end as its next epoch starts (a persistent
+        worker's), where the original's ran dry; unless a task finds it dry first."""
         if dataset is None:
             dataset = setup.dataset
             if init_error is None:
@@ -425,7 +427,9 @@ class WorkerRuntime:
                 self._fast_forward(command.index)
             data = self.fetch(command.index)
         except StopIteration:
-            self.exhausted = True
+            # Read to its end now: a part the checkpoint (or a lost worker) left dry is not read
+            # again as the next epoch starts (an iterator may start over once dry).
+            self.exhausted, self.dry_unread = True, False
             return WorkerExhausted(task, worker)
         except Exception as error:
             failed = self._capture(error, command.index)

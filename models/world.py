@@ -79,7 +79,7 @@ from statecore import (
 )
 from statecore import step as core_step
 from statecore.executors._driver import Driver, DriverState, handed_task
-from statecore.executors._incarnation import Carried, Standing
+from statecore.executors._incarnation import Carried, RanDry, Standing
 from statecore.executors._protocol import Capabilities, WorkerReport
 from statecore.models.reference import (
     IterableSpec,
@@ -968,6 +968,8 @@ class _Sim:
         # Set up as the lost one was: an iterable worker's part restored to `mark`, where the
         # last answer the main process recorded from it left it. This world's parts keep no
         # state from one epoch to the next: of a `Carried`, only this epoch's mark counts.
+        if isinstance(mark, RanDry):
+            mark = mark.standing
         if isinstance(mark, Carried):
             mark = mark.mark
         since = 0 if mark is None else mark[0]
