@@ -62,6 +62,7 @@ from statecore.executors._incarnation import Standing
 from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
+from statecore.executors._mp.handles import WorkerProcess
 from statecore.executors._mp.leases import BufferReceiver
 from statecore.executors._mp.taskpipe import TaskWriter
 from statecore.executors._mp.wire import (
@@ -180,6 +181,9 @@ class MultiprocessExecutor(Confirming):
         self.returning = threading.Lock()
         """Held from taking the buffers that go back to a worker to putting them in its pipe."""
         self.closed = False
+        self.exit_codes: dict[int, int | None] = {}
+        """The exit code of each worker process closed by `shutdown`, by pid: what its
+        `WorkerProcess` handle (`worker_handles`) says once the process object is closed."""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -379,6 +383,11 @@ class MultiprocessExecutor(Confirming):
         self.to_close += (self.readers.pop(worker), self.task_readers.pop(worker))
         self.gone.discard(worker)
         self.buffers.forget(worker)
+
+    def worker_handles(self) -> list[WorkerProcess]:
+        """The processes of the workers started so far, by slot, as torch's iterator lists its
+        own in `_workers` (pid, `is_alive()`, `join()`, `exitcode`)."""
+        return [WorkerProcess(p, self.exit_codes) for _, p in sorted(self.processes.items())]
 
     def report(self, worker: int) -> WorkerReport:
         """The worker's pid and where its main thread is now (see `stacks`)."""
@@ -632,6 +641,7 @@ class MultiprocessExecutor(Confirming):
             if process.is_alive():
                 process.kill()
             process.join()
+            self.exit_codes[process.pid] = process.exitcode
             process.close()
         for tasks in self.tasks.values():
             tasks.close()
