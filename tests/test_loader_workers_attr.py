@@ -92,3 +92,24 @@ def test_the_thread_iterator_lists_its_worker_threads() -> None:
 def test_loading_in_the_calling_thread_lists_no_workers() -> None:
     iterator = started("inline", 0)
     assert iterator._workers == []
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Any:
+    """A local Ray instance (tests/_ray_local.py); skipped where Ray is not installed."""
+    pytest.importorskip("ray")
+    from _ray_local import local_cluster
+
+    yield from local_cluster()
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(300)
+def test_the_ray_iterator_lists_its_actor_handles(ray_cluster: Any) -> None:
+    import ray
+
+    iterator = started("ray", 2)
+    workers = iterator._workers
+    assert len(workers) == 2
+    assert all(isinstance(worker, ray.actor.ActorHandle) for worker in workers)
+    iterator._shutdown()
