@@ -45,7 +45,10 @@ def _resumed_elsewhere(loader: object) -> bool:
     `len()` (this rank's resumed epoch) is not torch's, the ordinary epoch's."""
     if not isinstance(loader, DataLoader):
         return False
-    return len(loader) != torch.utils.data.DataLoader.__len__(loader)
+    try:
+        return len(loader) != torch.utils.data.DataLoader.__len__(loader)
+    except TypeError:  # an iterable dataset without a length: never resumed elsewhere
+        return False
 
 
 def _flattened(loaders: Any) -> list[Any]:

@@ -21,7 +21,7 @@ from typing import Any
 import lightning
 import pytest
 import torch
-from _frameworks import Marked, Recorder
+from _frameworks import Marked, MarkedStream, Recorder
 from _lightning_elastic_run import STOP, Preempted, StopAfter
 from torch.utils.data import DistributedSampler
 
@@ -47,12 +47,11 @@ def _trainer(where: Path, **options: Any) -> lightning.Trainer:
     return lightning.Trainer(
         accelerator="cpu",
         devices=1,
-        max_epochs=EPOCHS,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=where,
-        **options,
+        **{"max_epochs": EPOCHS, **options},
     )
 
 
@@ -159,3 +158,10 @@ def test_a_lightning_whose_loop_it_cannot_size_gets_a_warning_not_an_error() -> 
     unknown = SimpleNamespace(callbacks=[callback], train_dataloader=grown, fit_loop=object())
     with pytest.warns(UserWarning, match="cannot size Lightning's epoch .* Resume on as many"):
         callback.on_train_start(unknown, None)  # type: ignore[arg-type]
+
+
+def test_a_fit_on_a_stream_without_a_length_is_left_alone(tmp_path: Path) -> None:
+    # Lightning calls the callback on every fit: a loader with no len() is no elastic epoch.
+    module = Recorder(lambda: DataLoader(MarkedStream(8), batch_size=2))
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(module)
+    assert module.indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
