@@ -93,16 +93,33 @@ def _checkpoint_of(world: int, where: Path) -> tuple[Path, dict[str, Any]]:
     return path, merged
 
 
-def _resumed_on(old: int, new: int, where: Path) -> tuple[_Epochs, list[list[int]]]:
-    """Rank 0 of `new` fitted from rank 0 of `old`'s checkpoint; and the batches a plain loader
-    of rank 0 of `new` yields from the same state (statecore's share, checked elsewhere)."""
+def _resumed_on(
+    old: int, new: int, where: Path, resumed: _Epochs | None = None
+) -> tuple[_Epochs, list[list[int]]]:
+    """Rank 0 of `new` (`resumed`, or an `_Epochs`) fitted from rank 0 of `old`'s checkpoint;
+    and the batches a plain loader of rank 0 of `new` yields from the same state (statecore's
+    share, checked elsewhere)."""
     path, state = _checkpoint_of(old, where / "first")
     alone = _loader(0, new)
     alone.load_state_dict(state)
     share = [batch["index"].tolist() for batch in alone]
-    resumed = _Epochs(0, new)
+    resumed = _Epochs(0, new) if resumed is None else resumed
     _trainer(where / "resumed", enable_checkpointing=False).fit(resumed, ckpt_path=path)
     return resumed, share
+
+
+class _Validated(_Epochs):
+    """Validates as well (on two samples), recording the epoch and batches trained so far."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__(rank, world)
+        self.validated: list[tuple[int, int]] = []
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(Marked(2), batch_size=2)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_index: int) -> None:
+        self.validated.append((self.current_epoch, len(self.epochs)))
 
 
 def _ordinary(rank: int, world: int, epoch: int) -> list[list[int]]:
@@ -128,6 +145,17 @@ def test_the_epoch_after_one_resumed_on_fewer_ranks_is_the_ordinary_epoch_in_ful
     resumed, share = _resumed_on(3, 2, tmp_path)
     assert resumed.batches(0) == share
     assert resumed.batches(1) == _ordinary(0, 2, 1)
+
+
+@pytest.mark.exhaustive
+def test_validation_at_the_end_of_the_epoch_comes_at_the_end_of_the_resumed_epoch(
+    tmp_path: Path,
+) -> None:
+    # val_check_interval=1.0 (Lightning's default) is sized in batches with the epoch.
+    resumed, share = _resumed_on(2, 3, tmp_path, _Validated(0, 3))
+    assert isinstance(resumed, _Validated)
+    ends = len(share), len(share) + len(_ordinary(0, 3, 1))
+    assert resumed.validated == [(0, ends[0]), (1, ends[1])]
 
 
 @pytest.mark.exhaustive
