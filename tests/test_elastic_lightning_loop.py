@@ -193,3 +193,52 @@ def test_a_fit_on_a_stream_without_a_length_is_left_alone(tmp_path: Path) -> Non
     module = Recorder(lambda: DataLoader(MarkedStream(8), batch_size=2))
     _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(module)
     assert module.indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class _StopAt(lightning.Callback):
+    """Preempts the run at the start of the step after `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: lightning.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise Preempted
+
+
+@pytest.mark.exhaustive
+def test_an_epoch_resumed_on_more_ranks_and_checkpointed_again_resumes_on_fewer(
+    tmp_path: Path,
+) -> None:
+    # 2 ranks to 3 at step STOP, checkpointed again one step later, resumed on 1: Lightning
+    # counts 3 batches done; the share is 5 batches, the next epoch 12.
+    first, state = _checkpoint_of(2, tmp_path / "first")
+    again = STOP + 1
+    saves = lightning.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "again", every_n_train_steps=again, save_top_k=-1
+    )
+    with pytest.raises(Preempted):
+        _trainer(tmp_path / "grown", callbacks=[saves, _StopAt(again)]).fit(
+            _Epochs(0, 3), ckpt_path=first
+        )
+    path = next((tmp_path / "again").glob("*.ckpt"))
+    checkpoint = torch.load(path, weights_only=False)
+    states = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    others = []
+    for rank in (1, 2):
+        loader = _loader(rank, 3)
+        loader.load_state_dict(state)
+        batches = iter(loader)
+        next(batches)
+        others.append(loader.state_dict(gather=False))
+    states[0] = merge_state_dicts([states[0], *others])
+    torch.save(checkpoint, path)
+    alone = _loader(0, 1)
+    alone.load_state_dict(states[0])
+    share = [batch["index"].tolist() for batch in alone]
+
+    resumed = _Epochs(0, 1)
+    _trainer(tmp_path / "resumed", enable_checkpointing=False).fit(resumed, ckpt_path=path)
+    assert len(share) == 5
+    assert resumed.batches(0) == share
+    assert resumed.batches(1) == _ordinary(0, 1, 1)
