@@ -1,8 +1,10 @@
 """Training frameworks that replace the DataLoader they are given.
 
-Lightning needs nothing from here: it rebuilds a loader by calling its class again, with the
-arguments it recorded or read back from the loader's attributes, so the rebuilt loader is a
-statecore loader with the same executor.
+Lightning rebuilds a loader by calling its class again, with the arguments it recorded or read
+back from the loader's attributes, so the rebuilt loader is a statecore loader with the same
+executor. It needs one callback, for an epoch resumed on another number of ranks, whose length
+it would take from before the state was loaded: `lightning_callbacks` gives it to every Trainer
+through Lightning's entry point (executors/_lightning.py).
 
 HF accelerate does not call the class again. `Accelerator.prepare` wraps each DataLoader in one
 of its own (`DataLoaderShard`, or `DataLoaderDispatcher` when batches are dispatched from the
@@ -40,7 +42,7 @@ import torch.utils.data
 
 from statecore.executors._loader import DataLoader
 
-__all__ = ["keep_statecore_under_accelerate", "prepare_with_accelerate"]
+__all__ = ["keep_statecore_under_accelerate", "lightning_callbacks", "prepare_with_accelerate"]
 
 # The torch arguments that a built loader keeps as attributes of the same name.
 _KEPT = (
@@ -95,6 +97,18 @@ def keep_statecore_under_accelerate() -> None:
 
     setattr(prepare_data_loader, _KEEPS, True)
     Accelerator.prepare_data_loader = prepare_data_loader
+
+
+def lightning_callbacks() -> list[Any]:
+    """The callbacks statecore puts on every Lightning Trainer, through Lightning's entry point
+    `lightning.pytorch.callbacks_factory` (see pyproject.toml): `ElasticEpochs`, which sizes
+    Lightning's epoch for a loader resumed on another number of ranks and does nothing
+    otherwise (executors/_lightning.py). An install without statecore's entry points (a copy
+    on `sys.path`) passes them by hand: `Trainer(callbacks=lightning_callbacks())`.
+    """
+    from statecore.executors._lightning import ElasticEpochs  # imports Lightning
+
+    return [ElasticEpochs()]
 
 
 def prepare_with_accelerate(

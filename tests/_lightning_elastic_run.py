@@ -61,20 +61,6 @@ class StopAfter(lightning.Callback):
             raise Preempted
 
 
-class ElasticEpoch(lightning.Callback):
-    """Lets Lightning's loop run the resumed epoch to the loader's end."""
-
-    def on_train_start(self, trainer: lightning.Trainer, *args: Any) -> None:
-        loop = trainer.fit_loop
-        self.kept = loop.max_batches
-        assert loop._combined_loader is not None and loop._data_fetcher is not None
-        loop.max_batches = max(len(dl) for dl in loop._combined_loader.flattened)
-        loop._data_fetcher.length = loop.max_batches
-
-    def on_train_epoch_end(self, trainer: lightning.Trainer, *args: Any) -> None:
-        trainer.fit_loop.max_batches = self.kept
-
-
 def main(mode: str, world: int, where: Path) -> None:
     module = Epochs()
     strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60))
@@ -97,9 +83,8 @@ def main(mode: str, world: int, where: Path) -> None:
             trainer.fit(module)
     else:
         checkpoint = next((where / "checkpoints").glob("*.ckpt"))
-        trainer = quiet_trainer(
-            devices=world, max_epochs=EPOCHS, strategy=strategy, callbacks=[ElasticEpoch()]
-        )
+        # No callback of ours: statecore's own (its Lightning entry point) sizes the epoch.
+        trainer = quiet_trainer(devices=world, max_epochs=EPOCHS, strategy=strategy)
         trainer.fit(module, ckpt_path=checkpoint)
     rank = os.environ["RANK"]
     record = {"indices": module.indices, "epochs": module.epochs}
