@@ -52,7 +52,7 @@ class SharedSequence(Sequence[T]):
 
     Use it where a dataset holds a large list of small Python objects and loads with worker
     processes: a plain list is copied, page by page, into every worker that reads it; this is
-    shared. Each access pays an unpickling (about a microsecond for a small dict) instead.
+    shared. Each access pays an unpickling (a few microseconds for a small dict) instead.
     """
 
     __slots__ = ("_data", "_offsets", "_positions", "_views")
