@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from statecore.executors._ray import RayOptions, RayUnavailableError, ray
     from statecore.executors._registry import ENTRY_POINT_GROUP, available, runnable
     from statecore.executors._remote import RemoteError
+    from statecore.executors._shared_sequence import SharedSequence
     from statecore.executors._startup import as_worker, get_worker_info
     from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
@@ -51,6 +52,7 @@ _WHERE = {
     "RayOptions": "_ray",
     "RayUnavailableError": "_ray",
     "RemoteError": "_remote",
+    "SharedSequence": "_shared_sequence",
     "Trace": "_observe.trace",
     "WorkerRuntime": "_worker",
     "WorkerSetup": "_worker",
@@ -84,6 +86,7 @@ __all__ = [
     "RayOptions",
     "RayUnavailableError",
     "RemoteError",
+    "SharedSequence",
     "Trace",
     "WorkerRuntime",
     "WorkerSetup",

@@ -214,7 +214,15 @@ def __getattr__(name: str) -> Any:
     # The loader needs torch; load it only when asked, so the core stays importable without it.
     # `Trace`, `LoaderStats` and `LoaderCounters` are what its `trace_record()` and `stats()`
     # return.
-    if name in ("DataLoader", "get_worker_info", "Trace", "LoaderStats", "LoaderCounters"):
+    # `SharedSequence` keeps a dataset's small objects in one buffer its workers share.
+    if name in (
+        "DataLoader",
+        "get_worker_info",
+        "Trace",
+        "LoaderStats",
+        "LoaderCounters",
+        "SharedSequence",
+    ):
         from statecore import executors
 
         return getattr(executors, name)

@@ -431,6 +431,7 @@ class BenchReport:
                 f"is {cost:+.1f}% of processes-b64's"
             )
         lines += self.memory_table()
+        lines += self.footprint_table()
         lines += self.losses_table()
         lines += [
             "ratio: median over rounds of statecore throughput / torch throughput "
@@ -495,6 +496,34 @@ class BenchReport:
                 )
             row = f"{result.name:20} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}"
             lines.append(row + (f" {cells[3]:>16}" if with_auto else ""))
+        return lines
+
+    def footprint_table(self) -> list[str]:
+        """Each loader's tree at its peak as a multiple of one process: the loading process
+        with its dataset made, before the run (the memory table's baseline), in MB after it.
+
+        Workers that share the main process's pages keep this near 1; workers that copy what
+        they read (pytorch#13246, the copy-on-read workloads) push it towards 1 + workers.
+        """
+        measured = [result for result in self.results if result.memory]
+        if not measured:
+            return []
+        sides = (Side.TORCH, Side.STATECORE, Side.THREADS, Side.AUTO)
+        shown = [side for side in sides if any(result.peak(side) for result in measured)]
+        lines = [
+            "peak of the tree / one process (the loading process with its dataset, MB)",
+            f"{'workload':20}" + "".join(f" {side.value:>16}" for side in shown),
+        ]
+        for result in measured:
+            cells = []
+            for side in shown:
+                peak = result.peak(side)
+                cells.append(
+                    "-"
+                    if peak is None or peak.before <= 0
+                    else f"{peak.peak / peak.before:.2f}x of {_megabytes(peak.before)}"
+                )
+            lines.append(f"{result.name:20}" + "".join(f" {cell:>16}" for cell in cells))
         return lines
 
     def state_cost(self) -> float | None:

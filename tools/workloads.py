@@ -31,6 +31,8 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from statecore.tools.copy_on_read import Records, shared_records
+
 __all__ = [
     "SEED",
     "WARMUP_BATCHES",
@@ -888,6 +890,38 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=32,
         quick_batches=32,
         options={"persistent_workers": False},
+    ),
+    # Copy on read (pytorch#13246): 2 million small dicts (7,812 batches of 256), 4 forked
+    # workers, one shuffled epoch. Memory is the figure: one timed round, then the peak runs.
+    Workload(
+        "copy-on-read",
+        "2M small dicts in a list, 4 forked workers, batch 256: the tree's memory",
+        Records,
+        batch_size=256,
+        num_workers=4,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.EPOCH,
+        batches=7_812,
+        quick_batches=1_000,
+        options={"multiprocessing_context": "fork"},
+        rounds=1,
+        quick_rounds=1,
+        memory=True,
+    ),
+    Workload(
+        "copy-on-read-shared",
+        "as copy-on-read, the dicts kept in a statecore.SharedSequence (one flat buffer)",
+        shared_records,
+        batch_size=256,
+        num_workers=4,
+        unit=Unit.US_PER_BATCH,
+        timing=Timing.EPOCH,
+        batches=7_812,
+        quick_batches=1_000,
+        options={"multiprocessing_context": "fork"},
+        rounds=1,
+        quick_rounds=1,
+        memory=True,
     ),
 )
 """Every workload, in the order the benchmark runs and prints them."""
