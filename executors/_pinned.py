@@ -87,7 +87,12 @@ PinFunction = Callable[[Any], Any]
 
 
 class DeviceCopy(Protocol):
-    """Moves pinned batches to a device ahead of use, in two halves."""
+    """Moves pinned batches to a device ahead of use, in two halves.
+
+    The stage lets go of a batch once `launch` returns: an asynchronous copy must hold what it
+    reads itself until the consumer has waited on the copy and the copy has run, as `CudaCopy`
+    does.
+    """
 
     def launch(self, batch: Any) -> Any:
         """In the stage thread: start copying `batch`; return a ticket for `claim`."""
