@@ -26,12 +26,20 @@ never read a tensor before its copy is done; and each tensor is marked as used o
 consumer's stream, so the caching allocator does not hand its memory to the side stream while
 the consumer still reads it. How far ahead copies run is bounded by what the core lets the
 workers prefetch.
+
+The copy's lifetime rule: the pinned host batch a copy reads is not let go of while that copy
+may still run. The copy itself holds it (`CudaCopy.in_flight`) until both the consumer's stream
+has waited on the copy's event (the batch was claimed) and the event has completed; a batch
+never claimed (the loader stopped first) is let go of at shutdown, once the side stream has
+finished. Memory a pin function hands out again (torch's pinned-memory cache, a pool of one's
+own) is thus never reused under a running copy, whatever the pin function is.
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import copy
 import functools
 import threading
@@ -59,7 +67,16 @@ from statecore.executors._protocol import (
     replacer_of,
 )
 
-__all__ = ["CudaCopy", "DeviceCopy", "Pinned", "PinnedExecutor", "default_pin", "pinned"]
+__all__ = [
+    "CudaCopy",
+    "CudaStreams",
+    "DeviceCopy",
+    "InFlight",
+    "Pinned",
+    "PinnedExecutor",
+    "default_pin",
+    "pinned",
+]
 
 # How long the stage thread waits on the workers before it checks whether it is to stop.
 STAGE_POLL_INTERVAL = 0.05
@@ -70,7 +87,12 @@ PinFunction = Callable[[Any], Any]
 
 
 class DeviceCopy(Protocol):
-    """Moves pinned batches to a device ahead of use, in two halves."""
+    """Moves pinned batches to a device ahead of use, in two halves.
+
+    The stage lets go of a batch once `launch` returns: an asynchronous copy must hold what it
+    reads itself until the consumer has waited on the copy and the copy has run, as `CudaCopy`
+    does.
+    """
 
     def launch(self, batch: Any) -> Any:
         """In the stage thread: start copying `batch`; return a ticket for `claim`."""
@@ -119,28 +141,97 @@ def _tensors(data: Any) -> collections.abc.Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
+class CudaStreams:
+    """The CUDA runtime as `CudaCopy` uses it: streams, events, and which stream is current.
+
+    A seam: the tests hand `CudaCopy` a stand-in with these four methods (streams with
+    `wait_event` and `synchronize`, events with `record` and `query`), to check on a machine
+    without CUDA when a copy's host memory is let go of.
+    """
+
+    def side_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def using(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+@attrs.define(eq=False)
+class InFlight:
+    """One batch's copy: its ticket from `CudaCopy.launch` to `CudaCopy.claim`."""
+
+    moved: Any
+    """The batch as the consumer gets it: its tensors on the device."""
+    done: Any
+    """The event recorded on the side stream after the copy."""
+    host: Any
+    """The pinned batch the copy reads: held until it may be let go of (`CudaCopy.in_flight`),
+    then None."""
+    claimed: bool = False
+    """Whether the consumer's stream has waited on `done`."""
+
+
 class CudaCopy:
     """Copies batches to a CUDA device on a side stream, fenced by CUDA events."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, streams: CudaStreams | None = None) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.streams = CudaStreams() if streams is None else streams
+        self.stream = self.streams.side_stream(device)
+        self.lock = threading.Lock()
+        self.in_flight: list[InFlight] = []
+        """Every copy whose host batch is still held: until it was claimed and its event has
+        completed. Launched in the stage thread, claimed in the consumer's: hence the lock."""
 
-    def launch(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
-        with torch.cuda.stream(self.stream):
+    def launch(self, batch: Any) -> InFlight:
+        streams = self.streams
+        with streams.using(self.stream):
             moved = _moved(batch, self.device)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = streams.event()
             done.record(self.stream)
-        return moved, done
+        ticket = InFlight(moved, done, batch)
+        with self.lock:
+            self._let_go()
+            self.in_flight.append(ticket)
+        return ticket
 
-    def claim(self, ticket: tuple[Any, torch.cuda.Event]) -> Any:
-        moved, done = ticket
-        consumer = torch.cuda.current_stream(self.device)
-        consumer.wait_event(done)
-        for tensor in _tensors(moved):
+    def claim(self, ticket: InFlight) -> Any:
+        consumer = self.streams.current_stream(self.device)
+        consumer.wait_event(ticket.done)
+        for tensor in _tensors(ticket.moved):
             if tensor.device.type == "cuda":
                 tensor.record_stream(consumer)
-        return moved
+        with self.lock:
+            ticket.claimed = True
+            self._let_go()
+        return ticket.moved
+
+    def close(self) -> None:
+        """Let go of every host batch still held, once the side stream has finished: the
+        batches never claimed too (the loader stopped before the consumer took them)."""
+        self.stream.synchronize()
+        with self.lock:
+            for ticket in self.in_flight:
+                ticket.host = None
+            self.in_flight = []
+
+    def _let_go(self) -> None:
+        # The lock is held. A copy's host batch goes once the consumer has waited on the copy
+        # and the copy has run: before either, the memory may be read by the copy still, and a
+        # pin function's cache may hand it to the next batch.
+        kept = []
+        for ticket in self.in_flight:
+            if ticket.claimed and ticket.done.query():
+                ticket.host = None
+            else:
+                kept.append(ticket)
+        self.in_flight = kept
 
 
 def default_pin() -> PinFunction | None:
@@ -270,6 +361,8 @@ class PinnedExecutor(Confirming):
         self.inner.shutdown()
         self.answers.clear()
         self._unconfirmed = None
+        if isinstance(self.copy, CudaCopy):
+            self.copy.close()  # the host batches of copies nobody will claim now
 
     # --- the stage ---------------------------------------------------------------------------
 

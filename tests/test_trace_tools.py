@@ -230,6 +230,24 @@ def test_the_cost_tool_times_a_workload_with_tracing_off_and_on_in_turns() -> No
     assert "95% interval" in cost.describe()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_the_cost_tool_prints_the_three_goals_of_tracing_each_with_its_goal() -> None:
+    from statecore.tools.trace_cost import goals
+
+    result = goals(rounds=1, batches=6)
+    assert set(result.steady) == {"torch", "off", "on"}
+    assert all(run.batches == 5 and run.cpu_seconds >= 0 for run in result.steady["on"])
+    assert [cost.workload.name for cost in result.costs] == [
+        "io", "stragglers-in-order", "stragglers-any-order"
+    ]  # fmt: skip
+    lines = result.describe().splitlines()
+    assert lines[0].startswith("main-process CPU per batch, processes-b64: ")
+    assert "goal at most 10 us" in lines[0]
+    assert lines[1].startswith("processes-b64: torch untraced ") and "goal at least 3x" in lines[1]
+    assert all("goal under 1%" in line for line in lines[2:5])
+
+
 def test_the_cost_tools_interval_holds_the_median_within_the_rounds_seen() -> None:
     from statecore.tools.trace_cost import median_interval
 

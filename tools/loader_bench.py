@@ -60,6 +60,7 @@ __all__ = [
     "WorkloadResult",
     "bench",
     "memcpy_bandwidth",
+    "measure_floor",
     "measure_memory",
     "measure_side",
     "missing_dependencies",
@@ -169,6 +170,8 @@ class WorkloadResult:
     """statecore's runs with `executor="ray"`, when asked for (`bench --ray`)."""
     auto: tuple[Measurement, ...] = ()
     """statecore's runs with `num_workers="auto"`, when asked for (`bench --auto`)."""
+    floor: tuple[Measurement, ...] = ()
+    """The floor's runs, one a round, for a workload that times it (`Workload.floor`)."""
 
     @property
     def ok(self) -> bool:
@@ -208,6 +211,10 @@ class WorkloadResult:
     def ratio_of(self, side: Side) -> float:
         """The median of `side`'s per-round ratios against torch."""
         return statistics.median(self.ratios_of(side))
+
+    def floor_shares(self, side: Side) -> tuple[float, ...]:
+        """Per round, `side`'s throughput over the floor's (`tools.floor`); none without it."""
+        return pair_ratios(self.floor, self.runs(side)) if self.floor else ()
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -256,6 +263,11 @@ class WorkloadResult:
             "first": [which.value for which in self.first],
             "error": self.error,
             "memory_error": self.memory_error,
+            **(
+                {"floor": {"runs": [_measurement_json(run) for run in self.floor]}}
+                if self.floor
+                else {}
+            ),
             # Ray's and auto's figures only where they ran: a report without them reads as it
             # always did.
             **{
@@ -294,6 +306,7 @@ class WorkloadResult:
             memory_error=data.get("memory_error"),
             ray=runs(Side.RAY),
             auto=runs(Side.AUTO),
+            floor=tuple(_measurement(run) for run in data.get("floor", {}).get("runs", [])),
         )
 
 
@@ -430,6 +443,7 @@ class BenchReport:
                 f"seeding per batch: statecore's median us/batch on processes-b64-per-batch "
                 f"is {cost:+.1f}% of processes-b64's"
             )
+        lines += self.floor_lines()
         lines += self.memory_table()
         lines += self.footprint_table()
         lines += self.losses_table()
@@ -443,6 +457,29 @@ class BenchReport:
             f"machine: {self.machine.describe()}; {self.seconds:.0f} s in all",
         ]
         return "\n".join(lines)
+
+    def floor_lines(self) -> list[str]:
+        """For each workload that timed its floor: the floor, and the threads' (and the default
+        executor's) figure as a share of it, the median of the per-round shares."""
+        lines = []
+        for result in self.results:
+            if not (result.ok and result.floor):
+                continue
+            floors = [result.unit.figure(run.throughput) for run in result.floor]
+            shares = ", ".join(
+                f"{side.value} {100.0 * statistics.median(result.floor_shares(side)):.0f}%"
+                f" ({100.0 * min(result.floor_shares(side)):.0f}-"
+                f"{100.0 * max(result.floor_shares(side)):.0f})"
+                for side in (Side.THREADS, Side.STATECORE)
+                if result.runs(side)
+            )
+            lines.append(
+                f"{result.name}: floor (its batches made by {result.num_workers} threads with no "
+                f"loader) {_number(statistics.median(floors))} {result.unit.value} "
+                f"({_number(min(floors))}-{_number(max(floors))}); share of it, median of "
+                f"rounds (min-max): {shares}; goal for threads: at least 90%"
+            )
+        return lines
 
     def losses_table(self) -> list[str]:
         """Where the workers' time went, for each loader's median run of each workload whose
@@ -583,6 +620,14 @@ def read_json(path: str | os.PathLike[str]) -> BenchReport:
 
 Measure = Callable[[Workload, Side], Measurement]
 MeasurePeak = Callable[[Workload, Side], Peak]
+MeasureFloor = Callable[[Workload], Measurement]
+
+
+def measure_floor(workload: Workload) -> Measurement:
+    """One run of `workload`'s floor (see `tools.floor`)."""
+    from statecore.tools.floor import threads_floor
+
+    return threads_floor(workload)
 
 
 def measure_side(workload: Workload, side: Side) -> Measurement:
@@ -625,11 +670,15 @@ def _run_rounds(
     peak: MeasurePeak | None,
     say: Callable[[str], None],
     ran: Callable[[], None] = lambda: None,
+    floor: MeasureFloor = measure_floor,
 ) -> WorkloadResult:
     """The warm-up and `rounds` rounds of one workload, then its memory if it measures it;
-    a run that raises ends the workload. `ran` hears of each run as it ends."""
+    a run that raises ends the workload. `ran` hears of each run as it ends. A workload that
+    times its floor (`Workload.floor`) runs it once a round too, first in odd rounds and last
+    in even ones."""
     sides = workload.sides
     runs: dict[Side, list[Measurement]] = {side: [] for side in Side}
+    floors: list[Measurement] = []
     first: list[Side] = []
     error = None
     side = Side.TORCH
@@ -645,11 +694,18 @@ def _run_rounds(
                 ran()
         for number in range(rounds):
             order = round_order(number, sides)
+            floor_first = number % 2 == 1
+            if workload.floor and floor_first:
+                floors.append(floor(workload))
+                ran()
             for side in order:
                 runs[side].append(measure(workload, side))
                 ran()
                 if stray := _outlived():
                     say(f"warning: {stray} worker process(es) outlived a {side.value} run")
+            if workload.floor and not floor_first:
+                floors.append(floor(workload))
+                ran()
             first.append(order[0])
     except Exception as failure:  # reported in the table; the other workloads still run
         error = _failure(side, failure)
@@ -680,6 +736,7 @@ def _run_rounds(
         memory_error=memory_error,
         ray=tuple(runs[Side.RAY][:complete]),
         auto=tuple(runs[Side.AUTO][:complete]),
+        floor=tuple(floors[:complete]),
     )
 
 
@@ -695,7 +752,8 @@ def _planned_runs(workload: Workload, rounds: int, memory: bool) -> int:
     sides = len(workload.sides)
     warmup = sides if workload.warmup else 0
     peaks = len(_peaked(workload.sides)) if memory and workload.memory else 0
-    return warmup + max(rounds, 0) * sides + peaks
+    floors = 1 if workload.floor else 0
+    return warmup + max(rounds, 0) * (sides + floors) + peaks
 
 
 def run_benchmark(
@@ -706,6 +764,7 @@ def run_benchmark(
     peak: MeasurePeak | None = measure_memory,
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[str, int, int], None] | None = None,
+    floor: MeasureFloor = measure_floor,
 ) -> BenchReport:
     """Run every workload in `rounds` rounds (or the workload's own `rounds`); the report.
 
@@ -747,7 +806,7 @@ def run_benchmark(
             current, before = workload.name, done
             heard(current, done, total)
             began = time.perf_counter()
-            result = _run_rounds(workload, count, measure, peak, say, ran)
+            result = _run_rounds(workload, count, measure, peak, say, ran, floor)
             took = time.perf_counter() - began
             if done < before + runs:  # a run raised: the rest of the workload's runs are off
                 done = before + runs

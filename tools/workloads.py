@@ -601,6 +601,9 @@ class Workload:
     """Whether statecore's Ray executor runs too (`bench --ray`), on a workload with workers."""
     auto: bool = False
     """Whether statecore with `num_workers="auto"` runs too (`bench --auto`)."""
+    floor: bool = False
+    """Whether each round also times the floor: the same batches made by as many threads with
+    no loader (`tools.floor`), which the threads' figure is a share of."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -784,6 +787,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=150,
         quick_batches=40,
         memory=True,
+        floor=True,
     ),
     Workload(
         "large-tensor-views",
