@@ -186,6 +186,18 @@ def _add_bench(commands: Any) -> None:
         "what auto settled on and peak memory (takes --quick, --only, --rounds, --batches, "
         "--json, --no-memory)",
     )
+    bench_parser.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="where the images workload keeps its encoded images, made once (default: "
+        "$STATECORE_CACHE, else ~/.cache/statecore)",
+    )
+    bench_parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="the images workload also says where each loader's CPU went: decoding, augmenting, "
+        "making tensors, collating, the loader in the workers and in the main process",
+    )
     bench_parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     _add_no_progress(bench_parser)
 
@@ -231,6 +243,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         progress_bar=args.progress,
         ray=args.ray,
         auto=args.auto,
+        cache=args.cache,
+        breakdown=args.breakdown,
         command=shlex.join(["python", "-m", "statecore", *argv]),
     )
 

@@ -987,8 +987,14 @@ def bench(
     progress_bar: bool = True,
     ray: bool = False,
     auto: bool = False,
+    cache: str | None = None,
+    breakdown: bool = False,
 ) -> int:
     """The `bench` command: run, print the table, write what was asked.
+
+    The workloads that run themselves (`Workload.own_bench`: the image pipeline against the
+    peers) run after the others, each printing its own table; `cache` is where they keep what
+    they make once (the encoded images), `breakdown` asks them where the CPU went.
 
     `auto` adds statecore with `num_workers="auto"` as one more loader on the workloads with
     workers and a map-style dataset (docs/choosing-num-workers.md).
@@ -1034,6 +1040,10 @@ def bench(
     if auto:
         workloads = tuple(workload.with_auto() for workload in workloads)
     count = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
+    own = tuple(workload for workload in workloads if workload.own_bench is not None)
+    workloads = tuple(workload for workload in workloads if workload.own_bench is None)
+    if not workloads:
+        return _bench_own(own, count, out, cache, breakdown, command)
     executors = "default executor, threads and ray" if ray else "default executor and threads"
     print(
         f"torch's DataLoader against statecore's ({executors}), "
@@ -1085,5 +1095,32 @@ def bench(
     failed = [result.name for result in report.results if not result.ok]
     if failed:
         print(f"bench: {len(failed)} workload(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0 if written else 2
+    code = 1 if failed else 0 if written else 2
+    return max(code, _bench_own(own, count, out, cache, breakdown, command))
+
+
+def _bench_own(
+    workloads: Sequence[Workload],
+    rounds: int,
+    out: TextIO,
+    cache: str | None,
+    breakdown: bool,
+    command: str,
+) -> int:
+    """Run the workloads that run themselves (`Workload.own_bench`); the worst exit code."""
+    code = 0
+    for workload in workloads:
+        assert workload.own_bench is not None
+        runner = importlib.import_module(workload.own_bench)
+        code = max(
+            code,
+            runner.bench_workload(
+                workload,
+                workload.rounds or rounds,
+                stream=out,
+                cache=cache,
+                breakdown=breakdown,
+                command=command,
+            ),
+        )
+    return code

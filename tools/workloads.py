@@ -381,6 +381,18 @@ def _ideal(notes: Sequence[object], workers: int) -> float:
     return total / max(1, workers)
 
 
+def _samples(batch: object) -> float:
+    """The samples of a batch: the length of its first tensor (a batch of (image, label)
+    pairs collates into two)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    assert isinstance(first, torch.Tensor)
+    return float(len(first))
+
+
+def _sum(notes: Sequence[object], workers: int) -> float:
+    return float(sum(float(note) for note in notes if isinstance(note, float)))
+
+
 def _bytes(notes: Sequence[object], workers: int) -> float:
     return float(sum(float(note) for note in notes if isinstance(note, float)))
 
@@ -407,6 +419,8 @@ class Unit(enum.Enum):
     """Gigabytes (1e9 bytes) of batch tensors per second. Work: bytes handed over."""
     MS = "ms"
     """Milliseconds to the first batch. Work: 1 per run."""
+    IMAGES_PER_S = "images/s"
+    """Samples (images) per second. Work: the samples of every batch handed over."""
 
     @property
     def accounting(self) -> _Accounting:
@@ -427,6 +441,7 @@ _ACCOUNTING: Mapping[Unit, _Accounting] = {
     Unit.GB_PER_S: _Accounting(False, _touch, _bytes, lambda rate: rate / 1e9),
     # Only the clock counts here: a run's work is the one first batch.
     Unit.MS: _Accounting(True, _count, lambda notes, workers: 1.0, lambda rate: 1e3 / rate),
+    Unit.IMAGES_PER_S: _Accounting(False, _samples, _sum, lambda rate: rate),
 }
 
 
@@ -604,6 +619,9 @@ class Workload:
     floor: bool = False
     """Whether each round also times the floor: the same batches made by as many threads with
     no loader (`tools.floor`), which the threads' figure is a share of."""
+    own_bench: str | None = None
+    """The module that runs this workload itself, with loaders and figures of its own (its
+    `bench_workload`, called by `bench`); None: `loader_bench` runs it against torch."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -654,6 +672,14 @@ _LARGE = functools.partial(Floats, floats=1_250_000)
 # Samples of 1M float32 values (4 MB), views of one tensor of up to 64 of them (256 MB).
 _ROWS = functools.partial(Rows, floats=1 << 20, blocks=64)
 _STARTUP_WORKERS = 4
+
+
+def _images(size: int) -> torch.utils.data.Dataset[Any]:
+    """The `images` workload's dataset, imported when made: it needs Pillow to decode."""
+    from statecore.tools.images import Jpegs
+
+    return Jpegs(size)
+
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
@@ -926,6 +952,21 @@ WORKLOADS: tuple[Workload, ...] = (
         rounds=1,
         quick_rounds=1,
         memory=True,
+    ),
+    Workload(
+        "images",
+        "JPEGs of 100 kB decoded with Pillow, random-resized-cropped, flipped, normalised; batch "
+        "64, 2 workers: images/s and CPU/image against torch, SPDL and torchdata",
+        _images,
+        batch_size=64,
+        num_workers=2,
+        unit=Unit.IMAGES_PER_S,
+        timing=Timing.EPOCH,
+        batches=32,
+        quick_batches=8,
+        rounds=3,
+        quick_rounds=2,
+        own_bench="statecore.tools.images",
     ),
 )
 """Every workload, in the order the benchmark runs and prints them."""
