@@ -31,6 +31,8 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from statecore.tools.big_dataset import Catalogue
+
 __all__ = [
     "SEED",
     "WARMUP_BATCHES",
@@ -649,6 +651,10 @@ _LARGE = functools.partial(Floats, floats=1_250_000)
 # Samples of 1M float32 values (4 MB), views of one tensor of up to 64 of them (256 MB).
 _ROWS = functools.partial(Rows, floats=1 << 20, blocks=64)
 _STARTUP_WORKERS = 4
+# The big dataset's samples are its rows: 4,096 batches of 64 make 262,144 rows, a 470 MB
+# tensor and an index of as many names (see `Catalogue`); --quick a quarter of that.
+_BIG_BATCHES = 4_096
+_BIG_QUICK_BATCHES = 1_024
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
@@ -888,6 +894,34 @@ WORKLOADS: tuple[Workload, ...] = (
         batches=32,
         quick_batches=32,
         options={"persistent_workers": False},
+    ),
+    Workload(
+        "big-dataset-spawn",
+        "time to the first batch of a 500 MB dataset (tensor + Python index), 4 spawn workers",
+        Catalogue,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=_BIG_BATCHES,
+        quick_batches=_BIG_QUICK_BATCHES,
+        options={"multiprocessing_context": "spawn"},
+        quick_rounds=1,
+        warmup=False,  # as for startup-spawn: every run starts fresh interpreters
+    ),
+    Workload(
+        "big-dataset-forkserver",
+        "time to the first batch of a 500 MB dataset (tensor + Python index), 4 forkserver workers",
+        Catalogue,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=_BIG_BATCHES,
+        quick_batches=_BIG_QUICK_BATCHES,
+        options={"multiprocessing_context": "forkserver"},
+        quick_rounds=1,
+        warmup=True,  # as for startup-forkserver: it starts each library's fork server
     ),
 )
 """Every workload, in the order the benchmark runs and prints them."""
