@@ -33,6 +33,8 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from statecore.tools.copy_on_read import Records, shared_records
 
+from statecore.tools.big_dataset import Catalogue
+
 __all__ = [
     "SEED",
     "WARMUP_BATCHES",
@@ -672,6 +674,10 @@ _LARGE = functools.partial(Floats, floats=1_250_000)
 # Samples of 1M float32 values (4 MB), views of one tensor of up to 64 of them (256 MB).
 _ROWS = functools.partial(Rows, floats=1 << 20, blocks=64)
 _STARTUP_WORKERS = 4
+# The big dataset's samples are its rows: 4,096 batches of 64 make 262,144 rows, a 470 MB
+# tensor and an index of as many names (see `Catalogue`); --quick a quarter of that.
+_BIG_BATCHES = 4_096
+_BIG_QUICK_BATCHES = 1_024
 
 
 def _images(size: int) -> torch.utils.data.Dataset[Any]:
@@ -967,6 +973,34 @@ WORKLOADS: tuple[Workload, ...] = (
         rounds=3,
         quick_rounds=2,
         own_bench="statecore.tools.images",
+    ),
+    Workload(
+        "big-dataset-spawn",
+        "time to the first batch of a 500 MB dataset (tensor + Python index), 4 spawn workers",
+        Catalogue,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=_BIG_BATCHES,
+        quick_batches=_BIG_QUICK_BATCHES,
+        options={"multiprocessing_context": "spawn"},
+        quick_rounds=1,
+        warmup=False,  # as for startup-spawn: every run starts fresh interpreters
+    ),
+    Workload(
+        "big-dataset-forkserver",
+        "time to the first batch of a 500 MB dataset (tensor + Python index), 4 forkserver workers",
+        Catalogue,
+        batch_size=64,
+        num_workers=_STARTUP_WORKERS,
+        unit=Unit.MS,
+        timing=Timing.FIRST_BATCH,
+        batches=_BIG_BATCHES,
+        quick_batches=_BIG_QUICK_BATCHES,
+        options={"multiprocessing_context": "forkserver"},
+        quick_rounds=1,
+        warmup=True,  # as for startup-forkserver: it starts each library's fork server
     ),
 )
 """Every workload, in the order the benchmark runs and prints them."""

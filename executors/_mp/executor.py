@@ -10,9 +10,11 @@ message it holds back Python signal handlers (`_signals`), since a message read 
 
 Each worker is started when the scheduler first gives it something to do (or the main process
 first waits for answers), so the first worker loads its first batch while the others are
-still being started, instead of every worker waiting for the last one to be started. Every
-start goes through `_launch`. Under forkserver the fork server preloads the worker's module,
-and so torch, before it forks any worker (`preload_in_forkserver`).
+still being started, instead of every worker waiting for the last one to be started. Spawn
+and forkserver workers read the pickled setup from a file (`_shipped_for`), so a start returns
+at once, and while as many as there are cores are still importing, the next waits
+(`_importing`). Every start goes through `_launch`. Under forkserver the fork server
+preloads the worker's module, and so torch, before it forks any worker (`preload_in_forkserver`).
 
 A buffer of a worker's pool goes back to it with the next task it is sent, once the consumer
 has let go of what was built on it (`leases`). What no task carried back within `LINGER` of
@@ -92,6 +94,9 @@ JOIN_TIMEOUT = 5.0
 # before they go back on their own. While batches flow, the next task carries them, and nothing
 # more is sent; this bounds how long a worker sent no task keeps a pool it no longer needs.
 LINGER = 0.5
+# How often `poll` looks whether a starting spawn or forkserver worker is done importing, while
+# it holds the next ones back (`_importing`).
+STARTING_CHECK = 0.01
 
 
 def resolve_context(spec: object) -> multiprocess.context.BaseContext:
@@ -108,6 +113,14 @@ def resolve_context(spec: object) -> multiprocess.context.BaseContext:
         "multiprocessing_context should be a start method name or a context object, "
         f"but got {spec!r}"
     )
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def preload_in_forkserver() -> None:
@@ -164,6 +177,10 @@ class MultiprocessExecutor(Confirming):
         """Held while answers are read from the pipes, and while a worker's pipes are swapped
         for its replacement's: the pin stage may be reading them meanwhile."""
         self.shipped: WorkerSetup | Shipment | None = None
+        self.setup_file: str | None = None
+        self.start_together = _cores()
+        """How many spawn or forkserver workers may import at once (`_importing`)."""
+        """Where the shipment's pickle was written for the workers (`_shipped_for`)."""
         self.authkey = b""
         self.home: Home | None = None
         """Made when the first worker starts: a loader that starts none leaves no directory."""
@@ -233,8 +250,8 @@ class MultiprocessExecutor(Confirming):
         # inherit this process's ends of earlier workers' pipes, and never uses them.)
         ctx = self.context
         # Before any pipe is made, so that a setup that fails to pickle leaves none open.
-        shipped = self.shipped.for_worker() if isinstance(self.shipped, Shipment) else self.shipped
         home = self._home()
+        shipped = self._shipped_for(home)
         task_reader, task_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
         try:
@@ -272,6 +289,28 @@ class MultiprocessExecutor(Confirming):
             tasks.put(message)
         self.readers[worker], self.processes[worker] = reader, process
         self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
+
+    def _shipped_for(self, home: Home) -> WorkerSetup | tuple[str, bytes]:
+        """What the next worker started is given of the setup: under fork the setup itself;
+        otherwise the file holding its pickle, and handles of its own for what was set aside.
+
+        The pickle goes in a file of the executor's directory, written once, not in the
+        process's arguments: spawn and forkserver write those to a pipe that the new process
+        reads only once it has imported what they name (torch, for a dataset), and until then
+        the start blocks this process, so that with a pickle of megabytes the workers would
+        start one after the other. With a file, each start returns at once and the workers
+        start side by side.
+        """
+        shipped = self.shipped
+        if not isinstance(shipped, Shipment):
+            assert shipped is not None
+            return shipped
+        if self.setup_file is None:
+            path = os.path.join(home.tempdir, "setup.pickle")
+            with open(path, "wb") as file:
+                file.write(shipped.setup)
+            self.setup_file = path
+        return self.setup_file, shipped.for_worker()[1]
 
     def _home(self) -> Home:
         if self.home is None:
@@ -430,7 +469,8 @@ class MultiprocessExecutor(Confirming):
                 self._close_retired()
             watched = self._watched()
             starting = self._next_to_launch()
-            if starting is not None:
+            busy = starting is not None and self._importing() >= self.start_together
+            if starting is not None and not busy:
                 fired = multiprocess.connection.wait(list(watched), 0) if watched else []
                 if not fired:
                     self._launch(starting)
@@ -442,8 +482,13 @@ class MultiprocessExecutor(Confirming):
                 if deadline is None and timeout is not None:
                     deadline = time.monotonic() + timeout
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if busy:
+                    # Nothing fires when a starting worker is done importing: look again soon.
+                    left = STARTING_CHECK if left is None else min(left, STARTING_CHECK)
                 fired = multiprocess.connection.wait(list(watched), left)
                 if not fired:
+                    if busy and (deadline is None or time.monotonic() < deadline):
+                        continue
                     return None
             # Reading a message is not interruptible without losing it (see _signals).
             with self.signals_held, self.reading:
@@ -454,6 +499,28 @@ class MultiprocessExecutor(Confirming):
                     if self.processes.get(worker) is process:
                         self._collect(kind, worker)
         return self._hand_out(self.ready[0], self.ready)
+
+    def _importing(self) -> int:
+        """How many spawn or forkserver workers started are still importing their modules.
+
+        A spawned worker imports torch, and every such worker unpickles the dataset: seconds of
+        CPU each. Started all at once on fewer cores, they share the cores, and the worker that
+        holds the first batch gets its share only: with 4 workers on 2 cores, half speed.
+        `poll` starts no more of them while as many as there are cores are importing, so that
+        the first worker has a core of its own, and the next ones start as it gets there. A
+        worker is importing until it listens for stack requests (`stacks.listening`), the first
+        thing it does once its modules are imported. Forked workers import nothing: never.
+        """
+        home = self.home
+        if self.setup_file is None or home is None:
+            return 0
+        return sum(
+            not stacks.listening(
+                stacks.stack_file(home.tempdir, worker, self.incarnations.get(worker, 0))
+            )
+            for worker, process in tuple(self.processes.items())
+            if worker not in self.gone and process.exitcode is None
+        )
 
     def _watched(self) -> dict[Any, tuple[str, int, Any]]:
         watched: dict[Any, tuple[str, int, Any]] = {}

@@ -46,7 +46,7 @@ from statecore.executors._mp.wire import (
     encode_answer,
     encode_failure,
     encode_notice,
-    unpack_setup,
+    read_setup,
 )
 from statecore.executors._remote import RemoteError
 from statecore.executors._signals import restore_in_child
@@ -224,7 +224,7 @@ def _orphaned(tempdir: str) -> NoReturn:
 
 
 def worker_main(
-    shipped: WorkerSetup | tuple[bytes, bytes],
+    shipped: WorkerSetup | tuple[str, bytes],
     worker_id: int,
     tasks: Any,
     results: Any,
@@ -253,7 +253,7 @@ def worker_main(
     stdlib_multiprocessing.current_process().authkey = home.authkey
     torch.set_num_threads(1)
     _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
-    setup = shipped if isinstance(shipped, WorkerSetup) else unpack_setup(*shipped)
+    setup = shipped if isinstance(shipped, WorkerSetup) else read_setup(*shipped)
     if restart is not None:
         setup = restart.setup_for(setup, worker_id)
     buffers = BufferSender(workers=setup.num_workers)
