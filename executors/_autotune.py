@@ -15,6 +15,10 @@ since threads share one process).
 
 What it learned carries over: with persistent workers the retired slots stay retired into the
 next epoch; without, the next epoch's iterator starts with the count the last one ended with.
+
+`prefetch_factor="auto"` (with a worker count or with "auto") tunes the prefetch bound too,
+through the policy `decide_prefetch` and the core's `PrefetchChangeRequested` (`Driver.prefetch`):
+a window that changes the bound changes nothing else, so each change is judged on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import torch.utils.data
 from statecore import (
     LoadWindow,
     Pending,
+    PrefetchBudget,
+    PrefetchDecision,
+    PrefetchTuner,
     ProtocolError,
     State,
     Tuner,
@@ -38,16 +45,19 @@ from statecore import (
     TuningMove,
     WorkerBudget,
     WorkerStatus,
+    decide_prefetch,
     decide_workers,
 )
 
 __all__ = [
     "AUTO",
     "AutoTuner",
+    "AutoPrefetch",
     "AutoTuning",
     "AutoWorkers",
     "TuningRecord",
     "auto_num_workers",
+    "auto_prefetch_factor",
     "cpu_budget",
     "slots_for",
 ]
@@ -74,6 +84,11 @@ BUSY_EVERY = 4
 """Which workers have a task in hand is sampled every this many batches (a scan of the
 window), not on every batch."""
 MEASURE_MEMORY_EVERY = 8
+START_PREFETCH = 2
+"""The bound `prefetch_factor="auto"` starts with: torch's default."""
+MOST_PREFETCH = 8
+"""The deepest bound it sets: each task a worker holds keeps a batch in memory (and one of its
+shared-memory buffers, of which a worker's pool holds 16)."""
 """Windows between two measures of the workers' footprint (a read of /proc per worker)."""
 
 _ACTIVE = WorkerStatus.ACTIVE
@@ -96,6 +111,41 @@ class AutoWorkers(int):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (AutoWorkers, (int(self),))
+
+
+class AutoPrefetch(int):
+    """`prefetch_factor="auto"` as the loader keeps it: an int, the bound it starts with
+    (torch's code reads it as one), that remembers it was "auto"."""
+
+    def __repr__(self) -> str:
+        return f"AutoPrefetch({int(self)})"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (AutoPrefetch, (int(self),))
+
+
+def auto_prefetch_factor(prefetch_factor: Any, num_workers: Any) -> Any:
+    """`prefetch_factor` as the loader keeps it: "auto" becomes `AutoPrefetch`; anything else
+    is left to torch's validation, except another string, refused in words."""
+    if not isinstance(prefetch_factor, str):
+        return prefetch_factor
+    if prefetch_factor != AUTO:
+        raise ValueError(
+            f"prefetch_factor must be an integer (batches loaded in advance by each worker; "
+            f'torch\'s default is 2), or "auto" to let the loader tune it as it runs; got '
+            f"prefetch_factor={prefetch_factor!r}"
+        )
+    if num_workers == 0:
+        raise ValueError(
+            'prefetch_factor="auto" tunes how many batches each worker loads in advance, and '
+            "with num_workers=0 the batches are loaded in the calling thread, on request: "
+            'nothing is loaded in advance. Set num_workers >= 1 (or "auto"), or leave '
+            "prefetch_factor unset"
+        )
+    return AutoPrefetch(START_PREFETCH)
 
 
 def cpu_budget() -> int:
@@ -149,8 +199,16 @@ class TuningRecord:
     why: str
     by: int = 1
     """Workers it added or retired."""
+    prefetch: int | None = None
+    """The prefetch bound once it took effect, for a change of the bound (else None)."""
 
     def describe(self) -> str:
+        if self.prefetch is not None:
+            verb = "raised" if self.move is TuningMove.RAISE_PREFETCH else "lowered"
+            return (
+                f"batch {self.batch} (epoch {self.epoch}): {verb} prefetch_factor to "
+                f"{self.prefetch}: {self.why}"
+            )
         verb = "added" if self.move is TuningMove.ADD else "retired"
         verb += " a worker" if self.by == 1 else f" {self.by} workers"
         return f"batch {self.batch} (epoch {self.epoch}): {verb}, {self.workers} now: {self.why}"
@@ -172,22 +230,37 @@ class AutoTuning:
     """The policy's latest reason, change or not."""
     seeding: str = "per-batch"
     """The loader's seeding: what a pinned loader needs too for the same random draws."""
+    prefetch: int | None = None
+    """The prefetch bound now, where `prefetch_factor="auto"` tunes it (else None)."""
+    tunes_workers: bool = True
+    """Whether `num_workers="auto"` tunes the count (else only the prefetch bound is tuned)."""
 
     def describe(self) -> list[str]:
         """The tuning, in words, for the verdict."""
         state = "settled on" if self.settled else "running"
         memory = "" if self.memory is None else f", memory for {self.memory}"
-        lines = [
-            f'num_workers="auto": {state} {self.workers} worker(s) after '
-            f"{len(self.decisions)} change(s) (budget: {self.slots} slots, {self.cpus} cores"
-            f"{memory}); latest: {self.latest}."
-        ]
+        changes = f"after {len(self.decisions)} change(s)"
+        lines = []
+        if self.tunes_workers:
+            lines.append(
+                f'num_workers="auto": {state} {self.workers} worker(s) {changes} (budget: '
+                f"{self.slots} slots, {self.cpus} cores{memory}); latest: {self.latest}."
+            )
+        if self.prefetch is not None:
+            lines.append(
+                f'prefetch_factor="auto": {self.prefetch} batch(es) in advance per worker'
+                + ("." if self.tunes_workers else f" {changes}; latest: {self.latest}.")
+            )
         lines += [f"- {record.describe()}" for record in self.decisions]
         if self.settled:
             # Pinned, an auto loader's count seeds per worker unless told: say so, or the
             # pinned run's random augmentations would differ from the tuned one's.
-            seeding = f', seeding="{self.seeding}"' if self.seeding == "per-batch" else ""
-            lines.append(f"To pin it: num_workers={self.workers}{seeding}.")
+            pins = [f"num_workers={self.workers}"] if self.tunes_workers else []
+            if self.prefetch is not None:
+                pins.append(f"prefetch_factor={self.prefetch}")
+            if self.tunes_workers and self.seeding == "per-batch":
+                pins.append(f'seeding="{self.seeding}"')
+            lines.append(f"To pin it: {', '.join(pins)}.")
         return lines
 
 
@@ -211,15 +284,25 @@ class AutoTuner:
         available_memory: int | None = None,
         window: int = WINDOW,
         window_seconds: float = WINDOW_SECONDS,
+        tunes_workers: bool = True,
+        prefetch: int | None = None,
+        decide_prefetch: Callable[
+            [PrefetchTuner, LoadWindow, PrefetchBudget], tuple[PrefetchTuner, PrefetchDecision]
+        ] = decide_prefetch,
     ) -> None:
         self.slots = slots
+        self.tunes_workers = tunes_workers
+        """`num_workers="auto"`: the count is tuned (else every slot runs)."""
+        self.prefetcher = None if prefetch is None else PrefetchTuner(prefetch)
+        """`prefetch_factor="auto"`: the prefetch policy's memory, starting from `prefetch`."""
+        self.decide_prefetch = decide_prefetch
         self.window = window
         self.window_seconds = window_seconds
         self.cpus = cpu_budget() if cpus is None else cpus
         self.decide = decide
         self.clock = clock
         self.tuner = Tuner()
-        self.workers = min(START_WITH, slots)
+        self.workers = min(START_WITH, slots) if tunes_workers else slots
         """Workers running (or to start with, in the next iterator)."""
         self.records: list[TuningRecord] = []
         self.latest = "measuring"
@@ -251,16 +334,24 @@ class AutoTuner:
         """An epoch begins: its first batch (the workers' start-up) is not measured."""
         self._restart()
 
+    @property
+    def prefetch(self) -> int | None:
+        """The prefetch bound it tuned (the next iterator's too); None where not tuned."""
+        return None if self.prefetcher is None else self.prefetcher.prefetch
+
     def report(self) -> AutoTuning:
+        settled = self.tuner.settled or self.tuner.locked or not self.tunes_workers
         return AutoTuning(
             slots=self.slots,
             cpus=self.cpus,
             memory=self.memory,
             workers=self.workers,
-            settled=self.tuner.settled or self.tuner.locked,
+            settled=settled,
             decisions=tuple(self.records),
             latest=self.latest,
             seeding=self.seeding,
+            prefetch=self.prefetch,
+            tunes_workers=self.tunes_workers,
         )
 
     # --- between the consumer's calls ----------------------------------------------------------
@@ -327,11 +418,15 @@ class AutoTuner:
             footprint = _largest_footprint(executor)
             if footprint:
                 self.memory = max(1, int(self.memory_budget // footprint))
+        self._restart()
+        self.last = now
+        if self.prefetcher is not None and self._tune_prefetch(driver, state, window, running):
+            return
+        if not self.tunes_workers:
+            return
         budget = WorkerBudget(self.slots, self.cpus, self.memory)
         tuner, decision = self.decide(self.tuner, window, budget)
         self.latest = decision.why
-        self._restart()
-        self.last = now
         if decision.move is TuningMove.HOLD:
             self.tuner = tuner
             return
@@ -369,6 +464,41 @@ class AutoTuner:
                 abs(running - before),
             )
         )
+
+    def _tune_prefetch(self, driver: Any, state: State, window: LoadWindow, running: int) -> bool:
+        """Ask the prefetch policy and carry out its change; whether it made one."""
+        assert self.prefetcher is not None
+        spent = self.memory is not None and running >= self.memory
+        prefetcher, decision = self.decide_prefetch(
+            self.prefetcher, window, PrefetchBudget(MOST_PREFETCH, spent)
+        )
+        if decision.move is TuningMove.HOLD:
+            self.prefetcher = prefetcher
+            if not self.tunes_workers:
+                self.latest = decision.why
+            return False
+        try:
+            driver.prefetch(decision.prefetch)
+        except ProtocolError as refused:
+            # Refused (an index drawn for a worker the lower bound would leave over it): the
+            # next window asks again.
+            self.latest = f"{decision.why}; not done: {refused}"
+            return False
+        self.prefetcher = prefetcher
+        self.latest = decision.why
+        self.changed_at = self.batch
+        self.records.append(
+            TuningRecord(
+                self.batch,
+                state.life.epoch,
+                decision.move,
+                running,
+                decision.why,
+                0,
+                decision.prefetch,
+            )
+        )
+        return True
 
 
 def _available_memory() -> int | None:

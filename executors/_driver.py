@@ -58,6 +58,7 @@ from statecore import (
     NextRequested,
     Pending,
     Phase,
+    PrefetchChangeRequested,
     Progress,
     RaiseError,
     ReplaceWorker,
@@ -379,6 +380,13 @@ class Driver:
                 f"{type(self.executor).__name__} cannot start a worker (it has no `replace`)"
             )
         self._tune(AddRequested(worker))
+
+    def prefetch(self, prefetch_factor: int) -> None:
+        """Bound each worker's unresolved tasks by `prefetch_factor` from now on. Lowering it
+        cancels nothing: a worker over it is sent nothing until it holds fewer. Raises
+        `ExecutorError`, changing nothing, where the scheduler refuses (no epoch running, a
+        value under 1 or the one in force, a scheduler that loads on request)."""
+        self._tune(PrefetchChangeRequested(prefetch_factor))
 
     def _tune(self, event: Event) -> None:
         # Told between the consumer's calls: nothing waits, so no outcome is handed over here;

@@ -28,7 +28,13 @@ from torch.utils.data import IterDataPipe
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from statecore import Config, Phase, Progress, State, can_restart
-from statecore.executors._autotune import AutoTuner, AutoWorkers, auto_num_workers
+from statecore.executors._autotune import (
+    AutoPrefetch,
+    AutoTuner,
+    AutoWorkers,
+    auto_num_workers,
+    auto_prefetch_factor,
+)
 from statecore.executors._checkpoint import (
     EpochRecord,
     Resume,
@@ -144,12 +150,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             multiprocessing_context = multiprocessing_context.get_start_method()
         # "auto": as many worker slots as the budget allows, of which the tuner runs a few.
         count: int = auto_num_workers(num_workers, dataset)
-        if isinstance(prefetch_factor, str):
-            raise ValueError(
-                f"prefetch_factor must be an integer (batches loaded in advance by each worker; "
-                f"torch's default is 2), got {prefetch_factor!r}: it is not tuned yet; "
-                'num_workers="auto" tunes the number of workers'
-            )
+        # "auto": torch's default to start with, which the tuner changes as the loop runs.
+        prefetch_factor = auto_prefetch_factor(prefetch_factor, count)
         # Keywords only: a framework that records the arguments of torch's __init__ (Lightning,
         # when this class did not exist yet as it patched torch's) then rebuilds this class
         # from names, and a sampler it injects cannot collide with a positional one.
@@ -252,6 +254,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "num_workers" and "loads_in_process" in vars(self):
             value = auto_num_workers(value, self.dataset)
+        if name == "prefetch_factor" and "loads_in_process" in vars(self):
+            value = auto_prefetch_factor(value, self.num_workers)
         if name in _CHOOSE_EXECUTOR and "loads_in_process" in vars(self):
             # Resolved before anything changes: a refused value leaves the loader as it was.
             executor = value if name == "executor" else self.executor
@@ -546,14 +550,32 @@ def _check_auto(factory: Any, loader: DataLoader[Any]) -> None:
 
 
 def _autotuner_for(loader: DataLoader[Any], slots: int) -> AutoTuner | None:
-    """The loader's tuner, made with its first iterator, if its num_workers is "auto"."""
-    if not isinstance(loader.num_workers, AutoWorkers) or loader.loads_in_process:
+    """The loader's tuner, made with its first iterator, if its num_workers or its
+    prefetch_factor is "auto"."""
+    workers = isinstance(loader.num_workers, AutoWorkers)
+    auto_prefetch = loader.prefetch_factor
+    prefetch = isinstance(auto_prefetch, AutoPrefetch)
+    if not (workers or prefetch) or loader.loads_in_process:
         return None
     tuner = loader.__dict__.get("_autotuner")
-    if tuner is None or tuner.slots != slots:
-        tuner = loader._autotuner = AutoTuner(slots)
+    if (
+        tuner is None
+        or tuner.slots != slots
+        or tuner.tunes_workers != workers
+        or (tuner.prefetch is not None) != prefetch
+    ):
+        start = int(auto_prefetch) if isinstance(auto_prefetch, AutoPrefetch) else None
+        tuner = loader._autotuner = AutoTuner(slots, tunes_workers=workers, prefetch=start)
     tuner.seeding = loader._seeding_in_force()
     return tuner
+
+
+def _prefetch_in_force(prefetch: int | None, tuner: AutoTuner | None) -> int:
+    """The prefetch bound an iterator starts with: what the tuner learned, where
+    `prefetch_factor="auto"`; else the loader's, torch's default 2 if unset."""
+    if tuner is not None and tuner.prefetch is not None:
+        return tuner.prefetch
+    return 2 if prefetch is None else prefetch
 
 
 def _executor_name(loader: DataLoader[Any]) -> str:
@@ -1004,7 +1026,7 @@ class _Iterator(_BaseDataLoaderIter):
         )
         config = Config(
             num_workers=workers,
-            prefetch_factor=1 if in_process else (2 if prefetch is None else prefetch),
+            prefetch_factor=1 if in_process else _prefetch_in_force(prefetch, self._autotuner),
             in_order=loader.in_order,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             persistent_workers=self._persistent_workers and not in_process,
@@ -1012,7 +1034,11 @@ class _Iterator(_BaseDataLoaderIter):
             restarts=0 if in_process else loader._restarts_left(),
             # An auto loader starts with the count it learned (two at first); the others begin
             # retired, and its tuner adds them as they pay.
-            started=None if self._autotuner is None else self._autotuner.workers,
+            started=(
+                self._autotuner.workers
+                if self._autotuner is not None and self._autotuner.tunes_workers
+                else None
+            ),
         )
         factory = loader.executor_factory
         if isinstance(factory, Pinned):
@@ -1027,7 +1053,7 @@ class _Iterator(_BaseDataLoaderIter):
             factory = Pinned(factory, in_process=in_process)
         if config.restarts or loader.worker_timeout:
             _check_replacing(factory, loader)
-        if self._autotuner is not None:
+        if self._autotuner is not None and self._autotuner.tunes_workers:
             _check_auto(factory, loader)  # set after the loader was built, say
         launch = Launch(
             setup,

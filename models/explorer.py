@@ -272,17 +272,36 @@ def restart_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
 
 def tuning_scenarios(bounds: Bounds = Bounds()) -> Iterator[Scenario]:
     """A tuner retiring workers and adding them back at any step between the consumer's calls
-    (map-style datasets only): in order and not, over two and three workers, a retiring worker
-    that may die and be replaced, and persistent workers whose next epoch resumes only the slots
-    not retired."""
+    (map-style datasets only), and changing the prefetch bound: in order and not, over two and
+    three workers, a retiring worker that may die and be replaced, and persistent workers whose
+    next epoch resumes only the slots not retired."""
     dataset = MapSpec(bounds.batches - 2, frozenset({1}))
     for workers, in_order, deaths in ((2, True, 1), (2, False, 1), (3, True, 0)):
         config = Config(num_workers=workers, prefetch_factor=1, in_order=in_order, restarts=1)
-        yield Scenario(config, dataset, deaths=deaths, tunes=2, timeouts=False, closes=False)
+        # Three workers: the bound raised to 2 (and lowered back) at any step as well.
+        prefetches = 2 if workers == 3 else 0
+        yield Scenario(
+            config,
+            dataset,
+            deaths=deaths,
+            tunes=2,
+            prefetches=prefetches,
+            timeouts=False,
+            closes=False,
+        )
     # Prefetch 2, more batches than the window holds: a retiring worker still holding a task
-    # would have room for another.
+    # would have room for another. The bound lowered to 1 or raised to 3 at any step, twice:
+    # tasks held over a lowered bound stay, and the workers holding them are sent none.
     config = Config(num_workers=2, prefetch_factor=2)
-    yield Scenario(config, MapSpec(bounds.batches), deaths=0, tunes=1, timeouts=False, closes=False)
+    yield Scenario(
+        config,
+        MapSpec(bounds.batches),
+        deaths=0,
+        tunes=1,
+        prefetches=2,
+        timeouts=False,
+        closes=False,
+    )
     config = Config(num_workers=2, prefetch_factor=1, persistent_workers=True)
     yield Scenario(config, _short(dataset), epochs=2, deaths=0, tunes=3, timeouts=False)
     # Slots that begin retired (num_workers="auto" starts a few of its slots): only a tuner's

@@ -3,7 +3,8 @@
 `scheduler_machine(scenarios, step)` builds a `RuleBasedStateMachine` whose rules are the
 world's actions (a consumer asking, a worker answering, dying or found stuck, a lost worker's
 late answer, a timeout, an interrupt, the sampler raising, the executor breaking, a close, a new
-epoch, a tuner retiring a worker or adding a retired one back, a checkpoint resumed in a fresh
+epoch, a tuner retiring a worker or adding a retired one back or changing the prefetch bound, a
+checkpoint resumed in a fresh
 loader with any number of workers) and whose invariants are every
 check of `statecore.models.world`, made on the real driver (`statecore.executors._driver`)
 running the core. It takes the step function, so the same machine checks the real core, a
@@ -41,6 +42,7 @@ from statecore.models.world import (
     Late,
     Next,
     Preempt,
+    Prefetch,
     Restart,
     Retire,
     SamplerRaises,
@@ -108,19 +110,22 @@ def scenarios(
         sampler_failures=draw(st.sampled_from((0, 0, 0, 1)), label="sampler_failures"),
         executor_failures=draw(st.sampled_from((0, 0, 0, 1)), label="executor_failures"),
     )
-    if isinstance(dataset, IterableSpec) or workers == 1:
+    if not (isinstance(dataset, IterableSpec) or workers == 1):
         # A worker is retired only if another stays to take the tasks, and never an iterable
-        # dataset's: its shard would be lost with it.
-        return scenario
-    # Drawn last, so that the draws above (and the runs they shape) stay as they were.
-    tunes = draw(st.integers(0, 4), label="tunes")
-    if tunes:
-        # A tuner's choice matters while the sampler has indices left to give: more batches
-        # than the window holds, so that a retiring worker could be handed another.
-        window = workers * config.prefetch_factor
-        batches = max(dataset.batches, window + draw(st.integers(1, 4), label="beyond"))
-        dataset = MapSpec(batches, dataset.failing)
-    return attrs.evolve(scenario, dataset=dataset, tunes=tunes)
+        # dataset's: its shard would be lost with it. Drawn after the draws above, so that
+        # they (and the runs they shape) stay as they were.
+        tunes = draw(st.integers(0, 4), label="tunes")
+        if tunes:
+            # A tuner's choice matters while the sampler has indices left to give: more
+            # batches than the window holds, so that a retiring worker could be handed another.
+            window = workers * config.prefetch_factor
+            batches = max(dataset.batches, window + draw(st.integers(1, 4), label="beyond"))
+            dataset = MapSpec(batches, dataset.failing)
+        scenario = attrs.evolve(scenario, dataset=dataset, tunes=tunes)
+    if config.lazy:
+        return scenario  # read on demand: nothing is prefetched, so there is no bound to change
+    # Last: a tuner changing the prefetch bound, of any dataset's workers.
+    return attrs.evolve(scenario, prefetches=draw(st.integers(0, 3), label="prefetches"))
 
 
 def scheduler_machine(
@@ -248,6 +253,14 @@ def scheduler_machine(
         def _batches(self) -> int:
             spec = self.world.scenario.dataset
             return spec.batches if isinstance(spec, MapSpec) else sum(spec.lengths)
+
+        @precondition(lambda self: bool(self._enabled(Prefetch)))
+        @rule(choice=st.integers(0, 7))
+        def tuner_changes_the_prefetch_bound(self, choice: int) -> None:
+            # One up or one down, at any step between the consumer's calls: lowered, the tasks
+            # sent stay sent, and no send goes over the new bound (the world checks both).
+            options = self._enabled(Prefetch)
+            self._apply(options[choice % len(options)])
 
         @precondition(lambda self: bool(self._enabled(Add)))
         @rule(choice=st.integers(0, 7))

@@ -606,6 +606,7 @@ MUTANTS: tuple[Mutant, ...] = (
             MapSpec(6),
             deaths=0,
             tunes=1,
+            prefetches=2,
             timeouts=False,
             closes=False,
         ),

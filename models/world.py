@@ -182,6 +182,10 @@ class Scenario:
     tunes: int = 0
     """Times a tuner may retire a worker or add a retired one back, between the consumer's
     calls (map-style datasets only: an iterable dataset's workers are never retired)."""
+    prefetches: int = 0
+    """Times a tuner may change the prefetch bound, one up or one down (from 1 to one over the
+    configuration's), between the consumer's calls (any dataset; not where the sampler is read
+    on demand, which prefetches nothing)."""
 
     def __attrs_post_init__(self) -> None:
         if self.config.iterable != isinstance(self.dataset, IterableSpec):
@@ -278,6 +282,13 @@ class Add:
 
 
 @attrs.frozen
+class Prefetch:
+    """A tuner changes the prefetch bound to `prefetch_factor` (`Driver.prefetch`)."""
+
+    prefetch_factor: int
+
+
+@attrs.frozen
 class Preempt:
     """The program saves the loader's state, and goes on in a fresh loader loaded from it, with
     `workers` workers (an iterable dataset's: as many as before): a preempted job restarted
@@ -311,6 +322,7 @@ Action = (
     | Preempt
     | Retire
     | Add
+    | Prefetch
 )
 
 _TASK = "task"
@@ -419,6 +431,10 @@ class World:
     """Workers a tuner retired that were not stopped yet: sent no new task."""
     retired: frozenset[int] = frozenset()
     """Worker slots retired and stopped: sent nothing, resumed by no new epoch."""
+    prefetches_left: int = 0
+    prefetch: int = 0
+    """The prefetch bound a tuner set last (`Prefetch`), that a send must keep within; 0 while
+    none did: the configuration's."""
 
     @classmethod
     def start(
@@ -479,6 +495,7 @@ class World:
             sampler_failures_left=scenario.sampler_failures,
             executor_failures_left=scenario.executor_failures,
             tunes_left=scenario.tunes,
+            prefetches_left=scenario.prefetches,
             retired=frozenset(range(running, n)),
         )
         if not begin:
@@ -528,6 +545,8 @@ class World:
             # an interrupted iter() leaves a reset unacknowledged when the next one comes.
             if self.tunes_left and not blocked:
                 yield from self._tunings()
+            if self.prefetches_left and not blocked:
+                yield from self._prefetches()
             restartable = not (blocked or self.expect)
             if restartable and self.epoch < self.scenario.epochs:
                 yield Restart()
@@ -547,6 +566,23 @@ class World:
                 yield Retire(w)
         for w in sorted(self.retired):
             yield Add(w)
+
+    def _prefetches(self) -> Iterator[Prefetch]:
+        """The bounds a tuner may set now: one under or one over the one in force, from 1 to
+        one over the configuration's, while an epoch runs or drains; not a lowering that would
+        leave the worker an index is being drawn for over it (the core refuses that)."""
+        core = self.core
+        config = self.scenario.config
+        if config.lazy or core.phase not in (Phase.RUNNING, Phase.DRAINING):
+            return
+        now = core.config.prefetch_factor
+        drawn_for = core.drawing_for
+        for bound in (now - 1, now + 1):
+            if not 1 <= bound <= config.prefetch_factor + 1:
+                continue
+            if drawn_for is not None and core.loads[drawn_for] >= bound:
+                continue
+            yield Prefetch(bound)
 
     def apply(
         self, action: Action, step: StepFunction = core_step, on_edge: EdgeObserver | None = None
@@ -745,6 +781,8 @@ class _Sim:
     tunes_left: int
     retiring: frozenset[int]
     retired: frozenset[int]
+    prefetches_left: int
+    prefetch: int
 
     def _violate(self, message: str) -> Violation:
         # Kept, because the driver takes an exception from its executor for the executor's own
@@ -916,7 +954,7 @@ class _Sim:
         self.sent = self.sent | {(task, w, incarnation, index)}
         self.open_tasks = self.open_tasks | {(command.task, w)}
         held = sum(1 for t in self.open_tasks if t[1] == w and t != self.in_hand)
-        limit = self.scenario.config.prefetch_factor
+        limit = self.prefetch or self.scenario.config.prefetch_factor
         if held > limit:
             raise self._violate(f"worker {w} holds {held} unresolved tasks, over prefetch {limit}")
         self._enqueue(w, (_TASK, command.task, command.index))
@@ -1261,6 +1299,14 @@ class _Sim:
         elif isinstance(action, Add):
             self.tunes_left -= 1
             self.driver.add(action.worker)
+            self._raise_violation()
+            return
+        elif isinstance(action, Prefetch):
+            # Lowered, nothing sent is cancelled (every batch is still delivered once, as the
+            # end of the epoch checks), and no send may go over it from now on (`send`).
+            self.prefetches_left -= 1
+            self.prefetch = action.prefetch_factor
+            self.driver.prefetch(action.prefetch_factor)
             self._raise_violation()
             return
         else:  # pragma: no cover

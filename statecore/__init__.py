@@ -46,6 +46,7 @@ from statecore._events import (
     IndexDrawn,
     Interrupted,
     NextRequested,
+    PrefetchChangeRequested,
     ResetRequested,
     RetireRequested,
     SamplerExhausted,
@@ -103,12 +104,18 @@ from statecore._step import Transition, can_restart, step
 from statecore._table import ECHOES, EDGES, RULES, TRANSITIONS, Rule
 from statecore._tuning import (
     LoadWindow,
+    PrefetchBudget,
+    PrefetchDecision,
+    PrefetchTuner,
+    PrefetchTuning,
     Tuner,
     Tuning,
     TuningDecision,
     TuningMove,
     WorkerBudget,
+    decide_prefetch,
     decide_workers,
+    prefetch_change_bound,
     tuning_change_bound,
 )
 
@@ -142,6 +149,7 @@ __all__ = [
     "LoaderTimeoutError",
     "MisuseError",
     "NextRequested",
+    "PrefetchChangeRequested",
     "Pending",
     "Phase",
     "Policy",
@@ -204,6 +212,12 @@ __all__ = [
     "WorkerBudget",
     "decide_workers",
     "tuning_change_bound",
+    "PrefetchBudget",
+    "PrefetchDecision",
+    "PrefetchTuner",
+    "PrefetchTuning",
+    "decide_prefetch",
+    "prefetch_change_bound",
 ]
 
 

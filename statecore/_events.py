@@ -10,8 +10,8 @@ impossible in the current state (see `statecore._errors`):
 - the executor, for its workers: `TaskCompleted`, `TaskFailed`, `WorkerExhausted`,
   `WorkerResumed`, `WorkerDied`, `WorkerStarted`;
 - the driver, for a worker it found stuck: `WorkerStuck`;
-- the driver, on a tuner's behalf (changing how many workers load): `RetireRequested`,
-  `AddRequested`.
+- the driver, on a tuner's behalf (changing how many workers load, and how far ahead):
+  `RetireRequested`, `AddRequested`, `PrefetchChangeRequested`.
 
 Every event of a worker names its incarnation: how many times its slot was replaced when the
 worker that sent it was started (0 for the first). An event of an earlier incarnation is late
@@ -32,6 +32,7 @@ __all__ = [
     "IndexDrawn",
     "Interrupted",
     "NextRequested",
+    "PrefetchChangeRequested",
     "ResetRequested",
     "RetireRequested",
     "SamplerExhausted",
@@ -275,6 +276,18 @@ class AddRequested(Event):
     tasks once it has started (`WorkerStarted`). Spends no restart."""
 
     worker: int
+
+
+@attrs.frozen
+class PrefetchChangeRequested(Event):
+    """Bound each worker's unresolved tasks by `prefetch_factor` from now on, mid-epoch.
+
+    Raising it sends more at once, to workers with room under the new bound. Lowering it
+    cancels nothing: a worker holding more than the new bound keeps its tasks and answers them,
+    and is sent no new one until it holds fewer than the bound. Not for a scheduler that draws
+    only on request (`Config.lazy`: no workers), which prefetches nothing."""
+
+    prefetch_factor: int
 
 
 # The slots' own setters, for the `fast` constructors: attrs' frozen `__init__` sets each field

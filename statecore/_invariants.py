@@ -43,9 +43,17 @@ def violations(state: State) -> list[str]:
             counted[slot.worker] += 1  # type: ignore[union-attr]
     if tuple(counted) != state.loads:
         found.append(f"loads {state.loads} do not match the window, which gives {tuple(counted)}")
+    # Tasks sent since the bound was last lowered (all of them, if it never was) were sent
+    # under it: a worker holds at most `limit` of them. Older ones may stay over it.
+    since = [0] * n
+    for i, slot in enumerate(window):
+        if slot is not RESOLVED and state.rcvd_idx + i >= life.lowered_at:
+            since[slot.worker] += 1  # type: ignore[union-attr]
     for w, load in enumerate(state.loads):
-        if load > limit:
-            found.append(f"worker {w} holds {load} unresolved tasks, over prefetch {limit}")
+        if since[w] > limit:
+            found.append(
+                f"worker {w} holds {since[w]} unresolved tasks sent under prefetch {limit}, over it"
+            )
         status = life.workers[w]
         if status is WorkerStatus.STOPPED and load:
             found.append(f"worker {w} was stopped and still holds {load} unresolved tasks")
@@ -53,8 +61,10 @@ def violations(state: State) -> list[str]:
             found.append(f"worker {w} retires holding no task, and was not stopped")
     if WorkerStatus.RETIRING in life.workers and phase not in (Phase.RUNNING, Phase.DRAINING):
         found.append(f"a worker retires while the loader is {phase.value}")
-    if state.outstanding + state.buffered > limit * n:
-        found.append("more unresolved tasks than prefetch_factor x workers")
+    if sum(since) > limit * n:
+        found.append("more unresolved tasks sent under the bound than prefetch_factor x workers")
+    if life.lowered_at > state.send_idx:
+        found.append(f"the bound was lowered at task {life.lowered_at}, not sent yet")
 
     if any(task >= life.base for task, _ in life.stale):
         found.append("a task of the current epoch is marked stale")

@@ -360,12 +360,13 @@ def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int)
 
 @attrs.frozen
 class Config:
-    """What does not change during the life of a scheduler.
+    """What does not change during the life of a scheduler, but for the prefetch bound.
 
     `num_workers` counts the workers that take tasks; the in-process loader is one worker.
     `prefetch_factor` bounds the unresolved tasks (sent, not yet delivered or skipped) that any
     one worker holds, which is torch's documented meaning ("batches loaded in advance by each
-    worker").
+    worker"). A tuner may change it mid-epoch (`PrefetchChangeRequested`): the state then holds
+    a config with the new bound, and `Lifecycle.lowered_at` says which tasks it applies to.
     """
 
     num_workers: int = attrs.field(validator=_at_least_one)
@@ -450,6 +451,10 @@ class Lifecycle:
     added: int = 0
     """Retired slots started again (`AddRequested`): each is a new incarnation of its slot, and
     spends no restart."""
+    lowered_at: int = 0
+    """The first task sent under the prefetch bound in force: `send_idx` when
+    `PrefetchChangeRequested` last lowered it (0 before). Lowering cancels nothing, so a worker
+    may hold more tasks than the bound, but only ones numbered before this."""
 
 
 class State(NamedTuple):

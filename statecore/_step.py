@@ -85,6 +85,7 @@ from statecore._events import (
     IndexDrawn,
     Interrupted,
     NextRequested,
+    PrefetchChangeRequested,
     ResetRequested,
     RetireRequested,
     SamplerExhausted,
@@ -220,6 +221,11 @@ def _why_not(state: State, event: Event) -> str:
         return (
             f"workers are retired and added only while an epoch runs, and the loader is "
             f"{phase.value}"
+        )
+    if isinstance(event, PrefetchChangeRequested):
+        return (
+            f"the prefetch bound changes only while an epoch runs, and the loader is "
+            f"{phase.value}: a new iterator takes prefetch_factor from its loader"
         )
     if isinstance(event, _ANSWERS):
         return "no task is awaiting an answer"
@@ -414,6 +420,42 @@ def _retired(state: State, event: Event) -> str | None:
     return None
 
 
+def _a_bound(state: State, event: Event) -> str | None:
+    assert isinstance(event, PrefetchChangeRequested)
+    n = event.prefetch_factor
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return f"prefetch_factor must be an integer of at least 1 (tasks per worker), got {n!r}"
+    return None
+
+
+def _prefetching(state: State, event: Event) -> str | None:
+    if state.config.lazy:
+        return (
+            "this scheduler loads in the calling thread and draws an index only on request "
+            "(lazy): it prefetches nothing, so it has no bound to change"
+        )
+    return None
+
+
+def _a_change(state: State, event: Event) -> str | None:
+    assert isinstance(event, PrefetchChangeRequested)
+    if event.prefetch_factor == state.config.prefetch_factor:
+        return f"prefetch_factor is {event.prefetch_factor} already"
+    return None
+
+
+def _room_for_the_draw(state: State, event: Event) -> str | None:
+    assert isinstance(event, PrefetchChangeRequested)
+    w, n = state.drawing_for, event.prefetch_factor
+    if w is not None and state.loads[w] >= n:
+        return (
+            f"an index is being drawn for worker {w}, which holds {state.loads[w]} task(s): "
+            f"with prefetch_factor={n} it would be sent one over the bound; carry out the "
+            "DrawIndex first, then lower it"
+        )
+    return None
+
+
 _DRAW_GUARDS: tuple[Guard, ...] = (_index_asked,)
 
 GUARDS: Mapping[type[Event], tuple[Guard, ...]] = {
@@ -438,6 +480,7 @@ GUARDS: Mapping[type[Event], tuple[Guard, ...]] = {
     WorkerStuck: (_known_worker, _stuck_on_an_awaited_task),
     RetireRequested: (_known_worker, _map_style, _running, _not_drawn_for, _another_takes_tasks),
     AddRequested: (_known_worker, _retired),
+    PrefetchChangeRequested: (_a_bound, _prefetching, _a_change, _room_for_the_draw),
 }
 """Per event type, the guards asked before its handler, in order. The answers' own check (is
 this task awaited from this worker?) is `_claim`'s, which finds the task's slot on the way."""
@@ -963,6 +1006,27 @@ def _on_add(state: State, event: AddRequested) -> Transition:
     )
 
 
+def _on_prefetch(state: State, event: PrefetchChangeRequested) -> Transition:
+    """The prefetch bound changes: raised, `_settle` draws for the workers with room now;
+    lowered, nothing already sent is touched, and `pick_worker` passes over the workers at or
+    over the new bound until they answer."""
+    config, life = state.config, state.life
+    if event.prefetch_factor < config.prefetch_factor:
+        life = attrs.evolve(life, lowered_at=state.send_idx)
+    config = attrs.evolve(config, prefetch_factor=event.prefetch_factor)
+    return _settle(
+        config,
+        life,
+        state.rcvd_idx,
+        state.window,
+        state.loads,
+        state.cursor,
+        state.drawing_for,
+        state.waiting,
+        (),
+    )
+
+
 def _on_timeout(state: State, event: TimedOut) -> Transition:
     return _fail(state, event, Timeout(event.seconds))
 
@@ -1035,6 +1099,7 @@ _HANDLERS: Mapping[type[Event], _Handler] = {
     WorkerStarted: _on_started,  # type: ignore[dict-item]
     RetireRequested: _on_retire,  # type: ignore[dict-item]
     AddRequested: _on_add,  # type: ignore[dict-item]
+    PrefetchChangeRequested: _on_prefetch,  # type: ignore[dict-item]
 }
 
 

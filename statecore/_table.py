@@ -20,6 +20,7 @@ from statecore._events import (
     IndexDrawn,
     Interrupted,
     NextRequested,
+    PrefetchChangeRequested,
     ResetRequested,
     RetireRequested,
     SamplerExhausted,
@@ -56,7 +57,8 @@ _LIVE = (IDLE, RESUMING, RUNNING, DRAINING, FINISHED)
 #
 # A worker retired (`RetireRequested`, map-style datasets only) is given no new task and is
 # stopped by the rule "retired" once it holds none; `AddRequested` starts a retired slot again.
-# Neither changes the phase.
+# Neither changes the phase, nor does `PrefetchChangeRequested`, which changes how many tasks
+# each worker may hold from now on (lowering it cancels nothing: it only holds back new sends).
 #
 # A worker lost (`WorkerDied`, `WorkerStuck`) in a live phase is replaced in its slot, and the
 # phase stays; the rule "restarts spent" fails the loader instead when none is left, which with
@@ -93,6 +95,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         WorkerStarted: RUNNING,
         RetireRequested: RUNNING,
         AddRequested: RUNNING,
+        PrefetchChangeRequested: RUNNING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: RUNNING,
         ResetRequested: RESUMING,
@@ -111,6 +114,7 @@ TRANSITIONS: Mapping[Phase, Mapping[type[Event], Phase]] = {
         WorkerStarted: DRAINING,
         RetireRequested: DRAINING,
         AddRequested: DRAINING,
+        PrefetchChangeRequested: DRAINING,
         **{failure: FAILED for failure in _FAILURES},
         Interrupted: DRAINING,
         ResetRequested: RESUMING,

@@ -35,6 +35,13 @@ The rules, in the order `decide_workers` asks them:
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
+The prefetch bound (`prefetch_factor="auto"`) has its own policy, `decide_prefetch`, over the
+same windows: it raises the bound while the loop waits and the workers sit idle (each has
+answered what it was given and waits for room: in order, behind one slow batch), doubling
+while the loop starves; a raise that brought no faster batches while the loop still waits
+stops the raising there (a ceiling); and it lowers the bound by one while memory is the budget
+(the workers' measured footprint fills it), making that a ceiling. It never changes the workers.
+
 Hysteresis: the thresholds are apart (add over 10% waiting, settle under 2%, wake over 25%),
 each change is followed by a cool-down, and a change in the opposite direction to the one
 before (a reversal) narrows the range for good (a ceiling or a floor); after `max_reversals`
@@ -57,6 +64,12 @@ __all__ = [
     "LoadWindow",
     "tuning_change_bound",
     "decide_workers",
+    "PrefetchBudget",
+    "PrefetchDecision",
+    "PrefetchTuner",
+    "PrefetchTuning",
+    "decide_prefetch",
+    "prefetch_change_bound",
 ]
 
 
@@ -69,6 +82,10 @@ class TuningMove(enum.Enum):
     """Retire one worker: it finishes what it holds and stops."""
     HOLD = "hold"
     """Change nothing."""
+    RAISE_PREFETCH = "raise prefetch"
+    """Let each worker hold more tasks (`decide_prefetch` only)."""
+    LOWER_PREFETCH = "lower prefetch"
+    """Let each worker hold fewer tasks (`decide_prefetch` only)."""
 
     def __repr__(self) -> str:
         return f"TuningMove.{self.name}"
@@ -401,3 +418,154 @@ def _change(
 
 def _hold(why: str) -> TuningDecision:
     return TuningDecision(TuningMove.HOLD, why)
+
+
+# --- the prefetch bound ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PrefetchBudget:
+    """What the prefetch tuner may spend."""
+
+    most: int
+    """The deepest bound it may set (tasks per worker)."""
+    memory_spent: bool = False
+    """The workers' measured footprint fills the memory budget: each task a worker holds keeps
+    a batch in memory, so the bound is lowered rather than raised."""
+
+
+@attrs.frozen
+class PrefetchTuning:
+    """The prefetch policy's thresholds. The defaults are the loader's."""
+
+    raise_above: float = 0.10
+    """Raise the bound while the training loop waits more than this share of its time..."""
+    idle_above: float = 0.1
+    """...and the running workers sit idle (no task in hand) more than this share of it: they
+    are waiting for room, not working, so more room is what would keep them busy."""
+    starved_above: float = 0.5
+    """While the loop waits more than this share, a raise doubles the bound."""
+    min_gain: float = 0.04
+    """A raise that did not make batches come faster by this share, while the loop still waits,
+    is the last: the bound it reached becomes a ceiling."""
+    cooldown: int = 8
+    """As `Tuning.cooldown`: a window begun this soon after a change tells nothing of it."""
+    pause_share: float = 0.5
+    """As `Tuning.pause_share`."""
+
+
+@attrs.frozen
+class PrefetchTuner:
+    """What the prefetch policy remembers between decisions. `PrefetchTuner(prefetch)` before
+    the first, with the bound the loader starts with."""
+
+    prefetch: int = 2
+    """The bound in force."""
+    changed_at: int = 0
+    """The batch number of the last change."""
+    changes: int = 0
+    judged: bool = True
+    """The last raise has been judged."""
+    rate_before: float = 0.0
+    """Batches per second in the window that led to the last raise."""
+    ceiling: int | None = None
+    """The deepest bound worth setting: a raise to it did not pay, or memory lowered it."""
+
+
+@attrs.frozen
+class PrefetchDecision:
+    """The prefetch tuner's answer, with its reason in words."""
+
+    move: TuningMove
+    """`RAISE_PREFETCH`, `LOWER_PREFETCH` or `HOLD`."""
+    prefetch: int
+    """The bound after it."""
+    why: str
+
+    @property
+    def changes(self) -> bool:
+        return self.move is not TuningMove.HOLD
+
+
+def prefetch_change_bound(most: int) -> int:
+    """The most changes the prefetch tuner makes over a loader's life with bounds up to `most`:
+    every lowering lowers the ceiling for good (at most `most - 1` of them), and between two
+    the raises climb monotonically (at most `most - 1` each run)."""
+    return max(most - 1, 0) * (most + 1)
+
+
+def decide_prefetch(
+    tuner: PrefetchTuner,
+    window: LoadWindow,
+    budget: PrefetchBudget,
+    tuning: PrefetchTuning = PrefetchTuning(),
+) -> tuple[PrefetchTuner, PrefetchDecision]:
+    """The next `PrefetchTuner` and the decision for `window` (see the module docstring)."""
+    now = tuner.prefetch
+    if tuner.changes and window.first < tuner.changed_at + tuning.cooldown:
+        return tuner, _keep(now, "cooling down after the last change")
+    if window.batches < 2 or window.seconds <= 0:
+        return tuner, _keep(now, "too few batches to tell")
+    if window.longest_gap > tuning.pause_share * window.seconds:
+        return tuner, _keep(
+            now, "the training loop paused between two batches: the window tells nothing"
+        )
+    wait, rate = window.wait_share, window.rate
+    if budget.memory_spent:
+        if now <= 1:
+            return tuner, _keep(now, "memory is the budget, and each worker holds one task")
+        lower = now - 1
+        tuner = attrs.evolve(
+            tuner,
+            prefetch=lower,
+            changed_at=window.batch,
+            changes=tuner.changes + 1,
+            judged=True,
+            ceiling=lower,
+        )
+        return tuner, PrefetchDecision(
+            TuningMove.LOWER_PREFETCH,
+            lower,
+            "the workers' footprint fills the memory budget, and each task a worker holds "
+            "keeps a batch in memory",
+        )
+    if not tuner.judged:
+        if wait > tuning.raise_above and rate < tuner.rate_before * (1 + tuning.min_gain):
+            tuner = attrs.evolve(tuner, judged=True, ceiling=now)
+            return tuner, _keep(
+                now,
+                f"raising it to {now} did not pay: {tuner.rate_before:.1f} -> {rate:.1f} "
+                f"batches/s, under the {tuning.min_gain:.0%} gain asked",
+            )
+        tuner = attrs.evolve(tuner, judged=True)
+    idle = 1.0 - window.busy
+    if wait <= tuning.raise_above:
+        return tuner, _keep(now, f"the training loop waited {wait:.0%}: enough in flight")
+    if idle <= tuning.idle_above:
+        return tuner, _keep(
+            now,
+            f"the training loop waited {wait:.0%}, and the workers were busy {window.busy:.0%} "
+            "of the time: more room would not make them faster",
+        )
+    cap = budget.most if tuner.ceiling is None else min(budget.most, tuner.ceiling)
+    if now >= cap:
+        return tuner, _keep(now, f"the training loop waited {wait:.0%}, at the deepest ({cap})")
+    deeper = min(2 * now if wait > tuning.starved_above else now + 1, cap)
+    tuner = attrs.evolve(
+        tuner,
+        prefetch=deeper,
+        changed_at=window.batch,
+        changes=tuner.changes + 1,
+        judged=False,
+        rate_before=rate,
+    )
+    return tuner, PrefetchDecision(
+        TuningMove.RAISE_PREFETCH,
+        deeper,
+        f"the training loop waited {wait:.0%} of its time while the workers sat idle "
+        f"{idle:.0%} of it, waiting for room",
+    )
+
+
+def _keep(prefetch: int, why: str) -> PrefetchDecision:
+    return PrefetchDecision(TuningMove.HOLD, prefetch, why)

@@ -21,6 +21,7 @@ from statecore import (
     IndexDrawn,
     Interrupted,
     NextRequested,
+    PrefetchChangeRequested,
     ResetRequested,
     RetireRequested,
     SamplerExhausted,
@@ -104,5 +105,6 @@ ONE_OF_EACH: tuple[Event, ...] = (
     WorkerStuck(worker=0, task=0, seconds=1.0),
     RetireRequested(worker=0),
     AddRequested(worker=0),
+    PrefetchChangeRequested(prefetch_factor=3),
 )
 """One representative event of every event type."""

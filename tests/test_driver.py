@@ -196,6 +196,7 @@ _DRIVER_SURFACE = {
     "close",
     "retire",
     "add",
+    "prefetch",
     "go_on",
     "progress",
     "marks",

@@ -255,11 +255,6 @@ def test_another_string_is_refused_in_torchs_words(value: str) -> None:
         statecore.DataLoader(Numbers(4), num_workers=value)
 
 
-def test_prefetch_factor_auto_is_refused_in_words() -> None:
-    with pytest.raises(ValueError, match=r"prefetch_factor must be an integer.*not tuned yet"):
-        statecore.DataLoader(Numbers(4), num_workers="auto", prefetch_factor="auto")  # type: ignore[arg-type]
-
-
 def test_a_negative_count_is_still_refused_as_torch_refuses_it() -> None:
     with pytest.raises(ValueError, match="num_workers option should be non-negative"):
         statecore.DataLoader(Numbers(4), num_workers=-1)
