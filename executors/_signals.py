@@ -53,6 +53,8 @@ _ASYNCHRONOUS = tuple(
     )
     if hasattr(signal, name)
 )
+# Every signal a handler may be set for, as plain ints: fixed for the life of the process.
+_VALID = tuple(int(number) for number in signal.valid_signals())
 
 
 class HeldSignals:
@@ -121,10 +123,12 @@ def is_interrupt(error: BaseException) -> bool:
     """
     if not isinstance(error, Exception):
         return True
+    # The C getsignal over plain ints (see `_getsignal`): the models' simulated executors
+    # raise at every wait, so this runs thousands of times a second there.
     handlers = set()
-    for number in signal.valid_signals():
+    for number in _VALID:
         try:
-            handler = signal.getsignal(number)
+            handler = _getsignal(number)
         except (OSError, ValueError):
             continue
         code = getattr(getattr(handler, "__func__", handler), "__code__", None)
