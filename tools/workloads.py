@@ -31,9 +31,8 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from statecore.tools.copy_on_read import Records, shared_records
-
 from statecore.tools.big_dataset import Catalogue
+from statecore.tools.copy_on_read import Records, shared_records
 
 __all__ = [
     "SEED",
