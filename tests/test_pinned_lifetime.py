@@ -179,6 +179,36 @@ def test_through_a_loader_no_host_batch_is_freed_before_its_wait_and_none_is_kep
     assert copy.in_flight == []
 
 
+@WORKERS
+@pytest.mark.timeout(60)
+def test_a_loader_stopped_early_lets_go_of_its_copies_only_after_the_side_stream_finished() -> None:
+    streams = FakeStreams()  # no copy finishes until the side stream is synchronized
+    copy = CudaCopy(META, streams)
+    pinned_so_far = 0
+
+    def pin(batch: torch.Tensor) -> torch.Tensor:
+        nonlocal pinned_so_far
+        pinned = host_batch(pinned_so_far, streams.log)
+        pinned_so_far += 1
+        return pinned
+
+    def factory(launch: Launch) -> PinnedExecutor:
+        return PinnedExecutor(ThreadExecutor(launch), pin, threaded=True, copy=copy)
+
+    loader = statecore.DataLoader(range(24), batch_size=3, num_workers=2, executor=factory)
+    iterator = iter(loader)
+    next(iterator)
+    gc.collect()
+    assert not any(kind == "freed" for kind, _ in streams.log)
+    iterator._shutdown()  # type: ignore[attr-defined]
+    gc.collect()
+    freed = [number for kind, number in streams.log if kind == "freed"]
+    assert sorted(freed) == list(range(pinned_so_far))
+    for number in freed:
+        assert streams.log.index(("copied", number)) < streams.log.index(("freed", number))
+    assert copy.in_flight == []
+
+
 # --- on a GPU machine ----------------------------------------------------------------------------
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
