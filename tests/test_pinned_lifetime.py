@@ -234,3 +234,43 @@ def test_on_cuda_a_pinned_batch_is_held_until_claimed_and_copied_then_let_go() -
     assert freed == [0]
     copy.close()
     assert copy.in_flight == []
+
+
+# --- the host-to-device workload (python -m statecore.tools.gpu_copy) ----------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says without CUDA")
+def test_the_gpu_copy_workload_says_it_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    from statecore.tools.gpu_copy import main
+
+    assert main(["--rounds", "1"]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+@WORKERS
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+@pytest.mark.parametrize("loader", ["torch", "pinned"])
+def test_a_gpu_copy_run_counts_every_batch_but_the_first(
+    monkeypatch: pytest.MonkeyPatch, loader: str
+) -> None:
+    # Run on the CPU: the "device" is the CPU, and there is no stream to wait for.
+    from statecore.tools.gpu_copy import LOADERS, one_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    moved, seconds = one_run(LOADERS[loader], 3, torch.device("cpu"))
+    assert moved == 2 * 4 * 1_250_000 * 4  # two batches of four samples of 1.25M float32
+    assert seconds > 0
+
+
+@CUDA
+@WORKERS
+@pytest.mark.timeout(120)
+def test_on_cuda_the_gpu_copy_workload_reports_each_loader(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from statecore.tools.gpu_copy import main
+
+    assert main(["--rounds", "1", "--batches", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["torch", "pinned", "side"]
