@@ -179,6 +179,36 @@ def test_through_a_loader_no_host_batch_is_freed_before_its_wait_and_none_is_kep
     assert copy.in_flight == []
 
 
+@WORKERS
+@pytest.mark.timeout(60)
+def test_a_loader_stopped_early_lets_go_of_its_copies_only_after_the_side_stream_finished() -> None:
+    streams = FakeStreams()  # no copy finishes until the side stream is synchronized
+    copy = CudaCopy(META, streams)
+    pinned_so_far = 0
+
+    def pin(batch: torch.Tensor) -> torch.Tensor:
+        nonlocal pinned_so_far
+        pinned = host_batch(pinned_so_far, streams.log)
+        pinned_so_far += 1
+        return pinned
+
+    def factory(launch: Launch) -> PinnedExecutor:
+        return PinnedExecutor(ThreadExecutor(launch), pin, threaded=True, copy=copy)
+
+    loader = statecore.DataLoader(range(24), batch_size=3, num_workers=2, executor=factory)
+    iterator = iter(loader)
+    next(iterator)
+    gc.collect()
+    assert not any(kind == "freed" for kind, _ in streams.log)
+    iterator._shutdown()  # type: ignore[attr-defined]
+    gc.collect()
+    freed = [number for kind, number in streams.log if kind == "freed"]
+    assert sorted(freed) == list(range(pinned_so_far))
+    for number in freed:
+        assert streams.log.index(("copied", number)) < streams.log.index(("freed", number))
+    assert copy.in_flight == []
+
+
 # --- on a GPU machine ----------------------------------------------------------------------------
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -204,3 +234,43 @@ def test_on_cuda_a_pinned_batch_is_held_until_claimed_and_copied_then_let_go() -
     assert freed == [0]
     copy.close()
     assert copy.in_flight == []
+
+
+# --- the host-to-device workload (python -m statecore.tools.gpu_copy) ----------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says without CUDA")
+def test_the_gpu_copy_workload_says_it_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    from statecore.tools.gpu_copy import main
+
+    assert main(["--rounds", "1"]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+@WORKERS
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+@pytest.mark.parametrize("loader", ["torch", "pinned"])
+def test_a_gpu_copy_run_counts_every_batch_but_the_first(
+    monkeypatch: pytest.MonkeyPatch, loader: str
+) -> None:
+    # Run on the CPU: the "device" is the CPU, and there is no stream to wait for.
+    from statecore.tools.gpu_copy import LOADERS, one_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    moved, seconds = one_run(LOADERS[loader], 3, torch.device("cpu"))
+    assert moved == 2 * 4 * 1_250_000 * 4  # two batches of four samples of 1.25M float32
+    assert seconds > 0
+
+
+@CUDA
+@WORKERS
+@pytest.mark.timeout(120)
+def test_on_cuda_the_gpu_copy_workload_reports_each_loader(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from statecore.tools.gpu_copy import main
+
+    assert main(["--rounds", "1", "--batches", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["torch", "pinned", "side"]
