@@ -45,6 +45,13 @@ def test_it_can_be_built_from_a_generator_without_a_list() -> None:
     assert shared[999] == {"id": 999}
 
 
+def test_an_object_held_by_several_items_is_stored_whole_in_each() -> None:
+    common = {"shared": [1, 2]}
+    items = [common, [common, common], ("again", common)]
+    shared = SharedSequence(items)
+    assert [shared[2], shared[1], shared[0]] == items[::-1]  # each one unpickles on its own
+
+
 def test_an_empty_one_has_no_items() -> None:
     shared: SharedSequence[int] = SharedSequence([])
     assert len(shared) == 0 and list(shared) == []
