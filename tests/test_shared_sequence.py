@@ -2,8 +2,8 @@
 
 It behaves as a tuple of its items would (indices, negative indices, slices, iteration, the
 IndexError past either end), survives pickling, refuses to be changed, and loads in worker
-processes under fork and spawn, where a spawned worker maps the main process's buffer rather
-than receiving a copy of it.
+processes under fork, forkserver and spawn (spawn in the exhaustive tier), where a worker that
+was sent it maps the main process's buffer rather than receiving a copy of it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ def test_it_can_be_built_from_a_generator_without_a_list() -> None:
     shared = SharedSequence({"id": i} for i in range(1000))
     assert len(shared) == 1000
     assert shared[999] == {"id": 999}
+
+
+def test_an_object_held_by_several_items_is_stored_whole_in_each() -> None:
+    common = {"shared": [1, 2]}
+    items = [common, [common, common], ("again", common)]
+    shared = SharedSequence(items)
+    assert [shared[2], shared[1], shared[0]] == items[::-1]  # each one unpickles on its own
 
 
 def test_an_empty_one_has_no_items() -> None:
@@ -150,8 +157,9 @@ class Records(Dataset):  # type: ignore[type-arg]
         return self.records[index], os.getpid()
 
 
+# Pickled to the workers under spawn; the forkserver test below pickles it in every tier.
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("loader", ["statecore", "torch"])
 def test_it_loads_in_worker_processes(method: str, loader: str) -> None:
     n = 40
@@ -177,10 +185,13 @@ class BufferBacking(Dataset):  # type: ignore[type-arg]
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
-def test_a_spawned_worker_maps_the_main_processs_buffer_not_a_copy() -> None:
+@pytest.mark.parametrize(
+    "method", ["forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
+)
+def test_a_spawned_worker_maps_the_main_processs_buffer_not_a_copy(method: str) -> None:
     shared = SharedSequence(range(1000, 1008))
     loader = statecore.DataLoader(
-        BufferBacking(shared), batch_size=None, num_workers=2, multiprocessing_context="spawn"
+        BufferBacking(shared), batch_size=None, num_workers=2, multiprocessing_context=method
     )
     items: list[Any] = list(loader)
     assert [item for item, _, _ in items] == list(range(1000, 1008))
