@@ -143,6 +143,19 @@ def test_a_run_without_a_peer_says_so_in_its_table_and_times_the_others(
     assert "skipped: spdl is not installed: pip install 'spdl==0.8.*'" in row
 
 
+def _refuses(dataset: Jpegs, arguments: dict[str, Any]) -> Any:
+    raise RuntimeError("no loader today\nsecond line")
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_that_raises_is_reported_and_the_others_still_run(cache: Path) -> None:
+    broken = Contender("broken", _refuses)
+    report = run_images(TINY, 2, batch_size=2, cache=cache, every=(*named("torch"), broken))
+    assert list(report.runs) == ["torch"] and len(report.runs["torch"]) == 2
+    row = next(line for line in report.table().splitlines() if line.startswith("broken"))
+    assert row.split(None, 1)[1] == "FAILED: raised RuntimeError: no loader today"
+
+
 def everyone_available() -> tuple[Contender, ...]:
     return tuple(contender for contender in contenders() if contender.missing() is None)
 

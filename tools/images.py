@@ -508,6 +508,8 @@ class ImagesReport:
     """Each loader's runs, one a round, in the contenders' order."""
     skipped: Mapping[str, str] = attrs.field(factory=dict)
     """The loaders that did not run, and why."""
+    failed: Mapping[str, str] = attrs.field(factory=dict)
+    """The loaders whose run raised, and what: they have no runs."""
     breakdown: Mapping[str, Run] = attrs.field(factory=dict)
     """The staged run of each loader, with `--breakdown`."""
     seconds: float = 0.0
@@ -570,6 +572,8 @@ class ImagesReport:
             lines.append(f"{name:13} {speed:>22} {speed_ratio:>6} {cost:>23} {cpu_ratio:>6}")
         for name, why in self.skipped.items():
             lines.append(f"{name:13} skipped: {why}")
+        for name, why in self.failed.items():
+            lines.append(f"{name:13} FAILED: {why}")
         lines.append(
             "ratio: median over rounds of the loader's figure / torch's in the same round "
             "(images/s: above 1 is faster; CPU: below 1 is cheaper); CPU: the whole process "
@@ -642,14 +646,32 @@ def run_images(
 
     runs: dict[str, list[Run]] = {contender.name: [] for contender in running}
     staged: dict[str, Run] = {}
+    failed: dict[str, str] = {}
+
+    def attempt(contender: Contender, data: Jpegs, options: Arguments, **how: Any) -> Run | None:
+        """One run; a loader that raises is out from then on (its runs gone: a ratio needs
+        every round), and the others go on."""
+        try:
+            return measure_run(contender, data, options, **how)
+        except Exception as failure:
+            lines = str(failure).strip().splitlines()
+            failed[contender.name] = f"raised {type(failure).__name__}: {lines[0] if lines else ''}"
+            say(f"images: {contender.name} {failed[contender.name]}")
+            runs.pop(contender.name, None)
+            return None
+
     with warnings.catch_warnings():
         # torchdata 0.11 warns on every loader it makes that it calls a deprecated torch API.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         for contender in running:  # imports, one-time set-up, a warm page cache: no round's
-            measure_run(contender, dataset, arguments(), batches=2)
+            attempt(contender, dataset, arguments(), batches=2)
         for number in range(rounds):
             for contender in rotated(number, running):
-                run = measure_run(contender, dataset, arguments())
+                if contender.name in failed:
+                    continue
+                run = attempt(contender, dataset, arguments())
+                if run is None:
+                    continue
                 runs[contender.name].append(run)
                 say(
                     f"images: round {number + 1}/{rounds} {contender.name}: "
@@ -661,13 +683,15 @@ def run_images(
             timed.__dict__.update(dataset.__dict__, stages=True)
             for contender in running:
                 options = {**arguments(), "collate_fn": stage_collate}
-                staged[contender.name] = measure_run(contender, timed, options)
+                if contender.name not in failed and (run := attempt(contender, timed, options)):
+                    staged[contender.name] = run
     return ImagesReport(
         images=len(dataset),
         batch_size=batch_size,
         num_workers=num_workers,
         runs={name: tuple(done) for name, done in runs.items()},
         skipped=skipped,
+        failed=failed,
         breakdown=staged,
         seconds=time.perf_counter() - started,
     )

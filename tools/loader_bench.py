@@ -1042,6 +1042,12 @@ def bench(
     count = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
     own = tuple(workload for workload in workloads if workload.own_bench is not None)
     workloads = tuple(workload for workload in workloads if workload.own_bench is None)
+    if own and (json_path is not None or plot_path is not None):
+        names = ", ".join(workload.name for workload in own)
+        print(
+            f"bench: {names}: its figures are in its own table, not in --json or --plot",
+            file=sys.stderr,
+        )
     if not workloads:
         return _bench_own(own, count, out, cache, breakdown, command)
     executors = "default executor, threads and ray" if ray else "default executor and threads"
