@@ -12,7 +12,7 @@ Each worker is started when the scheduler first gives it something to do (or the
 first waits for answers), so the first worker loads its first batch while the others are
 still being started, instead of every worker waiting for the last one to be started. Spawn
 and forkserver workers read the pickled setup from a file (`_setup_message`), so a start returns
-at once, and while as many as there are cores are still importing, the next waits
+at once, and while one fewer than there are cores are still importing, the next waits
 (`_importing`). Every start goes through `_launch`. Under forkserver the fork server
 preloads the worker's module, and so torch, before it forks any worker (`preload_in_forkserver`).
 
