@@ -21,6 +21,9 @@ from _processes import Snapshot, wait_no_leaks
 from torch.utils.data import Dataset
 
 import statecore
+from statecore.executors._mp import executor as executor_module
+from statecore.executors._mp import stacks
+from statecore.executors._mp.executor import MultiprocessExecutor
 from statecore.executors._mp.wire import Shipment, unpack_setup
 from statecore.executors._worker import WorkerSetup
 
@@ -167,3 +170,37 @@ def test_a_worker_whose_dataset_fails_to_unpickle_is_named_and_nothing_leaks(met
     assert "exited" in str(raised.value) or "died" in str(raised.value)
     del loader, raised
     assert wait_no_leaks(before, GONE_WITHIN) == []
+
+
+def still_importing(executor: MultiprocessExecutor) -> int:
+    """The executor's workers started and not yet done importing (not listening for stack
+    requests, the first thing a worker does once its modules are imported)."""
+    home = executor.home
+    if home is None:
+        return 0
+    return sum(
+        not stacks.listening(stacks.stack_file(home.tempdir, worker, 0))
+        for worker, process in executor.processes.items()
+        if process.exitcode is None
+    )
+
+
+def test_spawn_workers_start_no_more_importing_at_once_than_cores_less_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two cores: one for the loader's process, so one worker imports at a time, and the one
+    # that holds the first batch imports at full speed.
+    monkeypatch.setattr(executor_module, "_cores", lambda: 2, raising=False)
+    importing: list[int] = []
+    start = MultiprocessExecutor._start_process
+
+    def counted(self: MultiprocessExecutor, worker: int, restart: Any = None) -> None:
+        importing.append(still_importing(self))
+        start(self, worker, restart)
+
+    monkeypatch.setattr(MultiprocessExecutor, "_start_process", counted)
+    loader = statecore.DataLoader(
+        range(8), batch_size=2, num_workers=2, multiprocessing_context="spawn"
+    )
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert importing == [0, 0]

@@ -17,10 +17,11 @@ What crosses process boundaries, and how:
   once for all workers, by the C pickler, or by dill where it holds code that a worker could not
   find by name, so lambdas, closures and classes defined in functions work; except for tensors
   (and pipes), whose pickle is a handle only one process can fetch, pickled for each worker as
-  it starts (`wire.Shipment`). The pickle is written once to a file of the executor's directory
-  that every worker reads, not into each process's arguments, so that starting a worker never
-  waits for it to import torch; and no more workers import at once than there are cores
-  (`executor`). Under fork nothing is pickled, as in torch. Under forkserver the server
+  it starts (`wire.Shipment`). The pickle is made while the first worker imports its modules
+  and written once to a file of the executor's directory that every worker reads (its path the
+  worker's first message), not into each process's arguments, so that starting a worker never
+  waits for it to import torch; and no more workers import at once than there are cores less
+  one (`executor`). Under fork nothing is pickled, as in torch. Under forkserver the server
   preloads the worker's module, and so torch, before it forks any worker.
 - *Tasks* go through a pipe per worker, pickled by the C pickler (dill only as a fallback).
   The main thread writes them itself, and what the pipe has no room for is left to a flusher

@@ -11,8 +11,8 @@ message it holds back Python signal handlers (`_signals`), since a message read 
 Each worker is started when the scheduler first gives it something to do (or the main process
 first waits for answers), so the first worker loads its first batch while the others are
 still being started, instead of every worker waiting for the last one to be started. Spawn
-and forkserver workers read the pickled setup from a file (`_shipped_for`), so a start returns
-at once, and while as many as there are cores are still importing, the next waits
+and forkserver workers read the pickled setup from a file (`_setup_message`), so a start returns
+at once, and while one fewer than there are cores are still importing, the next waits
 (`_importing`). Every start goes through `_launch`. Under forkserver the fork server
 preloads the worker's module, and so torch, before it forks any worker (`preload_in_forkserver`).
 
@@ -176,11 +176,14 @@ class MultiprocessExecutor(Confirming):
         self.reading = threading.Lock()
         """Held while answers are read from the pipes, and while a worker's pipes are swapped
         for its replacement's: the pin stage may be reading them meanwhile."""
-        self.shipped: WorkerSetup | Shipment | None = None
+        self.shipped: WorkerSetup | None = None
+        """The setup, given to forked workers as it is; None: sent pickled (`_setup_message`)."""
+        self.shipment: Shipment | None = None
         self.setup_file: str | None = None
-        self.start_together = _cores()
-        """How many spawn or forkserver workers may import at once (`_importing`)."""
-        """Where the shipment's pickle was written for the workers (`_shipped_for`)."""
+        """Where the shipment's pickle was written for the workers (`_setup_message`)."""
+        self.start_together = max(1, _cores() - 1)
+        """How many spawn or forkserver workers may import at once (`_importing`): a core is
+        left to this process, which pickles the setup meanwhile, then takes the batches."""
         self.authkey = b""
         self.home: Home | None = None
         """Made when the first worker starts: a loader that starts none leaves no directory."""
@@ -210,7 +213,9 @@ class MultiprocessExecutor(Confirming):
         if ctx.get_start_method() == "forkserver":
             preload_in_forkserver()
         setup = self.launch.setup
-        self.shipped = setup if ctx.get_start_method() == "fork" else Shipment.pack(setup)
+        # Under spawn and forkserver the setup is pickled once the first worker has started,
+        # while it imports its modules (`_setup_message`).
+        self.shipped = setup if ctx.get_start_method() == "fork" else None
         self.authkey = bytes(stdlib_multiprocessing.current_process().authkey)
         # A raw shared flag, not an Event: an Event's lock would stay held for ever by a worker
         # killed while checking it, and shutdown would then block on it.
@@ -249,9 +254,8 @@ class MultiprocessExecutor(Confirming):
         # EOF on a result pipe means that its worker is gone. (A worker forked later does
         # inherit this process's ends of earlier workers' pipes, and never uses them.)
         ctx = self.context
-        # Before any pipe is made, so that a setup that fails to pickle leaves none open.
         home = self._home()
-        shipped = self._shipped_for(home)
+        shipped = self.shipped
         task_reader, task_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
         try:
@@ -285,32 +289,39 @@ class MultiprocessExecutor(Confirming):
         # sentinel.
         self.task_readers[worker] = task_reader
         writer.close()
+        self.readers[worker], self.processes[worker] = reader, process
+        if shipped is None:
+            try:
+                setup = self._setup_message(home)
+            except BaseException:
+                # Recorded, so that shutdown stops it: it waits for a setup that never comes.
+                self.tasks[worker] = tasks
+                raise
+            tasks.put(setup)
         for message in self.held.pop(worker, ()):
             tasks.put(message)
-        self.readers[worker], self.processes[worker] = reader, process
         self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
 
-    def _shipped_for(self, home: Home) -> WorkerSetup | tuple[str, bytes]:
-        """What the next worker started is given of the setup: under fork the setup itself;
-        otherwise the file holding its pickle, and handles of its own for what was set aside.
+    def _setup_message(self, home: Home) -> bytes:
+        """The first message of a spawn or forkserver worker just started: the file holding
+        the setup's pickle, and handles of its own for what was set aside (`wire.Shipment`).
 
-        The pickle goes in a file of the executor's directory, written once, not in the
-        process's arguments: spawn and forkserver write those to a pipe that the new process
-        reads only once it has imported what they name (torch, for a dataset), and until then
-        the start blocks this process, so that with a pickle of megabytes the workers would
-        start one after the other. With a file, each start returns at once and the workers
-        start side by side.
+        The setup is pickled once, when the first worker has started: while that worker imports
+        torch (seconds), this process pickles the dataset and moves its tensors to shared memory,
+        rather than before it. The pickle goes in a file of the executor's directory, written
+        once, not in the process's arguments: spawn and forkserver write those to a pipe that
+        the new process reads only once it has imported what they name, and until then the
+        start blocks this process, so that with a pickle of megabytes the workers would start
+        one after the other. Each start returns at once, and the workers start side by side.
         """
-        shipped = self.shipped
-        if not isinstance(shipped, Shipment):
-            assert shipped is not None
-            return shipped
-        if self.setup_file is None:
+        if self.shipment is None:
+            shipment = Shipment.pack(self.launch.setup)
             path = os.path.join(home.tempdir, "setup.pickle")
             with open(path, "wb") as file:
-                file.write(shipped.setup)
-            self.setup_file = path
-        return self.setup_file, shipped.for_worker()[1]
+                file.write(shipment.setup)
+            self.shipment, self.setup_file = shipment, path
+        assert self.setup_file is not None
+        return pickle.dumps((self.setup_file, self.shipment.for_worker()[1]))
 
     def _home(self) -> Home:
         if self.home is None:
@@ -504,15 +515,18 @@ class MultiprocessExecutor(Confirming):
         """How many spawn or forkserver workers started are still importing their modules.
 
         A spawned worker imports torch, and every such worker unpickles the dataset: seconds of
-        CPU each. Started all at once on fewer cores, they share the cores, and the worker that
-        holds the first batch gets its share only: with 4 workers on 2 cores, half speed.
-        `poll` starts no more of them while as many as there are cores are importing, so that
-        the first worker has a core of its own, and the next ones start as it gets there. A
-        worker is importing until it listens for stack requests (`stacks.listening`), the first
-        thing it does once its modules are imported. Forked workers import nothing: never.
+        CPU each. Started all at once on fewer cores, they share the cores with each other and
+        with this process, which pickles the setup meanwhile, and the worker that holds the
+        first batch gets its share only: with 4 workers on 2 cores, a third of a core. `poll`
+        starts no more of them while one fewer than there are cores are importing
+        (`start_together`), so that the first worker has a core of its own, and the next ones
+        start as it gets there: the first batch comes after one start, not after all of them,
+        and the cores stay busy. A worker is importing until it listens for stack requests
+        (`stacks.listening`), the first thing it does once its modules are imported. Forked
+        workers import nothing: never.
         """
         home = self.home
-        if self.setup_file is None or home is None:
+        if self.shipped is not None or home is None:
             return 0
         return sum(
             not stacks.listening(

@@ -224,7 +224,7 @@ def _orphaned(tempdir: str) -> NoReturn:
 
 
 def worker_main(
-    shipped: WorkerSetup | tuple[str, bytes],
+    shipped: WorkerSetup | None,
     worker_id: int,
     tasks: Any,
     results: Any,
@@ -232,7 +232,11 @@ def worker_main(
     stopping: Any,
     restart: Restart | None = None,
 ) -> None:
-    """The body of a worker process; `restart` for one that replaces a lost one."""
+    """The body of a worker process; `restart` for one that replaces a lost one.
+
+    `shipped`: the setup, for a forked worker; None for a spawn or forkserver worker, whose
+    first message says where its pickle is (`executor._setup_message`).
+    """
     restore_in_child()  # forked while the main thread held signals back
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
     # stops the workers itself, so a worker neither dies of it nor prints a traceback.
@@ -253,7 +257,13 @@ def worker_main(
     stdlib_multiprocessing.current_process().authkey = home.authkey
     torch.set_num_threads(1)
     _reuse_freed_memory()  # before worker_init_fn, which may tune the allocator its own way
-    setup = shipped if isinstance(shipped, WorkerSetup) else read_setup(*shipped)
+    if shipped is None:
+        message = _receive_task(tasks)
+        if not message:
+            return  # stopped before its setup came: the loader failed to pickle it, say
+        setup = read_setup(*pickle.loads(message))
+    else:
+        setup = shipped
     if restart is not None:
         setup = restart.setup_for(setup, worker_id)
     buffers = BufferSender(workers=setup.num_workers)
