@@ -839,6 +839,23 @@ def _opening_mark(dataset: Any) -> Mark | None:
         return None
 
 
+def _worker_handles(executor: Any) -> list[Any]:
+    """The handles of `executor`'s workers (its `worker_handles()`), looked for through the
+    executors it wraps (`inner`: the pin stage, a plug-in's wrapper); none if it has none."""
+    for _ in range(16):  # a chain of wrappers, never a cycle
+        handles = getattr(executor, "worker_handles", None)
+        if callable(handles):
+            try:
+                return list(handles())
+            except Exception:
+                # Compatibility only: never the reason an iterator fails or does not shut down.
+                return []
+        executor = getattr(executor, "inner", None)
+        if executor is None:
+            break
+    return []
+
+
 def _load_main_dataset(loader: DataLoader[Any], marks: tuple[Mark | None, ...] | None) -> None:
     """Put a map-style dataset loaded in the main process where worker 0's mark says."""
     mark = None if not marks else marks[0]
@@ -859,6 +876,8 @@ class _Trail:
     counters: LoaderCounters | None = None
     """The scheduler's counters as the iterator was shut down, for `DataLoader.stats()` (not
     its state, which may hold batches)."""
+    handles: list[Any] = attrs.field(factory=list)
+    """The iterator's workers as it was shut down (see `_Iterator._workers`)."""
 
 
 class _Iterator(_BaseDataLoaderIter):
@@ -960,7 +979,7 @@ class _Iterator(_BaseDataLoaderIter):
             )
         # torch takes num_workers=True as one worker (True > 0, range(True)), and refuses 2.5
         # with range()'s TypeError: operator.index does both.
-        workers = self._workers = 1 if in_process else operator.index(loader.num_workers)
+        workers = self._worker_slots = 1 if in_process else operator.index(loader.num_workers)
         self._autotuner = _autotuner_for(loader, workers)
         prefetch = loader.prefetch_factor
         if not in_process and prefetch is not None and prefetch <= 0:
@@ -1091,7 +1110,7 @@ class _Iterator(_BaseDataLoaderIter):
             marks = {
                 w: mark
                 for w, mark in enumerate(resume.workers)
-                if mark is not None and w < self._workers
+                if mark is not None and w < self._worker_slots
             }
         elif first_iter and self._opening is not None:
             marks = {0: self._opening}
@@ -1196,7 +1215,7 @@ class _Iterator(_BaseDataLoaderIter):
         # that epoch, which then ends with no batch (see `_next_data`).
         complete = driver.state.phase is Phase.FINISHED
         iterable = self._dataset_kind == _ITER
-        carried, carried_open = _carried_in(record, driver, self._workers, iterable)
+        carried, carried_open = _carried_in(record, driver, self._worker_slots, iterable)
         sampler_state = None
         if record.log is not None:
             log = record.log
@@ -1211,7 +1230,7 @@ class _Iterator(_BaseDataLoaderIter):
             seed_epoch=self._seed_epoch,
             sampler=sampler_state,
             num_yielded=self._num_yielded,
-            workers=None if marks is None else [marks.get(w) for w in range(self._workers)],
+            workers=None if marks is None else [marks.get(w) for w in range(self._worker_slots)],
             carried=carried,
             carried_open=carried_open,
             stage=record.stage,
@@ -1255,6 +1274,19 @@ class _Iterator(_BaseDataLoaderIter):
             self._resumed_from = None
             raise
 
+    @property
+    def _workers(self) -> list[Any]:
+        """The workers, as torch's multi-process iterator lists its processes (code written
+        against torch's joins them, or reads their pids): the mp executor's processes (pid,
+        `is_alive()`, `join()`, `exitcode`, also after the iterator shut down), the thread
+        executor's threads, Ray's actor handles, none loading in the calling thread. Those
+        started so far, by slot (a worker process starts with its first task); once the
+        iterator is shut down, those it had."""
+        driver = self._driver
+        if driver is None:
+            return list(self._trail.handles)
+        return _worker_handles(driver.executor)
+
     def _usable(self) -> bool:
         """Whether another epoch can start on this iterator's scheduler and executor."""
         driver = self._driver
@@ -1274,6 +1306,7 @@ class _Iterator(_BaseDataLoaderIter):
             # is let go only once closed: a close an interrupt cut short is finished by the
             # next call (the driver carries out what is left of it).
             self._trail.counters = LoaderCounters.of(driver.state, driver.state.config.num_workers)
+            self._trail.handles = _worker_handles(driver.executor)
             if driver.state.phase is not Phase.CLOSED or driver.todo:
                 driver.close()
             self._driver = None

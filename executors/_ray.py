@@ -405,6 +405,12 @@ class RayExecutor(Confirming):
         self.skews.pop(worker, None)
         self.owed[worker].append(_Call(placement, command, incarnation))
 
+    def worker_handles(self) -> list[Any]:
+        """The actors of the workers started so far, by slot: what torch's iterator lists as
+        its worker processes in `_workers`. Ray's actor handles, not processes: they may run on
+        other nodes, and have no `pid`, `is_alive()` or `join()` (`ray.kill` ends one)."""
+        return [actor for actor in self.actors if actor is not None]
+
     def report(self, worker: int) -> WorkerReport:
         """The pid of the worker's actor, and whether it is still starting (its first call,
         `placement`, not answered yet: a process importing torch and the dataset's modules);

@@ -62,6 +62,7 @@ from statecore.executors._incarnation import Standing
 from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
+from statecore.executors._mp.handles import WorkerProcess
 from statecore.executors._mp.leases import BufferReceiver
 from statecore.executors._mp.taskpipe import TaskWriter
 from statecore.executors._mp.wire import (
@@ -180,6 +181,11 @@ class MultiprocessExecutor(Confirming):
         self.returning = threading.Lock()
         """Held from taking the buffers that go back to a worker to putting them in its pipe."""
         self.closed = False
+        self.exit_codes: dict[int, int | None] = {}
+        """The exit code of each worker process closed by `shutdown`, by pid: what its
+        `WorkerProcess` handle (`worker_handles`) says once the process object is closed."""
+        self.handles: dict[int, WorkerProcess] = {}
+        """Per worker, the handle of its process (`worker_handles`), made while it was open."""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -379,6 +385,19 @@ class MultiprocessExecutor(Confirming):
         self.to_close += (self.readers.pop(worker), self.task_readers.pop(worker))
         self.gone.discard(worker)
         self.buffers.forget(worker)
+
+    def worker_handles(self) -> list[WorkerProcess]:
+        """The processes of the workers started so far, by slot, as torch's iterator lists its
+        own in `_workers` (pid, `is_alive()`, `join()`, `exitcode`). A process closed before
+        its handle was asked for has none (its pid went with it)."""
+        for worker, process in self.processes.items():
+            handle = self.handles.get(worker)
+            if handle is None or not handle.of(process):
+                try:
+                    self.handles[worker] = WorkerProcess(process, self.exit_codes)
+                except ValueError:  # closed already
+                    self.handles.pop(worker, None)
+        return [self.handles[w] for w in sorted(self.processes) if w in self.handles]
 
     def report(self, worker: int) -> WorkerReport:
         """The worker's pid and where its main thread is now (see `stacks`)."""
@@ -625,6 +644,7 @@ class MultiprocessExecutor(Confirming):
                 except (EOFError, OSError):
                     ended.add(worker)
             running = {w for w in running if self.processes[w].is_alive()}
+        self.worker_handles()  # made while the processes are open: they outlive the close
         for process in (*self.processes.values(), *self.retired):
             if process.is_alive():
                 process.terminate()
@@ -632,6 +652,7 @@ class MultiprocessExecutor(Confirming):
             if process.is_alive():
                 process.kill()
             process.join()
+            self.exit_codes[process.pid] = process.exitcode
             process.close()
         for tasks in self.tasks.values():
             tasks.close()

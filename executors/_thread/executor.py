@@ -298,6 +298,12 @@ class ThreadExecutor(Confirming):
         self.threads[worker] = thread
         thread.start()
 
+    def worker_handles(self) -> list[threading.Thread]:
+        """The threads of the workers started so far, by slot: what torch's iterator lists as
+        its worker processes in `_workers` (`is_alive()` and `join()`; a thread has no pid or
+        exit code)."""
+        return [thread for thread in self.threads if thread.ident is not None]
+
     def report(self, worker: int) -> WorkerReport:
         """No pid (a thread), where the worker's thread is now (its stack, innermost call
         last), and whether it is still starting (in `worker_init_fn`, say). A thread reported
