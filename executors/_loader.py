@@ -867,7 +867,11 @@ def _worker_handles(executor: Any) -> list[Any]:
     for _ in range(16):  # a chain of wrappers, never a cycle
         handles = getattr(executor, "worker_handles", None)
         if callable(handles):
-            return list(handles())
+            try:
+                return list(handles())
+            except Exception:
+                # Compatibility only: never the reason an iterator fails or does not shut down.
+                return []
         executor = getattr(executor, "inner", None)
         if executor is None:
             break

@@ -75,6 +75,7 @@ __all__ = [
     "Forwarding",
     "Setup",
     "Switchboard",
+    "dry_setups",
     "loader_machine",
     "setups",
 ]
@@ -504,6 +505,35 @@ def setups(draw: st.DrawFn, executors: tuple[str, ...] = ("inline", "thread")) -
         understated=understated,
         seed=draw(st.integers(0, 2**16), label="seed"),
         restarts=RESTARTS if executor == "mp" and draw(st.booleans(), label="restarts") else 0,
+    )
+
+
+@st.composite
+def dry_setups(draw: st.DrawFn, executors: tuple[str, ...] = ("mp",)) -> Setup:
+    """Configurations made for the edges of iterable workers that run dry at different times
+    under persistent workers, whose datasets carry their state (counting their epochs as their
+    parts run dry, or going back to their start): one short part (found dry early) beside
+    longer ones, so that a state taken with it dry, a resumed epoch, the epoch after it (a
+    state taken there, a break) and a worker killed after its part ran dry (worker processes,
+    replaced) come within a few steps."""
+    executor = draw(st.sampled_from(executors), label="executor")
+    workers = draw(st.integers(2, 3), label="workers")
+    short = draw(st.integers(0, 2), label="short")
+    longer = draw(
+        st.lists(st.integers(3, 7), min_size=workers - 1, max_size=workers - 1), label="longer"
+    )
+    counts = tuple(draw(st.permutations([short, *longer]), label="counts"))
+    return Setup(
+        executor=executor,
+        workers=workers,
+        dataset=draw(st.sampled_from(("counting-epochs", "rewinding")), label="dataset"),
+        counts=counts,
+        batch_size=draw(st.integers(1, 2), label="batch_size"),
+        drop_last=False,
+        generator=draw(st.booleans(), label="generator"),
+        persistent=True,
+        seed=draw(st.integers(0, 2**16), label="seed"),
+        restarts=RESTARTS if executor == "mp" else 0,
     )
 
 

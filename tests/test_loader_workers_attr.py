@@ -10,14 +10,17 @@ threads; nothing when loading in the calling thread.
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
 from typing import Any
 
 import pytest
 from _datasets import WorkerPids
+from _processes import wait_gone
 from _side_by_side import WORKERS
 
-from statecore import DataLoader
+from statecore import DataLoader, WorkerDiedError
 from statecore.models.loader import Switchboard
 
 
@@ -113,3 +116,22 @@ def test_the_ray_iterator_lists_its_actor_handles(ray_cluster: Any) -> None:
     assert len(workers) == 2
     assert all(isinstance(worker, ray.actor.ActorHandle) for worker in workers)
     iterator._shutdown()
+
+
+@WORKERS
+def test_an_iterator_failed_by_a_worker_death_still_shuts_down_and_lists_ended_processes() -> None:
+    # The failure shut the executor down (its processes closed) before anyone asked for the
+    # handles: shutting the iterator down still works, and its processes are listed as ended.
+    board = Switchboard()
+    iterator = started(board.factory("mp"), 2)
+    [pid, *_] = board.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    assert not wait_gone([pid], 30)
+    with pytest.raises(WorkerDiedError):
+        for _ in iterator:
+            pass
+    iterator._shutdown()
+    workers = iterator._workers
+    assert workers
+    assert not any(worker.is_alive() for worker in workers)
+    assert all(isinstance(worker.pid, int) for worker in workers)

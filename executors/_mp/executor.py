@@ -204,6 +204,8 @@ class MultiprocessExecutor(Confirming):
         self.exit_codes: dict[int, int | None] = {}
         """The exit code of each worker process closed by `shutdown`, by pid: what its
         `WorkerProcess` handle (`worker_handles`) says once the process object is closed."""
+        self.handles: dict[int, WorkerProcess] = {}
+        """Per worker, the handle of its process (`worker_handles`), made while it was open."""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -436,8 +438,16 @@ class MultiprocessExecutor(Confirming):
 
     def worker_handles(self) -> list[WorkerProcess]:
         """The processes of the workers started so far, by slot, as torch's iterator lists its
-        own in `_workers` (pid, `is_alive()`, `join()`, `exitcode`)."""
-        return [WorkerProcess(p, self.exit_codes) for _, p in sorted(self.processes.items())]
+        own in `_workers` (pid, `is_alive()`, `join()`, `exitcode`). A process closed before
+        its handle was asked for has none (its pid went with it)."""
+        for worker, process in self.processes.items():
+            handle = self.handles.get(worker)
+            if handle is None or not handle.of(process):
+                try:
+                    self.handles[worker] = WorkerProcess(process, self.exit_codes)
+                except ValueError:  # closed already
+                    self.handles.pop(worker, None)
+        return [self.handles[w] for w in sorted(self.processes) if w in self.handles]
 
     def report(self, worker: int) -> WorkerReport:
         """The worker's pid and where its main thread is now (see `stacks`)."""
@@ -715,6 +725,7 @@ class MultiprocessExecutor(Confirming):
                 except (EOFError, OSError):
                     ended.add(worker)
             running = {w for w in running if self.processes[w].is_alive()}
+        self.worker_handles()  # made while the processes are open: they outlive the close
         for process in (*self.processes.values(), *self.retired):
             if process.is_alive():
                 process.terminate()

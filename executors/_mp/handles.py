@@ -22,11 +22,16 @@ class WorkerProcess:
     __slots__ = ("_closed", "_process", "pid")
 
     def __init__(self, process: Any, closed: Mapping[int, int | None]) -> None:
+        """Of an open `process` (a closed one raises `ValueError`: its pid is gone)."""
         self._process = process
         self._closed = closed
         """The executor's exit codes of the processes it closed, by pid."""
         self.pid: int | None = process.pid
         """The process's id, kept once the process object is closed."""
+
+    def of(self, process: Any) -> bool:
+        """Whether this is the handle of `process`."""
+        return self._process is process
 
     def is_alive(self) -> bool:
         try:
