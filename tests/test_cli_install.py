@@ -23,8 +23,12 @@ from statecore.tools.loader_bench import INSTALL_HINT
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FOLDERS = ("statecore", "executors", "models", "tools")
-OPTIONAL = {"matplotlib": "bench"}
+OPTIONAL = {"matplotlib": "bench", "PIL": "peers"}
 """Third-party modules the base install lacks, each with the extra that brings it."""
+INTEGRATIONS = {"lightning": "executors/_lightning.py"}
+"""Frameworks the base install lacks, each with the one module that imports it: a module only
+the framework itself loads (through its entry point) or a function that the user calls with the
+framework installed, so importing the framework at its top is its purpose."""
 
 
 def _normalized(name: str) -> str:
@@ -122,7 +126,9 @@ def test_every_third_party_module_is_a_dependency_of_the_readme_install() -> Non
     missing = {
         module: sorted({str(path.relative_to(ROOT)) for path, _, _ in places})
         for module, places in _imports().items()
-        if module not in OPTIONAL and _distribution(module) not in declared
+        if module not in OPTIONAL
+        and module not in INTEGRATIONS
+        and _distribution(module) not in declared
     }
     assert missing == {}, f"imported but not installed by `{_readme_install_line()}`"
 
@@ -138,15 +144,46 @@ def test_an_optional_module_is_imported_only_inside_a_function() -> None:
     assert at_top == [], "an optional module imported at module level breaks the base install"
 
 
+def test_a_framework_is_imported_only_by_its_own_integration_module() -> None:
+    elsewhere = [
+        f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        for module, places in _imports().items()
+        if module in INTEGRATIONS
+        for path, node, _ in places
+        if str(path.relative_to(ROOT)) != INTEGRATIONS[module]
+    ]
+    assert elsewhere == []
+
+
+def test_an_integration_module_is_imported_by_the_package_only_inside_a_function() -> None:
+    at_top = []
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in tree.body:
+                if isinstance(node, ast.ImportFrom) and node.module is not None:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                else:
+                    continue
+                for integration in INTEGRATIONS.values():
+                    dotted = "statecore." + integration.removesuffix(".py").replace("/", ".")
+                    if dotted in names:
+                        at_top.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert at_top == [], "a framework integration imported at module level breaks the base install"
+
+
 def test_an_optional_module_comes_with_the_extra_the_readme_and_the_error_name() -> None:
     optional = _project()["optional-dependencies"]
     assert isinstance(optional, dict)
     run_it = _readme_run_it()
     for module, extra in OPTIONAL.items():
         assert _distribution(module) in _requirement_names(optional[extra])
-        line = f"pip install -e '.[{extra}]'"
-        assert line in run_it
-        assert line in INSTALL_HINT
+        assert f"pip install -e '.[{extra}]'" in run_it
+    assert "pip install -e '.[bench]'" in INSTALL_HINT  # what `bench --plot` says without it
+    for module in INTEGRATIONS:
+        assert _distribution(module) in _requirement_names(optional["frameworks"])
 
 
 def _ci_script() -> str:
