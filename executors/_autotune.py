@@ -392,10 +392,12 @@ class AutoTuner:
                 self.busy += len(holding) / running
                 self.samples += 1
         # A starving loop is measured over `window` batches alone: its waiting is not noise, and
-        # each half second spent measuring it is spent starving.
-        seconds = 0.0 if self.starving else self.window_seconds
-        if count >= self.window and now - self.began >= seconds:
-            self._decide(driver, state, workers.count(_ACTIVE), now, executor)
+        # each half second spent measuring it is spent starving. Starving in the last window,
+        # or in this one already: the first window of a loader that starts too small is one.
+        if count >= self.window:
+            elapsed = now - self.began
+            if self.starving or elapsed >= self.window_seconds or self.waited > STARVED * elapsed:
+                self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
         assert self.began is not None

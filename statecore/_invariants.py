@@ -59,6 +59,11 @@ def violations(state: State) -> list[str]:
             found.append(f"worker {w} was stopped and still holds {load} unresolved tasks")
         if status is WorkerStatus.RETIRING and not load:
             found.append(f"worker {w} retires holding no task, and was not stopped")
+    for w in life.joining:
+        if not 0 <= w < n or life.workers[w] is not WorkerStatus.STARTING:
+            found.append(f"slot {w} is joining the turns, and is not starting")
+        elif state.loads[w]:
+            found.append(f"slot {w} is joining the turns, and was given a task before it started")
     if WorkerStatus.RETIRING in life.workers and phase not in (Phase.RUNNING, Phase.DRAINING):
         found.append(f"a worker retires while the loader is {phase.value}")
     if sum(since) > limit * n:

@@ -90,7 +90,8 @@ class WorkerStatus(enum.Enum):
     """A replacement for a lost worker (dead or stuck) is starting in its slot. It takes its
     turn as the lost one did, but the tasks it is given, and those the lost one held, wait in
     the window and are sent once it has started (`WorkerStarted`). A retired slot started
-    again (`AddRequested`) is starting too."""
+    again (`AddRequested`) is starting too, and takes no turn until it has started
+    (`Lifecycle.joining`)."""
     RETIRING = "retiring"
     """Asked to retire (`RetireRequested`): it is given no new task and answers those it holds;
     once it holds none it is told to stop, and its slot is STOPPED (retired)."""
@@ -451,6 +452,11 @@ class Lifecycle:
     added: int = 0
     """Retired slots started again (`AddRequested`): each is a new incarnation of its slot, and
     spends no restart."""
+    joining: frozenset[int] = frozenset()
+    """Retired slots started again (`AddRequested`) that have not started yet: passed over by
+    the turns until they have (`WorkerStarted`), as a retired slot is, so that no batch waits
+    for a process still starting. Only a map-style dataset's slots are added, and its batches
+    do not depend on which worker loads them. A lost worker's replacement keeps its turn."""
     lowered_at: int = 0
     """The first task sent under the prefetch bound in force: `send_idx` when
     `PrefetchChangeRequested` last lowered it (0 before). Lowering cancels nothing, so a worker

@@ -579,20 +579,24 @@ def _settle(
             life = attrs.evolve(life, workers=workers)
     if phase is RUNNING:
         if drawing_for is None and (not config.lazy or (waiting and not window)):
-            drawing_for = _policy.in_force.pick_worker(config, life.workers, loads, cursor)
+            workers = life.workers
+            if life.joining:
+                # Added slots still starting take no turn, as if still retired.
+                workers = tuple(STOPPED if w in life.joining else s for w, s in enumerate(workers))
+            drawing_for = _policy.in_force.pick_worker(config, workers, loads, cursor)
             if drawing_for is not None:
                 out += _DRAW
     elif phase is DRAINING and _policy.in_force.epoch_over(window, drawing_for, waiting):
         # The last rule, "the epoch over". Stopping the workers is not charged to the last batch: it
         # comes with the request after it, before that request is told the end.
-        workers = life.workers
+        workers, joining = life.workers, life.joining
         if not config.persistent_workers:
             out += _shutdown(workers)
-            workers = (STOPPED,) * len(workers)
+            workers, joining = (STOPPED,) * len(workers), frozenset()
         if waiting:
             out += (END_EPOCH,)
             waiting = False
-        life = attrs.evolve(life, phase=FINISHED, workers=workers)
+        life = attrs.evolve(life, phase=FINISHED, workers=workers, joining=joining)
     if life.resetting and drawing_for is None and life.phase is not RESUMING:
         # iter() returns here: every worker resumed and the first tasks went out.
         life = attrs.evolve(life, resetting=False)
@@ -640,6 +644,7 @@ def _abandon(
         phase=phase,
         workers=(STOPPED,) * len(life.workers),
         stale=frozenset(),
+        joining=frozenset(),
         failure=failure,
         dropped=life.dropped + unresolved,
         resetting=False,
@@ -952,6 +957,8 @@ def _on_started(state: State, event: WorkerStarted) -> Transition:
     if _lost(state, event) or life.workers[w] is not STARTING:
         return Transition(state, ())  # see `_was_replacing`
     life = attrs.evolve(life, workers=_with(life.workers, w, ACTIVE))
+    if w in life.joining:
+        life = attrs.evolve(life, joining=life.joining - {w})
     rcvd_idx, window = state.rcvd_idx, state.window
     out = tuple(
         SendTask(w, rcvd_idx + i, window[i].index)  # type: ignore[union-attr]
@@ -980,7 +987,8 @@ def _on_retire(state: State, event: RetireRequested) -> Transition:
 
 def _on_add(state: State, event: AddRequested) -> Transition:
     """A retired slot is started again, as its next incarnation, set up as a replacement is;
-    it takes its turns while it starts, and is sent its tasks once it has started."""
+    it takes no turn until it has started (`Lifecycle.joining`): a process takes long to
+    start, and in order every batch after one given to it would wait for it."""
     w = event.worker
     life = state.life
     incarnation = life.incarnations[w] + 1
@@ -991,6 +999,7 @@ def _on_add(state: State, event: AddRequested) -> Transition:
         # The retired incarnation's late answers are dropped as a lost one's: none is owed.
         stale=frozenset(pair for pair in life.stale if pair[1] != w),
         added=life.added + 1,
+        joining=life.joining | {w},
     )
     out = (ReplaceWorker(w, incarnation, life.epoch),)
     return _settle(

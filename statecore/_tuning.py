@@ -30,8 +30,12 @@ The rules, in the order `decide_workers` asks them:
    while the loop starves and the cores are measured to have room drops the ceiling: it was
    set on noise, or the load changed.
 5. Adding, while the loop waits more than `add_above` of its time and the budget allows: one
-   worker, or, while it starves (waits more than `starved_above`), as many as run already
-   (doubling, within the budget and the ceiling). An add undone undoes all it added.
+   worker, or, while it starves (waits more than `starved_above`), as many as its waiting
+   calls for (`_starved_add`: the loop used `1 - wait` of its time, so `running / (1 - wait)`
+   workers would keep it fed if loading scales), within the room the cores have left (each
+   running worker measured to take `cpu / running` of them, the loop's share with it), the
+   budget and the ceiling; doubling where the cores are not measured. An add undone undoes all
+   it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -52,6 +56,7 @@ most `(max_reversals + 1) * (slots - 1)` changes over a loader's life (`tuning_c
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -313,7 +318,8 @@ def decide_workers(
         left = budget.limit - running
         if ceiling is not None:
             left = min(left, ceiling - running)
-        adding = max(1, min(running, left)) if wait > tuning.starved_above else 1
+        starving = wait > tuning.starved_above
+        adding = _starved_add(running, left, wait, cpu, budget, tuning) if starving else 1
         return _change(
             attrs.evolve(tuner, rate_before=rate),
             TuningMove.ADD,
@@ -341,6 +347,25 @@ def decide_workers(
             "worker(s)"
         )
     return tuner, _hold(f"the training loop waited {wait:.0%}: nothing to change")
+
+
+def _starved_add(
+    running: int, left: int, wait: float, cpu: float | None, budget: WorkerBudget, tuning: Tuning
+) -> int:
+    """Workers to add for a loop that starves: as many as its waiting calls for, within the
+    room the cores have left and the `left` the budget and ceiling allow; where the cores are
+    not measured, as many as run (doubling), since nothing says the next ones would get a
+    core. At least one."""
+    if cpu is None:
+        return max(1, min(running, left))
+    # The loop was busy `1 - wait` of its time: loading `1 / (1 - wait)` times as fast feeds it.
+    wanted = math.ceil(running / max(1.0 - wait, 1e-6)) - running
+    if cpu > 0:
+        # Each running worker took `cpu / running` cores (the loop's share counted with them,
+        # which errs on the side of fewer): no more than fit in what the cores have left.
+        room = (tuning.cpu_full * budget.cpus - cpu) * running / cpu
+        wanted = min(wanted, math.floor(room))
+    return max(1, min(wanted, left))
 
 
 def _judge(

@@ -77,13 +77,17 @@ def _running(loader: statecore.DataLoader[Any]) -> int:
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_whatever_the_tuner_does_the_epoch_is_torchs(where: dict[str, Any]) -> None:
     moves = [ADD, ADD, RETIRE, ADD, RETIRE, RETIRE, ADD]
-    loader = _auto(Numbers(400), _scripted(moves), batch_size=2, **where)
+    loader = _auto(Numbers(1000), _scripted(moves), batch_size=2, **where)
     got = list(loader)
-    _equal(got, _torchs(Numbers(400), batch_size=2))
+    _equal(got, _torchs(Numbers(1000), batch_size=2))
     tuning = loader.stats().tuning
     assert tuning is not None
-    assert [record.move for record in tuning.decisions] == moves
-    assert [record.workers for record in tuning.decisions] == [3, 4, 3, 4, 3, 2, 3]
+    # An added worker takes no turn until it has started, and no window is measured before:
+    # how many of the moves an epoch makes room for depends on how fast processes start.
+    made = len(tuning.decisions)
+    assert made >= 2
+    assert [record.move for record in tuning.decisions] == moves[:made]
+    assert [record.workers for record in tuning.decisions] == [3, 4, 3, 4, 3, 2, 3][:made]
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
@@ -146,12 +150,12 @@ def test_with_persistent_workers_the_learned_count_carries_into_the_next_epoch(
 def test_without_persistent_workers_the_next_epoch_starts_with_the_learned_count(
     where: dict[str, Any],
 ) -> None:
-    loader = _auto(Numbers(200), _scripted([ADD, ADD, RETIRE]), batch_size=2, **where)
+    loader = _auto(Numbers(1000), _scripted([ADD, ADD, RETIRE]), batch_size=2, **where)
     first = list(loader)
     iterator = iter(loader)
     assert _running(loader) == 3
     second = list(iterator)
-    expected = _torchs(Numbers(200), batch_size=2)
+    expected = _torchs(Numbers(1000), batch_size=2)
     _equal(first, expected)
     _equal(second, expected)
 
@@ -178,7 +182,7 @@ def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, An
     # The policy holds on a window begun within the cool-down: measuring one would only delay
     # the next decision by a whole window.
     seen: list[LoadWindow] = []
-    loader = _auto(Numbers(400), _scripted([ADD], seen), batch_size=2, **where)
+    loader = _auto(Numbers(1000), _scripted([ADD], seen), batch_size=2, **where)
     list(loader)
     tuning = loader.stats().tuning
     assert tuning is not None
@@ -189,18 +193,32 @@ def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, An
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_a_starving_loop_is_measured_over_shorter_windows(where: dict[str, Any]) -> None:
-    # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the first window covers
-    # half a second (51 batches: the first begins at its first request); once the loop is seen
-    # starving, windows cover 16 batches.
+def test_a_starving_loop_is_measured_over_sixteen_batches_from_the_first_window(
+    where: dict[str, Any],
+) -> None:
+    # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the loop starves from the
+    # start, so no window waits for half a second, the first neither.
     seen: list[LoadWindow] = []
     loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.001, wait=0.009)
     loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
     list(loader)
-    assert seen[0].batches == 51
-    assert [window.batches for window in seen[1:]] == [16] * (len(seen) - 1)
+    assert [window.batches for window in seen] == [16] * len(seen)
     assert len(seen) > 3
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_loop_that_does_not_starve_is_measured_over_half_a_second(
+    where: dict[str, Any],
+) -> None:
+    # Each batch takes 10 ms, 1 of them waited: windows cover half a second, 51 batches (the
+    # first begins at its first request).
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.009, wait=0.001)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    list(loader)
+    assert seen and all(window.batches == 51 for window in seen)
 
 
 def test_stats_and_the_verdict_report_the_decisions() -> None:
@@ -367,11 +385,11 @@ def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not
     # The loop waits 90% of its time, and batches come no faster with more workers (the clock
     # says so), the cores unmeasured: the tuner doubles the count, finds the two it added did
     # not pay, retires both and settles.
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    loader = statecore.DataLoader(Numbers(1000), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.001, wait=0.009)
     loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(None), clock=clock, window_seconds=0)
     got = list(loader)
-    _equal(got, _torchs(Numbers(400), batch_size=2))
+    _equal(got, _torchs(Numbers(1000), batch_size=2))
     tuning = loader.stats().tuning
     assert tuning is not None
     assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (RETIRE, 2)]
@@ -381,11 +399,11 @@ def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_the_real_policy_doubles_to_its_slots_for_a_starving_loop_with_cores_to_spare(
+def test_the_real_policy_goes_to_its_slots_for_a_starving_loop_with_cores_to_spare(
     where: dict[str, Any],
 ) -> None:
-    # The same starving loop, its workers using a tenth of a core: batches coming no faster is
-    # noise while the loop starves, so the tuner keeps each add and doubles up to its slots.
+    # The same starving loop, the loader using a tenth of a core: it calls for ten times the
+    # workers, and the cores have room for them: one add, up to the slots.
     loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.001, wait=0.009)
     loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(0.1), clock=clock, window_seconds=0)
@@ -393,9 +411,9 @@ def test_the_real_policy_doubles_to_its_slots_for_a_starving_loop_with_cores_to_
     _equal(got, _torchs(Numbers(400), batch_size=2))
     tuning = loader.stats().tuning
     assert tuning is not None
-    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (ADD, 8), (ADD, 16)]
+    assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 16)]
     assert tuning.workers == 16
-    assert "added 8 workers, 16 now" in tuning.decisions[-1].describe()
+    assert "added 14 workers, 16 now" in tuning.decisions[-1].describe()
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:

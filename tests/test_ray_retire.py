@@ -68,6 +68,10 @@ def test_an_actor_retired_then_added_back_mid_epoch_leaves_the_epoch_torchs(
     got += [next(iterator) for _ in range(4)]
     before_add = _pids(got)
     driver.add(1)
+    # An added slot takes no turn until its actor has started: wait for it, so that it is
+    # left some of the rest to load.
+    while driver.state.life.workers[1].value != "active":
+        driver.wait()
     got += list(iterator)
     assert retired_at < 20 - 4  # retired, then added back, mid-epoch
     assert _indices(got) == _torchs()

@@ -184,14 +184,25 @@ def test_adding_a_slot_spends_no_restart() -> None:
     assert state.phase is Phase.FAILED
 
 
-def test_an_added_slot_is_sent_its_tasks_once_it_has_started() -> None:
+def test_an_added_slot_takes_no_turn_until_it_has_started() -> None:
+    # Worker 1's turn comes while it starts: passed over, as a retired slot is, so that no
+    # batch waits for a process still starting; worker 2 takes the task.
     state, _ = feed(_retired(), AddRequested(worker=1), TaskCompleted(task=2, worker=2))
-    # Worker 1's turn: its task is held while it starts.
     state, commands = feed(state, NextRequested(), IndexDrawn("i4"))
-    assert only(commands, SendTask) == []
-    state, commands = feed(state, WorkerStarted(worker=1, incarnation=1))
-    assert commands[0] == SendTask(1, 4, "i4")
-    assert state.life.workers[1] is ACTIVE
+    assert only(commands, SendTask) == [SendTask(2, 4, "i4")]
+    assert state.life.joining == frozenset({1})
+
+
+def test_an_added_slot_takes_its_turns_once_it_has_started() -> None:
+    state, _ = feed(
+        _retired(),
+        AddRequested(worker=1),
+        WorkerStarted(worker=1, incarnation=1),
+        TaskCompleted(task=2, worker=2),
+    )
+    assert state.life.workers[1] is ACTIVE and state.life.joining == frozenset()
+    state, commands = feed(state, NextRequested(), IndexDrawn("i4"))
+    assert only(commands, SendTask) == [SendTask(1, 4, "i4")]
 
 
 def test_only_a_retired_slot_can_be_added() -> None:

@@ -76,8 +76,8 @@ def _retired_and_added(tracer: Tracer) -> Trace:
         _done(1, 1),  # its last task: it is stopped
         AddRequested(1),
         NextRequested(),
+        WorkerStarted(1, 1),  # it takes turns once started: task 3 is drawn for it
         _done(2, 0),
-        WorkerStarted(1, 1),
         IndexDrawn.fast([3]),
         _done(3, 1, incarnation=1),
         NextRequested(),
@@ -191,9 +191,10 @@ def test_stats_and_the_verdict_count_retirements_and_returns() -> None:
 
 def _run(trace: bool) -> tuple[statecore.DataLoader[Any], list[Any], Any]:
     """A thread loader's epoch, worker 1 retired after 3 batches and added back 4 after its
-    stop; the loader, the batches and the driver."""
+    stop (it takes turns again once started, so the epoch leaves it batches to load); the
+    loader, the batches and the driver."""
     loader = statecore.DataLoader(
-        Numbers(40), batch_size=2, num_workers=3, prefetch_factor=2, executor="thread", trace=trace
+        Numbers(200), batch_size=2, num_workers=3, prefetch_factor=2, executor="thread", trace=trace
     )
     iterator = iter(loader)
     driver = iterator._driver  # type: ignore[attr-defined]
@@ -210,7 +211,7 @@ def _run(trace: bool) -> tuple[statecore.DataLoader[Any], list[Any], Any]:
 @pytest.mark.timeout(120)
 def test_a_real_loaders_trace_shows_its_worker_retired_and_added_back() -> None:
     loader, got, _ = _run(trace=True)
-    assert len(got) == 20
+    assert len(got) == 100
     trace = loader.trace_record()
     (retired,) = trace.retirements
     assert isinstance(retired, RetiredWorker)
@@ -230,7 +231,7 @@ def test_a_real_loaders_trace_shows_its_worker_retired_and_added_back() -> None:
 @pytest.mark.timeout(120)
 def test_the_counters_count_a_slot_added_back_untraced() -> None:
     loader, got, driver = _run(trace=False)
-    assert len(got) == 20
+    assert len(got) == 100
     counters = loader.stats().counters
     assert counters is not None and counters.added == 1
     assert "1 retired worker(s) added back." in loader.stats().verdict()

@@ -225,8 +225,25 @@ IO_WAIT = Workload(load=0.4, step=0.02, cpu_per_worker=0.05)
 twentieth of a core."""
 
 
-def test_a_starving_io_bound_loop_doubles_its_workers_up_to_sixteen_on_two_cores() -> None:
+def test_a_starving_io_bound_loop_jumps_to_the_count_its_waiting_calls_for() -> None:
+    # Waiting 90% of its time, the loop calls for ten times the workers; the cores have room
+    # for them (a twentieth of a core each): from 2 to the 16 slots in one add.
     result = run(steady(IO_WAIT), WorkerBudget(slots=16, cpus=2), windows=8)
+    assert [d.workers for d in result.changes] == [14]
+    assert result.final == 16
+
+
+def test_a_starving_loop_is_given_no_more_workers_than_the_cores_have_room_for() -> None:
+    # Each worker takes 0.3 of a core: two take 0.6, and 1.2 of the 1.8 cores allowed are
+    # left, room for four more, though the waiting calls for eighteen.
+    busy = attrs.evolve(IO_WAIT, cpu_per_worker=0.3)
+    _, decision = decide_workers(Tuner(), busy.window(2, BATCHES), WorkerBudget(16, 2))
+    assert (decision.move, decision.workers) == (TuningMove.ADD, 4)
+
+
+def test_where_the_cores_are_not_measured_a_starving_loop_doubles_its_workers() -> None:
+    unmeasured = attrs.evolve(IO_WAIT, cpu_per_worker=None)
+    result = run(steady(unmeasured), WorkerBudget(slots=16, cpus=2), windows=8)
     assert [d.workers for d in result.changes] == [2, 4, 8]
     assert result.final == 16
 
@@ -254,12 +271,15 @@ def test_a_slower_window_while_the_loop_starves_with_cores_to_spare_keeps_the_ad
     # most of its time and the workers used a fraction of the cores. That is noise, not an
     # add that did not pay: the add stays, and no ceiling is set.
     def noise(i: int) -> tuple[float, float, float]:
-        return (0.3, 0.0, 0.0) if i == 2 else (0.0, 0.0, 0.0)
+        return (9.0, 0.0, 0.0) if i == 1 else (0.0, 0.0, 0.0)
 
-    result = run(steady(IO_WAIT), WorkerBudget(slots=16, cpus=2), windows=3, noise=noise)
-    assert [d.move for d in result.changes] == [TuningMove.ADD, TuningMove.ADD]
+    # Sixteen workers would still leave this loop starving; the window after the add ran ten
+    # times slower than the model says, slower than the one before it.
+    slow = attrs.evolve(IO_WAIT, load=4.0)
+    result = run(steady(slow), WorkerBudget(slots=16, cpus=2), windows=2, noise=noise)
+    assert [d.move for d in result.changes] == [TuningMove.ADD]
     assert result.tuner.ceiling is None
-    assert result.final == 8
+    assert result.final == 16
 
 
 def test_a_ceiling_set_on_noise_expires_when_the_loop_starves_with_cores_to_spare() -> None:

@@ -171,6 +171,9 @@ class MultiprocessExecutor(Confirming):
         another `replace`."""
         self.held: dict[int, list[bytes]] = {}
         """Task messages for workers not started yet, written once each starts."""
+        self.due: dict[int, Restart] = {}
+        """Retired slots added back (`replace`) whose process is not started yet: `poll`
+        starts them as it starts the first ones, while no answer waits."""
         # The pin stage polls from its own thread while the driver's thread dispatches.
         self.launching = threading.Lock()
         self.reading = threading.Lock()
@@ -232,6 +235,7 @@ class MultiprocessExecutor(Confirming):
     def _launch(self, worker: int) -> None:
         """Start `worker`'s process, unless it runs, was stopped, or shutdown has begun."""
         failure: BaseException | None = None
+        restart: Restart | None = None
         # A fork cut short would leave a child nobody recorded: an interrupt is raised once the
         # worker is started and recorded, from the end of this block (see _signals).
         with self.signals_held, self.launching:
@@ -242,11 +246,19 @@ class MultiprocessExecutor(Confirming):
                 or self.closed
             ):
                 return
+            restart = self.due.pop(worker, None)
             try:
-                self._start_process(worker)
+                self._start_process(worker, restart)
             except BaseException as error:
                 failure = explain_exhaustion(error)  # while the descriptors are still held
+                if restart is not None:
+                    self.unstartable.add(worker)
         if failure is not None:
+            if restart is not None and isinstance(failure, Exception):
+                # An added slot that cannot start is lost as a replacement is (see `replace`).
+                reason = f"its replacement could not be started: {failure!r}"
+                self.ready.append(WorkerDied(worker, None, None, reason, restart.incarnation))
+                return
             self.shutdown()
             raise failure
 
@@ -396,10 +408,18 @@ class MultiprocessExecutor(Confirming):
                 return
             # A slot told to stop and started again is a retired one added back (the core
             # orders a shutdown's stops after every replacement, never before one).
+            added = worker in self.stopping
             self.stopping.discard(worker)
             self._retire(worker)
             self.incarnations[worker] = incarnation
             self.unstartable.discard(worker)
+            if added:
+                # Started by `poll`, one at a time while no answer waits, as the first workers
+                # are: a fork copies the page tables of this whole process, and a tuner adding
+                # several workers here at once would keep the batches of the running ones
+                # waiting for all the forks (tens of milliseconds each on a busy machine).
+                self.due[worker] = restart
+                return
             try:
                 self._start_process(worker, restart)
             except BaseException as error:
@@ -465,6 +485,7 @@ class MultiprocessExecutor(Confirming):
         with self.launching:
             self.stopping.add(worker)  # a worker not started yet never will be
             self.held.pop(worker, None)
+            self.due.pop(worker, None)
         if worker in self.processes and worker not in self.gone:
             # At interpreter exit the pipe may already be closed; shutdown then terminates
             # the worker instead.
@@ -485,6 +506,7 @@ class MultiprocessExecutor(Confirming):
         if self.ready:
             return self._hand_out(self.ready[0], self.ready)
         deadline = None
+        added = False
         while not self.ready:
             if self.to_close:
                 self._close_retired()
@@ -493,7 +515,11 @@ class MultiprocessExecutor(Confirming):
             busy = starting is not None and self._importing() >= self.start_together
             if starting is not None and not busy:
                 fired = multiprocess.connection.wait(list(watched), 0) if watched else []
-                if not fired:
+                # A slot added back starts even while answers wait, one per poll: answers
+                # flowing from the others must not put it off for ever.
+                due = starting in self.due and not added
+                if not fired or due:
+                    added = added or due
                     self._launch(starting)
                     continue
             else:
