@@ -1,7 +1,8 @@
 """The Ray executor (`executor="ray"`) against a real local Ray instance with 2 CPUs.
 
-One Ray instance serves the whole module (`cluster`), started by the first test that needs it
-and shut down when the module ends. The shutdown is for the rest of the suite: Ray's driver
+One Ray instance serves this module and the Ray tests run next to it (`cluster`,
+tests/_ray_local.py), started by the first test that needs it and shut down before the first
+test that does not. The shutdown is for the rest of the suite: Ray's driver
 runs gRPC and I/O threads in this process, and the mp executor's tests fork worker processes
 from it afterwards, in the same pytest process. A child forked while such a thread holds a
 lock inherits the lock held; after `ray.shutdown()` the connection is closed and the local
@@ -44,7 +45,7 @@ from statecore.models.kit import check_executor, matrix, replace_cases, run_case
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 
 class Pids(Dataset[tuple[int, int, float]]):
