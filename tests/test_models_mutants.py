@@ -61,7 +61,7 @@ def test_every_witness_is_a_default_scenario() -> None:
 @pytest.mark.parametrize(
     "mutant", [m for m in MUTANTS if m.acts_in is not None], ids=lambda m: m.name
 )
-def test_a_mutant_scanned_where_it_acts_leaves_the_other_scenarios_as_they_were(
+def test_a_mutant_leaves_the_scenarios_outside_where_it_acts_as_they_were(
     mutant: Mutant,
 ) -> None:
     # Why `acts_in` names where it acts: elsewhere no worker is replaced or retired, and the
