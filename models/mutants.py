@@ -8,9 +8,9 @@ block; the tests then run the explorer and the Hypothesis machines, which drive 
 over the core, and expect a violation.
 
 Each mutant names its `witness`: a scenario of the explorer's default bounds in which the
-explorer finds the bug within a second or two. The default test tier explores each mutant's
-witness; the exhaustive tier (`pytest -m exhaustive`) sweeps every default scenario and the
-Hypothesis machine's full budget, so a witness only saves time, never coverage.
+explorer finds the bug within a second or two. The tests explore each mutant's witness, never a
+scan of the scenarios; the exhaustive tier (`pytest -m exhaustive`) adds the Hypothesis
+machine's full budget.
 """
 
 from __future__ import annotations
@@ -61,17 +61,17 @@ class Mutant:
     description: str
     replacements: Callable[[], dict[str, object]] = attrs.field(repr=False)
     witness: Scenario = attrs.field(repr=False)
-    """A default scenario (`statecore.models.explorer.default_scenarios`) whose exploration
-    reports the bug: the first one a scan of `scope` in order meets."""
+    """A default scenario (`statecore.models.explorer.default_scenarios`), within `scope`,
+    whose exploration reports the bug: chosen small, so that exploring it takes a second or
+    two."""
     acts_in: Callable[[], Iterator[Scenario]] | None = attrs.field(default=None, repr=False)
     """Where alone the bug can act, if it differs from the real policy only in states few
     scenarios reach: a mutant of replacing (an incarnation past 0, a slot starting, a
     replacement's tasks, the restarts' count) acts only with restarts (`restart_scenarios`), one
-    of retiring only where a tuner retires (`tuning_scenarios`). The exhaustive scan looks for it
-    there, not in the ninety-odd scenarios where it cannot act."""
+    of retiring only where a tuner retires (`tuning_scenarios`). Its witness is one of those."""
 
     def scope(self) -> list[Scenario]:
-        """The default scenarios, in order, that a scan for this bug explores."""
+        """The default scenarios, in order, where this bug can act."""
         return list((self.acts_in or default_scenarios)())
 
     @contextmanager

@@ -1,10 +1,13 @@
 """A local Ray instance for the Ray executor's tests, and what they ask of Ray's bookkeeping.
 
-One Ray instance serves a whole test module (its fixture `cluster`, from `local_cluster`),
-started by the first test that needs it and shut down when the module ends: see
-tests/test_ray_executor.py's docstring for why it is shut down. The actors' processes import
-the test modules to unpickle their datasets, so the fixture puts the tests' folder on their
-PYTHONPATH.
+One Ray instance serves every test that asks for it (a fixture named `cluster` or
+`ray_cluster`, from `local_cluster`) in a row: the first starts it, and it is shut down after
+the last, before a test that does not ask for it (`shut_down_unless_wanted`, called by
+tests/conftest.py after each test). Starting one takes seconds (tens on a loaded two-core
+machine), and the Ray tests follow one another (their files are named test_ray_*), so the
+default tier starts one instance, not one per module. See tests/test_ray_executor.py's
+docstring for why it is shut down before other tests. The actors' processes import the test
+modules to unpickle their datasets, so the instance puts the tests' folder on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -27,20 +30,37 @@ SETTLED_WITHIN = 30.0
 """Bounded wait for Ray's own bookkeeping (the GCS's actor table) to reach a state."""
 
 
+FIXTURES = frozenset({"cluster", "ray_cluster"})
+"""The names of the fixtures made from `local_cluster`: a test that asks for one wants Ray."""
+
+_started: list[Any] = []
+"""The Ray instance `local_cluster` started and that still runs (Ray's module), if any."""
+
+
 def local_cluster() -> Iterator[Any]:
-    """A local Ray instance with 2 CPUs, shut down when the generator ends; a module's
-    fixture: `cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)`."""
+    """A local Ray instance with 2 CPUs, started unless the one this started runs already; a
+    module's fixture: `cluster = pytest.fixture(name="cluster")(local_cluster)`. It stays up
+    for the next test: `shut_down_unless_wanted` ends it."""
+    if not (_started and ray.is_initialized()):
+        if ray.is_initialized():
+            ray.shutdown()  # someone else's connection: this one needs its own settings
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}},
+        )
+        _started[:] = [ray]
+    yield ray
+
+
+def shut_down_unless_wanted(nextitem: pytest.Item | None) -> None:
+    """Shut the instance down unless the next test asks for it too (see the module's
+    docstring); so, too, a connection that a test's loader opened on its own."""
+    if nextitem is not None and FIXTURES & set(getattr(nextitem, "fixturenames", ())):
+        return
+    _started.clear()
     if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}},
-    )
-    try:
-        yield ray
-    finally:
         ray.shutdown()
 
 

@@ -1,6 +1,7 @@
 """Shared test setup: the Hypothesis profile (ci by default, see statecore.models.profiles), and
 the fixtures more than one test module uses."""
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -22,3 +23,14 @@ def flight_files_in_a_folder_of_the_run(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STATECORE_FLIGHT_DIR", str(tmp_path_factory.mktemp("flight")))
         yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Once a test's fixtures are torn down: the local Ray instance of the Ray tests goes on to
+    the next test only if it asks for it too (tests/_ray_local.py). Only where a Ray test ran:
+    importing Ray takes seconds."""
+    yield
+    ray_local = sys.modules.get("_ray_local")
+    if ray_local is not None:
+        ray_local.shut_down_unless_wanted(nextitem)

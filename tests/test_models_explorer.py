@@ -142,9 +142,14 @@ def test_no_edge_the_world_reaches_is_listed_as_out_of_it(reports: list[Report])
 @pytest.mark.exhaustive
 @pytest.mark.timeout(900)
 def test_the_default_bounds_reach_no_edge_the_representative_scenarios_miss(
-    reports: list[Report], every_report: list[Report]
+    every_report: list[Report],
 ) -> None:
-    representative = frozenset().union(*(report.edges for report in reports))
+    # The representative scenarios' reports are among these (exploring is deterministic), so
+    # they are not explored a second time.
+    chosen = set(representative_scenarios())
+    representative = frozenset().union(
+        *(report.edges for report in every_report if report.scenario in chosen)
+    )
     every = frozenset().union(*(report.edges for report in every_report))
     assert every - representative == set()
 

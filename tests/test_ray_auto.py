@@ -19,7 +19,7 @@ from statecore.executors._autotune import AutoTuner
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,7 +1,8 @@
 """The Ray executor (`executor="ray"`) against a real local Ray instance with 2 CPUs.
 
-One Ray instance serves the whole module (`cluster`), started by the first test that needs it
-and shut down when the module ends. The shutdown is for the rest of the suite: Ray's driver
+One Ray instance serves this module and the Ray tests run next to it (`cluster`,
+tests/_ray_local.py), started by the first test that needs it and shut down before the first
+test that does not. The shutdown is for the rest of the suite: Ray's driver
 runs gRPC and I/O threads in this process, and the mp executor's tests fork worker processes
 from it afterwards, in the same pytest process. A child forked while such a thread holds a
 lock inherits the lock held; after `ray.shutdown()` the connection is closed and the local
@@ -19,9 +20,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +42,7 @@ from statecore.models.kit import check_executor, matrix, replace_cases, run_case
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 
 class Pids(Dataset[tuple[int, int, float]]):
@@ -401,47 +399,3 @@ def test_a_traced_actors_times_are_on_the_training_processs_clock(
         assert batch.sent <= batch.started <= batch.finished <= batch.arrived
     ready = [mark for mark in trace.marks if mark.kind == "worker ready"]
     assert len(ready) == 2 and all(mark.time < trace.end for mark in ready)
-
-
-@pytest.mark.timeout(120)
-def test_an_unreachable_cluster_gets_a_clear_error_not_a_hang() -> None:
-    # A fresh interpreter, not connected to the module's instance. Nothing listens on the port
-    # (bound, then closed): Ray alone would retry connecting to it for two minutes.
-    with socket.socket() as bound:
-        bound.bind(("127.0.0.1", 0))
-        port = bound.getsockname()[1]
-    script = (
-        "import torch, statecore\n"
-        "from statecore.executors import RayUnavailableError\n"
-        "loader = statecore.DataLoader(list(range(4)), num_workers=1, executor='ray')\n"
-        "try:\n"
-        "    next(iter(loader))\n"
-        "except RayUnavailableError as error:\n"
-        "    print('REFUSED', error)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert "REFUSED" in result.stdout, result.stderr[-2000:]
-    assert f"127.0.0.1:{port}" in result.stdout
-    assert "ray start --head" in result.stdout
-
-
-@pytest.mark.timeout(60)
-def test_importing_statecore_and_naming_the_executor_does_not_import_ray() -> None:
-    script = (
-        "import sys, statecore, statecore.executors\n"
-        "from statecore.executors._registry import lookup\n"
-        "lookup('ray'); statecore.executors.ray(num_cpus=1)\n"
-        "assert 'ray' in statecore.executors.available()\n"
-        "print('ray' in sys.modules)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=True
-    )
-    assert result.stdout.strip() == "False"

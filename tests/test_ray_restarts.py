@@ -30,7 +30,7 @@ from statecore import WorkerDiedError, WorkerRestartedWarning
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 
 class Loaded(Dataset[tuple[int, int]]):

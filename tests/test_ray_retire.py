@@ -24,7 +24,7 @@ from statecore import WorkerStatus
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 OPTIONS: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "prefetch_factor": 2}
 

@@ -48,7 +48,7 @@ RAY = pytest.param("ray", None, id="ray", marks=pytest.mark.exhaustive)
 """An actor SIGKILLs its own process; against a local Ray instance (`ray_cluster`)."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_cluster() -> Iterator[Any]:
     """A local Ray instance for this module's Ray tests (tests/_ray_local.py); skipped where
     Ray is not installed. Asked for only by them, so the others need no Ray."""

@@ -12,7 +12,7 @@ from test_seeding import _batches
 
 ray = pytest.importorskip("ray")
 
-cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
+cluster = pytest.fixture(name="cluster")(local_cluster)
 
 
 @pytest.mark.timeout(180)
