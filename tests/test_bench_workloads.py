@@ -106,6 +106,18 @@ def test_an_unknown_workload_is_refused_naming_the_known_ones() -> None:
         select(["inline-b1", "nope"])
 
 
+def test_the_plain_run_leaves_out_the_studies_that_run_only_when_named() -> None:
+    plain = {workload.name for workload in select()}
+    named_only = {workload.name for workload in WORKLOADS if workload.when_named}
+    assert {"copy-on-read", "images", "big-dataset-spawn"} <= named_only
+    assert plain == {workload.name for workload in WORKLOADS} - named_only
+
+
+def test_a_workload_that_runs_only_when_named_runs_when_named() -> None:
+    (workload,) = select(["big-dataset-forkserver"])
+    assert workload.when_named
+
+
 def test_the_straggler_runs_keep_when_each_batch_arrived() -> None:
     fixed = Workload(
         "fixed",

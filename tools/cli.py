@@ -208,7 +208,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if args.list:
         for workload in WORKLOADS:
-            print(f"{workload.name:22} {workload.summary}")
+            named = " (runs only when named: --only)" if workload.when_named else ""
+            print(f"{workload.name:22} {workload.summary}{named}")
         return 0
     if args.batches is not None and args.batches < 2:
         print("bench: --batches must be at least 2", file=sys.stderr)

@@ -623,6 +623,10 @@ class Workload:
     own_bench: str | None = None
     """The module that runs this workload itself, with loaders and figures of its own (its
     `bench_workload`, called by `bench`); None: `loader_bench` runs it against torch."""
+    when_named: bool = False
+    """Whether it runs only when named (`--only`): a study of its own that takes minutes (a
+    dataset of millions of objects, thousands of JPEGs, a 500 MB dataset under spawn), left
+    out of the plain run so that `bench` keeps its length."""
 
     def loader_arguments(self) -> dict[str, Any]:
         """The loader arguments, with a freshly seeded generator: call once per loader."""
@@ -942,6 +946,7 @@ WORKLOADS: tuple[Workload, ...] = (
         rounds=1,
         quick_rounds=1,
         memory=True,
+        when_named=True,
     ),
     Workload(
         "copy-on-read-shared",
@@ -957,6 +962,7 @@ WORKLOADS: tuple[Workload, ...] = (
         rounds=1,
         quick_rounds=1,
         memory=True,
+        when_named=True,
     ),
     Workload(
         "images",
@@ -972,6 +978,7 @@ WORKLOADS: tuple[Workload, ...] = (
         rounds=3,
         quick_rounds=2,
         own_bench="statecore.tools.images",
+        when_named=True,
     ),
     Workload(
         "big-dataset-spawn",
@@ -986,6 +993,7 @@ WORKLOADS: tuple[Workload, ...] = (
         options={"multiprocessing_context": "spawn"},
         quick_rounds=1,
         warmup=False,  # as for startup-spawn: every run starts fresh interpreters
+        when_named=True,
     ),
     Workload(
         "big-dataset-forkserver",
@@ -1000,18 +1008,20 @@ WORKLOADS: tuple[Workload, ...] = (
         options={"multiprocessing_context": "forkserver"},
         quick_rounds=1,
         warmup=True,  # as for startup-forkserver: it starts each library's fork server
+        when_named=True,
     ),
 )
 """Every workload, in the order the benchmark runs and prints them."""
 
 
 def select(names: Sequence[str] | None = None) -> tuple[Workload, ...]:
-    """The workloads of these names, in the benchmark's order; all of them for None.
+    """The workloads of these names, in the benchmark's order; for None, all of them but those
+    that run only when named (`Workload.when_named`).
 
     Raises ValueError naming the unknown names and the known ones.
     """
     if names is None:
-        return WORKLOADS
+        return tuple(workload for workload in WORKLOADS if not workload.when_named)
     known = {workload.name for workload in WORKLOADS}
     unknown = [name for name in names if name not in known]
     if not names:
