@@ -1088,7 +1088,12 @@ class _Iterator(_BaseDataLoaderIter):
             executor,
             _drawer(self),
             self._timeout,
-            observers=(*observers(config, tracer), loader._restarts.observer(afresh)),
+            # Without restarts no worker is replaced, and the budget needs to see nothing: not
+            # watching every transition for it saves a call per step.
+            observers=(
+                *observers(config, tracer),
+                *((loader._restarts.observer(afresh),) if config.restarts else ()),
+            ),
             marked=marked,
             worker_timeout=0 if in_process else loader.worker_timeout,
         )
