@@ -97,34 +97,30 @@ _STARTING = WorkerStatus.STARTING
 _RETIRING = WorkerStatus.RETIRING
 
 
-class AutoWorkers(int):
+class _RemembersAuto(int):
+    """An int that remembers it was given as "auto": it prints and compares as the int, and
+    a copy or a pickle of it is one again."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({int(self)})"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (int(self),))
+
+
+class AutoWorkers(_RemembersAuto):
     """`num_workers="auto"` as the loader keeps it: an int, the worker slots (the most workers
     it may run), which is what torch's own code and `get_worker_info().num_workers` see, that
     remembers it was "auto". A loader rebuilt from its attributes (as frameworks do) is "auto"
     again."""
 
-    def __repr__(self) -> str:
-        return f"AutoWorkers({int(self)})"
 
-    def __str__(self) -> str:
-        return int.__repr__(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (AutoWorkers, (int(self),))
-
-
-class AutoPrefetch(int):
+class AutoPrefetch(_RemembersAuto):
     """`prefetch_factor="auto"` as the loader keeps it: an int, the bound it starts with
     (torch's code reads it as one), that remembers it was "auto"."""
-
-    def __repr__(self) -> str:
-        return f"AutoPrefetch({int(self)})"
-
-    def __str__(self) -> str:
-        return int.__repr__(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (AutoPrefetch, (int(self),))
 
 
 def auto_prefetch_factor(prefetch_factor: Any, num_workers: Any) -> Any:
