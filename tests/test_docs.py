@@ -89,3 +89,15 @@ def test_the_readme_counts_the_configurations_check_explores() -> None:
     said = re.search(r"explores every reachable state of the scheduler in (\d+) small", readme)
     assert said is not None
     assert int(said.group(1)) == len(list(default_scenarios(Bounds())))
+
+
+def test_the_architecture_page_lists_every_module_of_the_package() -> None:
+    root = DOCS.parent
+    listing = (DOCS / "architecture.md").read_text()
+    unlisted = [
+        str(path.relative_to(root))
+        for folder in ("statecore", "executors", "models", "tools")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name != "__init__.py" and not re.search(rf"\b{re.escape(path.name)}\b", listing)
+    ]
+    assert unlisted == [], "docs/architecture.md's file tree does not name these"
