@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -234,6 +235,61 @@ def test_on_cuda_a_pinned_batch_is_held_until_claimed_and_copied_then_let_go() -
     assert freed == [0]
     copy.close()
     assert copy.in_flight == []
+
+
+class RefillingPool:
+    """Pinned buffers handed out again as soon as nobody but the pool holds one, as a pool of
+    one's own does: the memory a copy still reads is refilled if the copy let go of it early."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffers: list[torch.Tensor] = []
+
+    def filled(self, value: float) -> torch.Tensor:
+        for buffer in self.buffers:
+            # The list, the loop's name and getrefcount's argument: no one else holds it.
+            if sys.getrefcount(buffer) == 3:
+                return buffer.fill_(value)
+        buffer = torch.full((self.size,), value).pin_memory()
+        self.buffers.append(buffer)
+        return buffer
+
+
+@CUDA
+def test_on_cuda_a_pool_never_refills_a_buffer_whose_copy_has_not_run() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    copy = CudaCopy(device)
+    pool = RefillingPool(1 << 20)
+    tickets = []
+    for number in range(6):
+        with torch.cuda.stream(copy.stream):
+            # Hold the side stream up, so each copy runs long after `launch` returned.
+            torch.cuda._sleep(20_000_000)  # type: ignore[attr-defined]
+        tickets.append(copy.launch(pool.filled(float(number))))
+    got = [float(copy.claim(ticket).mean()) for ticket in tickets]
+    assert got == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(pool.buffers) == 6  # none was free to refill while its copy waited
+    copy.close()
+
+
+@CUDA
+@WORKERS
+@pytest.mark.timeout(120)
+def test_on_cuda_a_loader_over_a_refilling_pool_hands_over_every_batch_intact() -> None:
+    pool = RefillingPool(1 << 22)
+
+    def pin(batch: torch.Tensor) -> torch.Tensor:
+        return pool.filled(0.0).copy_(batch)
+
+    loader = statecore.DataLoader(
+        range(32), batch_size=None, num_workers=2,
+        collate_fn=lambda item: torch.full((1 << 22,), float(item)),
+        executor=statecore.executors.pinned("mp", device="cuda", pin=pin),
+    )  # fmt: skip
+    for number, batch in enumerate(loader):
+        torch.cuda._sleep(5_000_000)  # type: ignore[attr-defined]  # a busy consumer stream
+        assert float(batch.mean()) == float(number)
+        assert float(batch[-1]) == float(number)
 
 
 # --- the host-to-device workload (python -m statecore.tools.gpu_copy) ----------------------------
