@@ -329,4 +329,4 @@ def test_on_cuda_the_gpu_copy_workload_reports_each_loader(
 
     assert main(["--rounds", "1", "--batches", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["torch", "pinned", "side"]
+    assert [line.split()[0] for line in lines[1:]] == ["link,", "link,", "torch", "pinned", "side"]
