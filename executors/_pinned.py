@@ -27,6 +27,13 @@ consumer's stream, so the caching allocator does not hand its memory to the side
 the consumer still reads it. How far ahead copies run is bounded by what the core lets the
 workers prefetch.
 
+Over the "mp" executor the stage also page-locks the workers' buffers in place: each buffer is
+registered with CUDA once, as its worker announces it (`_mp.leases`), so a batch arrives pinned
+already and is copied to the device straight from the buffer its worker wrote, with no copy into
+pinned memory first. Only `device=` asks for it, since only there the stage's own copy is the
+last reader of the host batch (see the rule below); where page-locking fails (CUDA refuses the
+memory), batches are pinned by copying, as before.
+
 The copy's lifetime rule: the pinned host batch a copy reads is not let go of while that copy
 may still run. The copy itself holds it (`CudaCopy.in_flight`) until both the consumer's stream
 has waited on the copy's event (the batch was claimed) and the event has completed; a batch
@@ -41,12 +48,14 @@ import collections
 import collections.abc
 import contextlib
 import copy
+import ctypes
 import functools
+import os
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -72,6 +81,8 @@ __all__ = [
     "CudaStreams",
     "DeviceCopy",
     "InFlight",
+    "LendsBuffers",
+    "PageLocking",
     "Pinned",
     "PinnedExecutor",
     "default_pin",
@@ -99,6 +110,23 @@ class DeviceCopy(Protocol):
 
     def claim(self, ticket: Any) -> Any:
         """In the consumer's thread: order the consumer after the copy; return the batch."""
+
+
+@runtime_checkable
+class PageLocking(Protocol):
+    """A device copy that can page-lock host memory where it lies (`CudaCopy`)."""
+
+    def register(self, address: int, length: int) -> Callable[[], None] | None:
+        """Page-lock `length` bytes at `address`; return what undoes it, or None."""
+
+
+@runtime_checkable
+class LendsBuffers(Protocol):
+    """An executor whose batches arrive in buffers this process maps once ("mp"), which it
+    page-locks when asked."""
+
+    def register_buffers(self, register: Callable[[int, int], Callable[[], None] | None]) -> None:
+        """Page-lock with `register` every buffer mapped from now on."""
 
 
 def _moved(data: Any, device: torch.device) -> Any:
@@ -185,6 +213,8 @@ class CudaCopy:
         self.streams = CudaStreams() if streams is None else streams
         self.stream = self.streams.side_stream(device)
         self.lock = threading.Lock()
+        self.page_locking = True
+        """Whether to go on page-locking workers' buffers: off after CUDA refused once."""
         self.in_flight: list[InFlight] = []
         """Every copy whose host batch is still held: until it was claimed and its event has
         completed. Launched in the stage thread, claimed in the consumer's: hence the lock."""
@@ -212,6 +242,29 @@ class CudaCopy:
             self._let_go()
         return ticket.moved
 
+    def register(self, address: int, length: int) -> Callable[[], None] | None:
+        """Page-lock a worker's buffer for copies to any device (cudaHostRegister); return
+        what undoes it, or None where CUDA refuses (the buffer's batches are then pinned by
+        copying, as before)."""
+        clear = _last_error_clearer()
+        if not self.page_locking or clear is None:
+            # Without a way to clear a refusal from this thread's CUDA error state, torch
+            # would later report it as the failure of an unrelated kernel launch.
+            return None
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        code = int(cudart.cudaHostRegister(address, length, _REGISTER_PORTABLE))
+        if code != 0:
+            clear()
+            self.page_locking = False
+            warnings.warn(
+                f"statecore could not page-lock a worker's {length}-byte buffer for the GPU "
+                f"(cudaHostRegister returned error {code}); its batches are pinned by copying "
+                "instead, as torch pins them",
+                stacklevel=2,
+            )
+            return None
+        return functools.partial(_unregister, address)
+
     def close(self) -> None:
         """Let go of every host batch still held, once the side stream has finished: the
         batches never claimed too (the loader stopped before the consumer took them)."""
@@ -232,6 +285,33 @@ class CudaCopy:
             else:
                 kept.append(ticket)
         self.in_flight = kept
+
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's copies
+
+
+def _unregister(address: int) -> None:
+    # Called as the mapping goes, from whichever thread freed its last tensor: an error here
+    # (the context already gone at exit) must not escape a finalizer.
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    cudart.cudaHostUnregister(address)
+    clear = _last_error_clearer()
+    if clear is not None:
+        clear()
+
+
+@functools.cache
+def _last_error_clearer() -> Callable[[], int] | None:
+    """`cudaGetLastError` of the CUDA runtime torch loaded, where it can be reached (torch
+    builds that link the runtime statically hide it): it clears the error a refused call left."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        clear: Callable[[], int] = runtime.cudaGetLastError
+        return clear
+    return None
 
 
 def default_pin() -> PinFunction | None:
@@ -267,6 +347,10 @@ class PinnedExecutor(Confirming):
         self.threaded = threaded
         self.answers: Handoff[Event | BaseException] = Handoff()
         self.inner_confirm = confirmer_of(inner)
+        locking: object = copy  # either protocol is optional beside the one it extends
+        lender: object = inner
+        if isinstance(locking, PageLocking) and isinstance(lender, LendsBuffers):
+            lender.register_buffers(locking.register)
         below = capabilities_of(inner)
         self.capabilities = Capabilities(
             confirms_answers=True,

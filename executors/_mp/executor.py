@@ -65,7 +65,7 @@ from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.handles import WorkerProcess
-from statecore.executors._mp.leases import BufferReceiver
+from statecore.executors._mp.leases import BufferReceiver, HostRegister
 from statecore.executors._mp.taskpipe import TaskWriter
 from statecore.executors._mp.wire import (
     BATCH,
@@ -617,6 +617,11 @@ class MultiprocessExecutor(Confirming):
         if lent and self.giving_back is None:
             self._start_giving_back()
         self.ready.append(self._decode(worker, task, lent, payload, kind))
+
+    def register_buffers(self, register: HostRegister) -> None:
+        """Page-lock every buffer the workers announce from now on (`leases`' docstring says
+        who may ask)."""
+        self.buffers.register_with(register)
 
     # --- buffers no task carries back --------------------------------------------------------
 

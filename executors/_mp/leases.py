@@ -19,10 +19,21 @@ the executor gives back on their own the buffers that no task carries back soon:
 is sent no more tasks would otherwise keep its pool, and this process its mappings, as large
 as the consumer made them.
 
+Page-locked buffers: a pin stage that copies each batch to the GPU itself (`pinned(device=...)`)
+hands this side a `register` function (`register_with`). Every buffer is then mapped and
+page-locked for the device once, as it is announced, so the batches built on it are pinned
+already: the stage neither copies them into pinned memory nor allocates any, and the device
+copy reads the worker's buffer directly. Registration is undone just before the mapping goes,
+which is after the last lease on it: the stage's copy holds its batch, and so the buffer's
+lease, until the copy has run (`_pinned.CudaCopy`). Only that stage asks for it: a batch handed
+to the consumer in host memory could be let go of while the consumer's own asynchronous copy
+still reads it, and the buffer would go back to its worker under that copy.
+
 File descriptors: under torch's default sharing strategy, `file_descriptor`, this process
 keeps one per buffer it maps, as it does for every tensor torch shares; under `file_system` it
-maps each buffer and closes the descriptor at once, so the buffers hold none there. Running out
-of descriptors is reported as such (`descriptors`).
+maps each buffer and closes the descriptor at once, so the buffers hold none there (nor do
+page-locked buffers, which are mapped the same way). Running out of descriptors is reported as
+such (`descriptors`).
 """
 
 from __future__ import annotations
@@ -47,7 +58,12 @@ from statecore.executors._mp.descriptors import (
 )
 from statecore.executors._mp.wire import RECEIVING, BufferClosed, BufferOpened
 
-__all__ = ["BufferReceiver"]
+__all__ = ["BufferReceiver", "HostRegister"]
+
+HostRegister = Callable[[int, int], Callable[[], None] | None]
+"""Page-locks `length` bytes at `address` for a device's copies; returns what undoes it, or
+None where the memory could not be page-locked (the batches on it are then pinned by copying,
+as any others)."""
 
 
 class _Receipt:
@@ -104,6 +120,12 @@ class BufferReceiver:
         # Messages may be received on one thread (a pin stage's) while tasks are sent and the
         # executor shut down on another (the driver's).
         self.lock = threading.Lock()
+        self.register: HostRegister | None = None
+        """Set by `register_with`: every buffer mapped from then on is page-locked."""
+
+    def register_with(self, register: HostRegister) -> None:
+        """Page-lock every buffer announced from now on with `register` (see the docstring)."""
+        self.register = register
 
     def ended(self, worker: int) -> Callable[[weakref.ref[memoryview]], None]:
         """The callback of `worker`'s leases, which posts the worker to `let_go` as one ends.
@@ -129,7 +151,7 @@ class BufferReceiver:
             self.missing[key] = unreceived(error, which, "its descriptor could not be fetched")
             return
         try:
-            memory = _map(fd, notice.capacity)
+            memory = _map(fd, notice.capacity, self.register)
         except OSError as error:
             self.missing[key] = unreceived(error, which, "it could not be mapped")
             return
@@ -192,14 +214,16 @@ def _post(let_go: queue.SimpleQueue[int | None], worker: int, _: object) -> None
     let_go.put(worker)
 
 
-def _map(fd: int, length: int) -> _Mapping:
+def _map(fd: int, length: int, register: HostRegister | None = None) -> _Mapping:
     """Map a buffer's descriptor in the main process; the caller closes `fd`.
 
     Under torch's default sharing strategy (file_descriptor) Python's mmap keeps a duplicate of
     the descriptor, as torch keeps one per segment it maps. Under file_system the mapping is
     made through libc, which keeps none: the buffers then cost this process no descriptors.
+    A buffer to page-lock (`register`) is mapped through libc too, so that its registration is
+    undone before it is unmapped, never after.
     """
-    if sharing_strategy() != "file_system":
+    if register is None and sharing_strategy() != "file_system":
         return mmap.mmap(fd, length)
     libc = _libc()
     address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -207,11 +231,20 @@ def _map(fd: int, length: int) -> _Mapping:
         code = ctypes.get_errno()
         raise OSError(code, f"mmap: {os.strerror(code)}")
     memory = (ctypes.c_char * length).from_address(address)
+    unregister = None if register is None else register(address, length)
     # Unmapped once nothing uses it: the array goes with the last lease on it. Not at exit,
     # while a tensor still on it might yet be read.
-    finalizer = weakref.finalize(memory, libc.munmap, address, length)
+    finalizer = weakref.finalize(memory, _unmap, libc, address, length, unregister)
     finalizer.atexit = False
     return memory
+
+
+def _unmap(
+    libc: ctypes.CDLL, address: int, length: int, unregister: Callable[[], None] | None
+) -> None:
+    if unregister is not None:
+        unregister()  # while the pages are still mapped: the device may not keep them locked
+    libc.munmap(address, length)
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
