@@ -11,6 +11,8 @@ through shared memory, not inside the pickle.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any, ClassVar
 
 import multiprocess.process
@@ -112,6 +114,47 @@ def test_a_setup_holding_code_without_a_findable_name_is_pickled_by_dill() -> No
     unpacked = unpack_setup(*shipment.for_worker())
     assert unpacked.collate_fn is not None and unpacked.collate_fn([1, 2]) == 2
     assert unpacked.dataset.n == 3
+
+
+def script_class(base: type, name: str) -> type:
+    """A class as a script's `__main__` defines it, adding nothing to `base`: only dill can send
+    it (a worker started by spawn may not have it)."""
+    return type(name, (base,), {"__module__": "__main__", "__qualname__": name})
+
+
+def test_a_script_dataset_that_inherits_every_method_keeps_its_parents_in_the_worker() -> None:
+    # Every torch dataset inherits `__orig_bases__` from Dataset(Generic[T_co]); dill 0.4.1
+    # rebuilt such a class from the inherited value, without the parent that holds its methods.
+    Labelled = script_class(torch.utils.data.TensorDataset, "Labelled")
+    shipment = Shipment.pack(setup_of(Labelled(torch.arange(4))))
+    assert not shipment.by_name
+    unpacked = unpack_setup(*shipment.for_worker()).dataset
+    assert type(unpacked) is not Labelled  # rebuilt from its pickle, as a worker would
+    assert isinstance(unpacked, torch.utils.data.TensorDataset)
+    assert [int(unpacked[i][0]) for i in range(len(unpacked))] == [0, 1, 2, 3]
+    assert "__orig_bases__" not in Labelled.__dict__  # the user's class is left as it was
+
+
+@pytest.mark.timeout(180)
+def test_a_spawned_worker_loads_a_script_dataset_whose_methods_are_all_inherited(
+    tmp_path: Any,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, statecore\n"
+        "from torch.utils.data import TensorDataset\n"
+        "class Labelled(TensorDataset):\n"
+        "    pass\n"
+        "if __name__ == '__main__':\n"
+        "    loader = statecore.DataLoader(Labelled(torch.arange(8)), batch_size=4,\n"
+        "        num_workers=2, multiprocessing_context='spawn')\n"
+        "    print([batch[0].tolist() for batch in loader])\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=tmp_path
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().splitlines()[-1] == "[[0, 1, 2, 3], [4, 5, 6, 7]]"
 
 
 def test_a_workers_process_arguments_hold_no_dataset_whatever_its_size(

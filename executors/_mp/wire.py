@@ -312,7 +312,12 @@ class Shipment:
         set_aside: list[object] = []
         keys: dict[int, int] = {}  # by id(): an object held twice stays one object
 
+        mended: list[type] = []
+
         def persistent_id(obj: object) -> int | None:
+            if isinstance(obj, type):
+                _give_own_bases(obj, mended)
+                return None
             if type(obj) not in handing:
                 return None
             key = keys.get(id(obj))
@@ -324,7 +329,11 @@ class Shipment:
         stream = io.BytesIO()
         pickler = multiprocess.reduction.ForkingPickler(stream)
         pickler.persistent_id = persistent_id
-        pickler.dump(setup)
+        try:
+            pickler.dump(setup)
+        finally:
+            for mended_class in mended:
+                delattr(mended_class, "__orig_bases__")
         return cls(stream.getvalue(), tuple(set_aside), by_name=False)
 
     def for_worker(self) -> tuple[bytes, bytes]:
@@ -333,6 +342,26 @@ class Shipment:
         if not self.set_aside:
             return self.setup, b""
         return self.setup, bytes(multiprocess.reduction.ForkingPickler.dumps(self.set_aside))
+
+
+def _give_own_bases(cls: type, mended: list[type]) -> None:
+    """Keep dill from rebuilding `cls` on the wrong parents; note it in `mended` to undo.
+
+    dill (0.4.1; uqfoundation/dill#766) rebuilds a class it sends by value from
+    `__orig_bases__` whenever the class *has* one, inherited included. Every torch dataset
+    inherits one from `Dataset(Generic[T_co])`: a dataset class of a script's `__main__` that
+    does not subscript its parent came back in a worker without that parent, and so without
+    every method it inherits (`__getitem__` raised NotImplementedError, or the object was not
+    subscriptable). For the length of the dump such a class holds its own `__orig_bases__`,
+    its real bases, which is what `types.get_original_bases` says of it anyway.
+    """
+    if "__orig_bases__" in cls.__dict__ or not hasattr(cls, "__orig_bases__") or _findable(cls):
+        return  # its own already, none at all, or sent by name, not rebuilt
+    try:
+        cls.__orig_bases__ = cls.__bases__
+    except (AttributeError, TypeError):
+        return  # a class that takes no attributes; dill rebuilds it as it would have
+    mended.append(cls)
 
 
 def read_setup(path: str, set_aside: bytes) -> WorkerSetup:
