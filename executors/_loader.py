@@ -2,7 +2,8 @@
 
 The class is a subclass of `torch.utils.data.DataLoader`, so it takes the same arguments with
 the same defaults and the same validation, computes `len()` the same way, builds the same
-samplers from `shuffle` and `generator`, and is accepted wherever a torch DataLoader is. Only
+samplers from `shuffle` and `generator` (shuffle=True's draws torch's order from a permutation
+kept as a tensor: `_permutation`), and is accepted wherever a torch DataLoader is. Only
 the iterator differs: it runs the scheduler core through a driver loop and an executor.
 
 The iterator also subclasses torch's base iterator, which draws the base seed from the
