@@ -7,13 +7,13 @@ workers forked after the first draw inherit those pages, and the main process, w
 reference count of every int it hands out, then copies each of them again (pytorch#13246's
 "memory grows with every worker", docs/performance.md "Copy-on-read memory").
 
-`PermutationSampler` keeps the permutation as torch made it, one int64 tensor (8 bytes an
-index, 16 MB for 2 million, in one block that nothing writes after it is drawn), and turns a
-chunk of it at a time into ints. It makes exactly the same draws from the same generators, in
-the same order and at the same points of the iteration, so the indices it yields, the seed it
-draws from torch's global generator when it has no generator of its own, and where it leaves
-the generator it was given are all torch's. It is a `RandomSampler` (a subclass), since users
-and frameworks recognise the shuffling sampler by that class.
+`PermutationSampler` keeps the permutation as torch makes it, one tensor (int32 below 2**31
+samples: 4 bytes an index, 8 MB for 2 million, in one block that nothing writes after it is
+drawn), and turns a chunk of it at a time into ints. It makes exactly the same draws from the
+same generators, in the same order and at the same points of the iteration, so the indices it
+yields, the seed it draws from torch's global generator when it has no generator of its own,
+and where it leaves the generator it was given are all torch's. It is a `RandomSampler` (a
+subclass), since users and frameworks recognise the shuffling sampler by that class.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ __all__ = ["CHUNK", "PermutationSampler", "default_sampler", "shown_class"]
 CHUNK = 4096
 """Indices turned into Python ints at a time: 150 kB of them, against 72 MB for a whole epoch
 of 2 million, and one more step of the loop per 4096 indices."""
+
+
+_INT32_INDICES = 2**31
+"""The most samples whose indices an int32 permutation holds."""
 
 
 class PermutationSampler(RandomSampler):
@@ -49,14 +53,16 @@ class PermutationSampler(RandomSampler):
         wanted = self.num_samples
         generator = self._epoch_generator()
         whole, left = divmod(wanted, size)
+        # torch's randperm draws the same numbers, and so the same order, into either dtype.
+        dtype = torch.int32 if size <= _INT32_INDICES else torch.int64
         for _ in range(whole):
-            yield from _in_chunks(torch.randperm(size, generator=generator))
+            yield from _in_chunks(torch.randperm(size, generator=generator, dtype=dtype))
         if left:
-            yield from _in_chunks(torch.randperm(size, generator=generator)[:left])
+            yield from _in_chunks(torch.randperm(size, generator=generator, dtype=dtype)[:left])
         elif generator is self.generator:
             # torch draws one more permutation and yields none of it: the generator the user
             # gave moves on by it in torch's epochs too. An epoch's own generator dies unused.
-            torch.randperm(size, generator=generator)
+            torch.randperm(size, generator=generator, dtype=dtype)
 
     def _epoch_generator(self) -> torch.Generator:
         """The generator this epoch draws from: the sampler's, else one of its own seeded from

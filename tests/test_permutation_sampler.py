@@ -22,7 +22,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from statecore import DataLoader
 from statecore.executors._permutation import CHUNK, PermutationSampler
 
-LENGTHS = [1, 2, 7, 100, CHUNK, CHUNK + 1, 3 * CHUNK + 17]
+LENGTHS = [1, 2, 7, 100, CHUNK, CHUNK + 1, 3 * CHUNK + 17, 300_000]
 SEEDS = [0, 1, 12345]
 
 
