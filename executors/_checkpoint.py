@@ -28,6 +28,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 
 from statecore import Progress
 from statecore.executors._elastic import Elastic, Stage
+from statecore.executors._permutation import shown_class
 from statecore.executors._worker import Mark, has_state
 
 __all__ = [
@@ -86,7 +87,7 @@ def draws_nothing(index_sampler: Any) -> bool:
 
 
 def _qualified(thing: Any) -> str | None:
-    kind = type(thing)
+    kind = shown_class(thing)
     return None if thing is None else f"{kind.__module__}.{kind.__qualname__}"
 
 

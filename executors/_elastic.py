@@ -34,6 +34,7 @@ from statecore._reshard import (
     merge_ranks,
     reshard,
 )
+from statecore.executors._permutation import shown_class
 
 __all__ = [
     "Elastic",
@@ -294,7 +295,7 @@ def epoch_order(length: int, shuffle: bool, seed: int, epoch: int) -> tuple[int,
 def _splittable(loader: Any, sampler: DistributedSampler[Any] | None, taken: Any) -> str | None:
     """Why this loader cannot draw a share of another number of ranks, or None."""
     if sampler is None:
-        kind = type(loader.sampler).__qualname__
+        kind = shown_class(loader.sampler).__qualname__
         return (
             f"it was taken on rank {taken['rank']} of {taken['world_size']} with a "
             f"DistributedSampler, and this loader's sampler ({kind}) is not distributed-aware: "

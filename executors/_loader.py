@@ -2,7 +2,8 @@
 
 The class is a subclass of `torch.utils.data.DataLoader`, so it takes the same arguments with
 the same defaults and the same validation, computes `len()` the same way, builds the same
-samplers from `shuffle` and `generator`, and is accepted wherever a torch DataLoader is. Only
+samplers from `shuffle` and `generator` (shuffle=True's draws torch's order from a permutation
+kept as a tensor: `_permutation`), and is accepted wherever a torch DataLoader is. Only
 the iterator differs: it runs the scheduler core through a driver loop and an executor.
 
 The iterator also subclasses torch's base iterator, which draws the base seed from the
@@ -63,6 +64,7 @@ from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._observe.seam import Observer
 from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
 from statecore.executors._observe.tracer import Tracer, collecting, tracing_from_environment
+from statecore.executors._permutation import PermutationSampler, default_sampler
 from statecore.executors._pinned import Pinned
 from statecore.executors._protocol import (
     Capabilities,
@@ -152,14 +154,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         count: int = auto_num_workers(num_workers, dataset)
         # "auto": torch's default to start with, which the tuner changes as the loop runs.
         prefetch_factor = auto_prefetch_factor(prefetch_factor, count)
+        # shuffle=True: torch's RandomSampler order, its permutation kept as a tensor rather
+        # than a list of ints (see _permutation), passed to torch as the sampler it would make.
+        permutation = default_sampler(dataset, shuffle, sampler, batch_sampler, generator)
         # Keywords only: a framework that records the arguments of torch's __init__ (Lightning,
         # when this class did not exist yet as it patched torch's) then rebuilds this class
         # from names, and a sampler it injects cannot collide with a positional one.
         super().__init__(
             dataset=dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
+            shuffle=shuffle if permutation is None else None,
+            sampler=sampler if permutation is None else permutation,
             batch_sampler=batch_sampler,
             num_workers=count,
             collate_fn=collate_fn,
@@ -671,6 +676,7 @@ def _checked(factory: ExecutorFactory) -> ExecutorFactory:
 _EXACT_LENGTH = (
     torch.utils.data.SequentialSampler,
     torch.utils.data.RandomSampler,
+    PermutationSampler,
     torch.utils.data.SubsetRandomSampler,
     torch.utils.data.WeightedRandomSampler,
     torch.utils.data.distributed.DistributedSampler,

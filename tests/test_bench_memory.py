@@ -58,3 +58,32 @@ def test_the_tree_of_a_process_counts_its_children_and_theirs() -> None:
     finally:
         child.communicate(b"")
     assert memory.pss(child.pid) == 0 and memory.descendants(child.pid) == []
+
+
+class _Forking:
+    """A main process of 10 private and 300 shared units whose one child is forked just after
+    the main process's PSS is first read: each of k processes then holds 300/k of the shared
+    units, so the tree is 320 however it is split."""
+
+    def __init__(self) -> None:
+        self.children: list[int] = []
+        self.reads = 0
+
+    def pss(self, pid: int) -> int:
+        share = 10 + 300 // (1 + len(self.children))
+        self.reads += 1
+        if self.reads == 1:
+            self.children = [2]  # the fork, between this read and the next
+        return share
+
+    def descendants(self, pid: int) -> list[int]:
+        return list(self.children) if pid == 1 else []
+
+
+def test_a_fork_while_the_tree_is_read_does_not_count_its_shared_pages_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tree = _Forking()
+    monkeypatch.setattr(memory, "pss", tree.pss)
+    monkeypatch.setattr(memory, "descendants", tree.descendants)
+    assert memory.tree_pss(1) == 320  # not 310 + 160: the main process's share before the fork

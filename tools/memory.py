@@ -35,6 +35,7 @@ from statecore.tools.workloads import WARMUP_BATCHES, Side, Workload, measure, s
 __all__ = [
     "AVAILABLE",
     "INTERVAL",
+    "TRIES",
     "Peak",
     "descendants",
     "measure_peak",
@@ -89,9 +90,28 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+TRIES = 20
+"""Samples of a tree `tree_pss` takes at most until one sees the same processes throughout."""
+
+
 def tree_pss(pid: int) -> int:
-    """The PSS of `pid` and every process below it, in bytes."""
-    return pss(pid) + sum(pss(child) for child in descendants(pid))
+    """The PSS of `pid` and every process below it, in bytes: a sample during which no process
+    of the tree started or ended (else the last of `TRIES` samples).
+
+    A fork while the tree is read counts the pages it shares twice: the parent's PSS, read
+    before, holds a larger share of them than it does once the child maps them too, and the
+    child's PSS, read after, holds its share. A tree of a 330 MB process and 4 workers started
+    one by one (statecore's mp executor starts each with its first task) read 100-200 MB above
+    its real size that way during the starts, more than the whole run added; a process that
+    ends mid-sample leaves its share uncounted instead.
+    """
+    total = 0
+    for _ in range(TRIES):
+        tree = descendants(pid)
+        total = pss(pid) + sum(pss(child) for child in tree)
+        if descendants(pid) == tree:
+            break
+    return total
 
 
 @attrs.frozen
