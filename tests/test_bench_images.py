@@ -189,6 +189,18 @@ def test_the_breakdown_splits_each_loaders_cpu_by_stage_and_process(cache: Path)
     assert "where the CPU went" in report.table()
 
 
+@pytest.mark.timeout(120)
+def test_the_breakdown_counts_the_page_faults_of_collating_into_fresh_memory(
+    cache: Path,
+) -> None:
+    # torch's workers collate every batch into a shared-memory segment of its own, whose pages
+    # fault as collate first writes them: a batch of two samples is 1.2 MB, about 290 pages.
+    report = run_images(TINY, 1, batch_size=2, cache=cache, breakdown=True, every=named("torch"))
+    pages = 2 * 3 * CROP * CROP * 4 // 4096
+    assert report.breakdown["torch"].collate_faults >= (TINY // 2) * pages // 2
+    assert "faults" in report.table()
+
+
 def test_the_workload_is_listed_and_runs_itself() -> None:
     (workload,) = select(["images"])
     assert workload.own_bench == "statecore.tools.images"

@@ -19,7 +19,8 @@ included (`TreeClock`).
 
 `--breakdown` adds one run of each loader whose samples time their own stages in the thread that
 ran them (`time.thread_time`): decoding, augmenting, making the tensor, collating; the rest of the
-tree's CPU is the loader's, told apart by where it ran (worker processes or the main process).
+tree's CPU is the loader's, told apart by where it ran (worker processes or the main process);
+and the minor page faults of collating, each a page of fresh memory a batch was written into.
 """
 
 from __future__ import annotations
@@ -215,15 +216,26 @@ def _crop_box(width: int, height: int) -> tuple[float, float, float, float]:
     return (left, top, left + side, top + side)
 
 
+def _thread_faults() -> int:
+    """The minor page faults of the calling thread so far; 0 where the system does not say."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return 0 if who is None else resource.getrusage(who).ru_minflt
+
+
 def stage_collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch's default collate of `(tensor, label, cpu)` samples, the CPU seconds it took added
-    to the batch's `cpu`: one row per batch, STAGES summed over its samples, then where it ran."""
+    to the batch's `cpu`: one row per batch, STAGES summed over its samples, then where it ran,
+    then the minor page faults collating took (pages of memory the batch was the first to write:
+    a loader that collates into fresh memory pays for each of them, one that reuses none)."""
+    faults = _thread_faults()
     started = time.thread_time()
     images, labels, cpu = torch.utils.data.default_collate(list(samples))
     took = time.thread_time() - started
-    row = cpu.sum(dim=0)
+    faulted = _thread_faults() - faults
+    row = torch.cat((cpu.sum(dim=0), torch.zeros(1, dtype=cpu.dtype)))
     row[3] += took
     row[4] = cpu[0, 4]
+    row[5] = faulted
     return images, labels, row
 
 
@@ -437,6 +449,8 @@ class Run:
     cpu: float
     """CPU seconds of the process tree, from `iter(loader)` until its workers were stopped."""
     stages: Stages | None = None
+    collate_faults: int = 0
+    """With `stages`: the minor page faults of collating, over all the run's batches."""
 
     @property
     def images_per_second(self) -> float:
@@ -464,6 +478,7 @@ def measure_run(
     images = 0
     totals = torch.zeros(len(STAGES), dtype=torch.float64)
     in_main = torch.zeros(len(STAGES), dtype=torch.float64)
+    faults = 0.0
     cpu_before, own_before = clock.seconds(), clock.own_seconds()
     started = time.perf_counter()
     iterator = iter(loader)
@@ -475,6 +490,7 @@ def measure_run(
                 totals += row[:4]
                 if row[4]:
                     in_main += row[:4]
+                faults += float(row[5])
         seconds = time.perf_counter() - started
     finally:
         _stop(loader, iterator)
@@ -491,7 +507,7 @@ def measure_run(
             workers=max(0.0, cpu - own - float((totals - in_main).sum())),
             main=max(0.0, own - float(in_main.sum())),
         )
-    return Run(images, seconds, cpu, stages)
+    return Run(images, seconds, cpu, stages, round(faults))
 
 
 # --- the rounds and the report ------------------------------------------------------------------
@@ -590,7 +606,9 @@ class ImagesReport:
         names = (*STAGES, "workers", "main")
         lines = [
             "where the CPU went, one staged run of each loader: ms per image (% of the tree's)",
-            f"{'loader':13} {'total':>7} " + " ".join(f"{name:>13}" for name in names),
+            f"{'loader':13} {'total':>7} "
+            + " ".join(f"{name:>13}" for name in names)
+            + f" {'faults':>7}",
         ]
         for name, run in self.breakdown.items():
             assert run.stages is not None
@@ -599,12 +617,17 @@ class ImagesReport:
                 f"{1e3 * part / run.images:6.2f} ({100 * share:3.0f}%)"
                 for part, share in zip(parts, run.stages.shares(), strict=True)
             )
-            lines.append(f"{name:13} {1e3 * run.stages.total / run.images:7.2f} {cells}")
+            faults = run.collate_faults / run.images
+            lines.append(
+                f"{name:13} {1e3 * run.stages.total / run.images:7.2f} {cells} {faults:7.1f}"
+            )
         lines.append(
             "decode/augment/tensor/collate: CPU of the thread running each stage (time."
             "thread_time); workers: the worker processes' other CPU (the loader's worker side: "
             "taking tasks, handing batches over); main: the main process's other CPU (the "
-            "loader's main side: scheduling, receiving batches, its threads; and the loop)"
+            "loader's main side: scheduling, receiving batches, its threads; and the loop); "
+            "faults: minor page faults per image while collating (each a page of fresh memory "
+            "the batch was the first to write)"
         )
         return lines
 
