@@ -118,3 +118,18 @@ def test_the_prefetch_study_keys_its_runs_by_prefetch_factor_and_reports_autos_b
     assert auto_run.tuning is not None and auto_run.tuning.prefetch is not None
     assert all(run.tuning is None for run in result.runs[1])
     assert "pf=1" in sweep.study_table([result], "pf")
+
+
+def test_a_prefetch_change_is_summarised_with_the_bound_it_set_not_the_workers() -> None:
+    from types import SimpleNamespace
+
+    from statecore import TuningMove
+    from statecore.executors._autotune import AutoTuning, TuningRecord
+
+    raised = TuningRecord(17, 0, TuningMove.RAISE_PREFETCH, 16, "the loop waited", 0, 4)
+    tuning = AutoTuning(16, 2, None, 16, True, (raised,), "held", prefetch=4, tunes_workers=False)
+    loader = SimpleNamespace(stats=lambda: SimpleNamespace(tuning=tuning))
+    summary = sweep._tuning(loader, [0.0, 1.0] * 10)  # type: ignore[arg-type]
+    assert summary.changes == ((17, "raise prefetch", 4, "the loop waited"),)
+    assert summary.prefetch == 4
+    assert "b17 raise prefetch->4" in summary.describe()

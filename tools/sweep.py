@@ -182,8 +182,9 @@ class TuningSummary:
     workers: int
     """Workers running at the end of the run: the count it settled on, if it settled."""
     changes: tuple[tuple[int, str, int, str], ...]
-    """Each change: the batch it was decided at, "add" or "retire", the workers after it, and
-    the policy's reason (in the JSON; the table leaves it out)."""
+    """Each change: the batch it was decided at, "add", "retire", "raise prefetch" or "lower
+    prefetch", the workers after it (the prefetch bound after it, for the last two), and the
+    policy's reason (in the JSON; the table leaves it out)."""
     seconds: float
     """From the first batch to the batch of the last change (0 with no change): tuning."""
     latest: str
@@ -270,7 +271,13 @@ def _tuning(loader: torch.utils.data.DataLoader[Any], arrivals: Sequence[float])
     tuning = loader.stats().tuning  # type: ignore[attr-defined]
     assert tuning is not None, "an auto loader reports its tuning"
     changes = tuple(
-        (record.batch, record.move.value, record.workers, record.why) for record in tuning.decisions
+        (
+            record.batch,
+            record.move.value,
+            record.workers if record.prefetch is None else record.prefetch,
+            record.why,
+        )
+        for record in tuning.decisions
     )
     last = changes[-1][0] if changes else 0
     seconds = arrivals[min(last, len(arrivals)) - 1] - arrivals[0] if last else 0.0
