@@ -133,3 +133,14 @@ def test_a_prefetch_change_is_summarised_with_the_bound_it_set_not_the_workers()
     assert summary.changes == ((17, "raise prefetch", 4, "the loop waited"),)
     assert summary.prefetch == 4
     assert "b17 raise prefetch->4" in summary.describe()
+
+
+@WORKERS
+def test_the_studies_command_prints_a_line_per_workload_and_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = sweep.main(["lengths", "--only", "io-4ms", "--batches", "3", "--counts", "1"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("io-4ms") and " 3 " in line for line in lines)
+    assert sweep.main(["prefetch", "--only", "nope"]) == 2
