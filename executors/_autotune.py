@@ -83,13 +83,16 @@ MEMORY_SHARE = 0.5
 BUSY_EVERY = 4
 """Which workers have a task in hand is sampled every this many batches (a scan of the
 window), not on every batch."""
-MEASURE_MEMORY_EVERY = 8
+MEMORY_SECONDS = 5.0
+"""Seconds between two measures of the workers' footprint, whatever the windows' length: a
+worker's proportional set size is read from /proc/PID/smaps_rollup, which walks its page tables
+(about 4 ms a worker on this project's machine, 65 ms for 16), too much for every window of a
+starving loop (16 batches: over 0.5 ms a batch at 900 batches/s)."""
 START_PREFETCH = 2
 """The bound `prefetch_factor="auto"` starts with: torch's default."""
 MOST_PREFETCH = 8
 """The deepest bound it sets: each task a worker holds keeps a batch in memory (and one of its
 shared-memory buffers, of which a worker's pool holds 16)."""
-"""Windows between two measures of the workers' footprint (a read of /proc per worker)."""
 
 _ACTIVE = WorkerStatus.ACTIVE
 _STOPPED = WorkerStatus.STOPPED
@@ -306,6 +309,7 @@ class AutoTuner:
         memory = _available_memory() if available_memory is None else available_memory
         self.memory_budget = None if memory is None else memory * MEMORY_SHARE
         self.memory: int | None = None
+        self.measured_memory_at: float | None = None
         self.windows = 0
         self.changed_at = -COOLDOWN
         self.starving = False
@@ -392,8 +396,20 @@ class AutoTuner:
         # or in this one already: the first window of a loader that starts too small is one.
         if count >= self.window:
             elapsed = now - self.began
-            if self.starving or elapsed >= self.window_seconds or self.waited > STARVED * elapsed:
+            starving = self.starving or self.waited > STARVED * elapsed
+            if elapsed >= self.window_seconds or (starving and self._may_change()):
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
+
+    def _may_change(self) -> bool:
+        """Whether the policies may still change something on a starving loop's window: a
+        settled tuner (a loop waiting on the best count its budget allows, say) is measured over
+        half-second windows again, as each window reads /proc for every worker, and it wakes
+        only after two windows of waiting anyway."""
+        if self.tunes_workers and not (self.tuner.settled or self.tuner.locked):
+            return True
+        tuner = self.prefetcher
+        deepest = MOST_PREFETCH if tuner is None or tuner.ceiling is None else tuner.ceiling
+        return tuner is not None and tuner.prefetch < deepest
 
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
         assert self.began is not None
@@ -411,8 +427,11 @@ class AutoTuner:
         self.windows += 1
         self.starving = window.wait_share > STARVED
         if self.memory_budget is not None and (
-            self.memory is None or self.windows % MEASURE_MEMORY_EVERY == 0
+            self.memory is None
+            or self.measured_memory_at is None
+            or now - self.measured_memory_at >= MEMORY_SECONDS
         ):
+            self.measured_memory_at = now
             footprint = _largest_footprint(executor)
             if footprint:
                 self.memory = max(1, int(self.memory_budget // footprint))

@@ -92,3 +92,55 @@ def test_a_training_step_spins_its_cpu_time() -> None:
     started = time.thread_time()
     sweep.spin(0.01)
     assert time.thread_time() - started >= 0.01
+
+
+@WORKERS
+def test_the_lengths_study_runs_each_length_with_the_counts_and_auto_in_turn() -> None:
+    results = sweep.lengths(sweep.select_sweep(["io-4ms"]), batches=(3, 4), counts=(1, 2))
+    assert [result.workload.batches for result in results] == [3, 4]
+    for result in results:
+        assert tuple(result.runs) == (1, 2, AUTO)
+        assert all(len(runs) == 2 for runs in result.runs.values())
+        assert result.first == (1, 2)  # two rounds, rotated
+        assert all(run.batches == result.workload.batches - 1 for run in result.runs[1])
+    table = sweep.study_table(results, "n")
+    assert "n=1" in table and "auto/best" in table
+    assert multiprocessing.active_children() == [] and multiprocess.active_children() == []
+
+
+@WORKERS
+def test_the_prefetch_study_keys_its_runs_by_prefetch_factor_and_reports_autos_bound() -> None:
+    workload = sweep.select_sweep(["io-4ms"])[0].resized(3)
+    (result,) = sweep.prefetch([workload], workers=2, factors=(1, 2), rounds=1)
+    assert tuple(result.runs) == (1, 2, AUTO)
+    assert result.best in (1, 2)
+    (auto_run,) = result.runs[AUTO]
+    assert auto_run.tuning is not None and auto_run.tuning.prefetch is not None
+    assert all(run.tuning is None for run in result.runs[1])
+    assert "pf=1" in sweep.study_table([result], "pf")
+
+
+def test_a_prefetch_change_is_summarised_with_the_bound_it_set_not_the_workers() -> None:
+    from types import SimpleNamespace
+
+    from statecore import TuningMove
+    from statecore.executors._autotune import AutoTuning, TuningRecord
+
+    raised = TuningRecord(17, 0, TuningMove.RAISE_PREFETCH, 16, "the loop waited", 0, 4)
+    tuning = AutoTuning(16, 2, None, 16, True, (raised,), "held", prefetch=4, tunes_workers=False)
+    loader = SimpleNamespace(stats=lambda: SimpleNamespace(tuning=tuning))
+    summary = sweep._tuning(loader, [0.0, 1.0] * 10)  # type: ignore[arg-type]
+    assert summary.changes == ((17, "raise prefetch", 4, "the loop waited"),)
+    assert summary.prefetch == 4
+    assert "b17 raise prefetch->4" in summary.describe()
+
+
+@WORKERS
+def test_the_studies_command_prints_a_line_per_workload_and_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = sweep.main(["lengths", "--only", "io-4ms", "--batches", "3", "--counts", "1"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("io-4ms") and " 3 " in line for line in lines)
+    assert sweep.main(["prefetch", "--only", "nope"]) == 2

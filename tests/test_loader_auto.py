@@ -5,6 +5,7 @@ how fast this machine runs; the policy itself is tests/test_tuning_policy.py's."
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from statecore import (
     decide_workers,
 )
 from statecore.executors import Launch
+from statecore.executors import _autotune as autotune
 from statecore.executors._autotune import AutoTuner, AutoWorkers, cpu_budget, slots_for
 from statecore.executors._inline import InlineExecutor
 
@@ -414,6 +416,62 @@ def test_the_real_policy_goes_to_its_slots_for_a_starving_loop_with_cores_to_spa
     assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 16)]
     assert tuning.workers == 16
     assert "added 14 workers, 16 now" in tuning.decisions[-1].describe()
+
+
+def _settling(seen: list[LoadWindow]) -> Decide:
+    """A policy that settles at once, holding: `seen` gets every window."""
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        seen.append(window)
+        return attrs.evolve(tuner, settled=True), TuningDecision(HOLD, "settled")
+
+    return decide
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_settled_tuner_measures_a_starving_loop_over_half_a_second(
+    where: dict[str, Any],
+) -> None:
+    # The loop starves (9 of each 10 ms waited), but the policy has settled: it has nothing to
+    # do quickly, so windows are half a second (51 batches) again after the first 16 batches,
+    # not 16 batches each with /proc read for every worker.
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_settling(seen), clock=clock)
+    list(loader)
+    assert [window.batches for window in seen] == [16] + [51] * (len(seen) - 1)
+    assert len(seen) >= 3
+
+
+def test_the_workers_footprint_is_read_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reading a worker's PSS walks its page tables (milliseconds a worker): over 10 s of the
+    # tuner's clock in 16-batch windows (0.16 s each), it is read every MEMORY_SECONDS, not
+    # every few windows.
+    clock = _LoopClock(step=0.001, wait=0.009)
+    read_at: list[float] = []
+
+    def footprint(executor: Any) -> int | None:
+        read_at.append(clock.now)
+        return 10**8
+
+    monkeypatch.setattr(autotune, "_largest_footprint", footprint)
+    loader = statecore.DataLoader(
+        Numbers(2000),
+        batch_size=2,
+        num_workers="auto",
+        executor="mp",
+        multiprocessing_context="fork",
+    )
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([]), clock=clock)
+    list(loader)
+    assert len(read_at) >= 2
+    gaps = [later - earlier for earlier, later in itertools.pairwise(read_at)]
+    assert min(gaps) >= autotune.MEMORY_SECONDS
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:

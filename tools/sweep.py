@@ -182,11 +182,14 @@ class TuningSummary:
     workers: int
     """Workers running at the end of the run: the count it settled on, if it settled."""
     changes: tuple[tuple[int, str, int, str], ...]
-    """Each change: the batch it was decided at, "add" or "retire", the workers after it, and
-    the policy's reason (in the JSON; the table leaves it out)."""
+    """Each change: the batch it was decided at, "add", "retire", "raise prefetch" or "lower
+    prefetch", the workers after it (the prefetch bound after it, for the last two), and the
+    policy's reason (in the JSON; the table leaves it out)."""
     seconds: float
     """From the first batch to the batch of the last change (0 with no change): tuning."""
     latest: str
+    prefetch: int | None = None
+    """The prefetch bound at the end of the run, where `prefetch_factor="auto"` tuned it."""
 
     @property
     def batches(self) -> int:
@@ -210,6 +213,7 @@ class TuningSummary:
             "changes": [list(change) for change in self.changes],
             "seconds": self.seconds,
             "latest": self.latest,
+            "prefetch": self.prefetch,
         }
 
 
@@ -247,7 +251,9 @@ class MemoryPeak:
         return self.peak - self.before
 
 
-def _loader(workload: SweepWorkload, count: Count) -> torch.utils.data.DataLoader[Any]:
+def _loader(
+    workload: SweepWorkload, count: Count, prefetch_factor: Count = 2
+) -> torch.utils.data.DataLoader[Any]:
     import statecore
 
     loader: torch.utils.data.DataLoader[Any] = statecore.DataLoader(
@@ -256,6 +262,7 @@ def _loader(workload: SweepWorkload, count: Count) -> torch.utils.data.DataLoade
         shuffle=True,
         generator=torch.Generator().manual_seed(SEED),
         num_workers=count,
+        prefetch_factor=prefetch_factor,
     )
     return loader
 
@@ -264,19 +271,28 @@ def _tuning(loader: torch.utils.data.DataLoader[Any], arrivals: Sequence[float])
     tuning = loader.stats().tuning  # type: ignore[attr-defined]
     assert tuning is not None, "an auto loader reports its tuning"
     changes = tuple(
-        (record.batch, record.move.value, record.workers, record.why) for record in tuning.decisions
+        (
+            record.batch,
+            record.move.value,
+            record.workers if record.prefetch is None else record.prefetch,
+            record.why,
+        )
+        for record in tuning.decisions
     )
     last = changes[-1][0] if changes else 0
     seconds = arrivals[min(last, len(arrivals)) - 1] - arrivals[0] if last else 0.0
-    return TuningSummary(tuning.settled, tuning.workers, changes, seconds, tuning.latest)
+    return TuningSummary(
+        tuning.settled, tuning.workers, changes, seconds, tuning.latest, tuning.prefetch
+    )
 
 
-def run_once(workload: SweepWorkload, count: Count) -> SweepRun:
-    """One epoch of a fresh loader with `count` workers, timed from its first batch to its
-    last; the training step spun after every batch. No worker outlives it."""
+def run_once(workload: SweepWorkload, count: Count, prefetch_factor: Count = 2) -> SweepRun:
+    """One epoch of a fresh loader with `count` workers (and `prefetch_factor`, torch's 2
+    unless told), timed from its first batch to its last; the training step spun after every
+    batch. No worker outlives it."""
     if workload.batches < 2:
         raise ValueError(f"{workload.name}: a run needs at least 2 batches")
-    loader = _loader(workload, count)
+    loader = _loader(workload, count, prefetch_factor)
     arrivals: list[float] = []
     try:
         iterator = iter(loader)
@@ -289,7 +305,8 @@ def run_once(workload: SweepWorkload, count: Count) -> SweepRun:
                 if workload.step:
                     spin(workload.step)
                 arrivals.append(time.perf_counter())
-            tuning = _tuning(loader, arrivals) if count == AUTO else None
+            tuned = AUTO in (count, prefetch_factor)
+            tuning = _tuning(loader, arrivals) if tuned else None
         finally:
             close(iterator)
     finally:
@@ -557,3 +574,158 @@ def sweep(
             json.dump(report.to_json(), file, indent=1)
         print(f"figures written to {json_path}", file=out)
     return 0
+
+
+# --- studies: auto against the run's length, and prefetch_factor="auto" -------------------------
+
+LENGTHS = (1200, 2400, 4800, 9600)
+"""The epoch lengths (batches) `lengths` runs at: auto's tuning is a shrinking part of each."""
+LONG_COUNTS = (8, 16)
+"""The fixed counts `lengths` runs by default: the best two of the full sweep on the workloads
+it is for (I/O-bound and stragglers); the small counts only scale down from them, and at 9600
+batches one worker alone would take minutes a run. `--counts 1,2,4,8,16` runs them all."""
+PREFETCH_FACTORS = (1, 2, 4)
+"""The fixed prefetch bounds `prefetch_factor="auto"` is compared with."""
+
+
+def take_turns(
+    workload: SweepWorkload,
+    choices: Sequence[Count],
+    rounds: int,
+    run: Callable[[Count], SweepRun],
+) -> SweepResult:
+    """`rounds` rounds of one run per choice, in an order that rotates from round to round."""
+    runs: dict[Count, list[SweepRun]] = {choice: [] for choice in choices}
+    first = []
+    for number in range(rounds):
+        order = rotated(number, tuple(choices))
+        first.append(order[0])
+        for choice in order:
+            runs[choice].append(run(choice))
+    return SweepResult(
+        workload, {choice: tuple(done) for choice, done in runs.items()}, tuple(first)
+    )
+
+
+def lengths(
+    workloads: Iterable[SweepWorkload],
+    batches: Sequence[int] = LENGTHS,
+    counts: Sequence[int] = LONG_COUNTS,
+    rounds: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[SweepResult]:
+    """Per workload and epoch length, the fixed `counts` and auto taking turns: how auto's
+    ratio to the best count grows as its tuning becomes a smaller part of the run."""
+    say = progress or (lambda message: None)
+    results = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        for workload in workloads:
+            run_once(attrs.evolve(workload, batches=2, step=0.0), 1)
+            for length in batches:
+                sized = workload.resized(length)
+                say(f"{workload.name}: {length} batches ...")
+                results.append(
+                    take_turns(sized, (*counts, AUTO), rounds, functools.partial(run_once, sized))
+                )
+    return results
+
+
+def prefetch(
+    workloads: Iterable[SweepWorkload],
+    workers: int,
+    factors: Sequence[int] = PREFETCH_FACTORS,
+    rounds: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[SweepResult]:
+    """Per workload, `workers` workers with each fixed prefetch factor and with
+    `prefetch_factor="auto"`, taking turns (the result's counts are prefetch factors)."""
+    say = progress or (lambda message: None)
+    results = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        for workload in workloads:
+            run_once(attrs.evolve(workload, batches=2, step=0.0), 1)
+            say(f"{workload.name}: prefetch {', '.join(map(str, factors))} and auto ...")
+
+            def run(factor: Count, workload: SweepWorkload = workload) -> SweepRun:
+                return run_once(workload, workers, factor)
+
+            results.append(take_turns(workload, (*factors, AUTO), rounds, run))
+    return results
+
+
+def study_table(results: Sequence[SweepResult], key: str) -> str:
+    """One line per result: the medians, the best fixed choice, auto's ratio to it and what
+    auto's median run did; `key` names what the columns are (num_workers, prefetch_factor)."""
+    if not results:
+        return ""
+    choices = tuple(results[0].runs)
+    lines = [
+        f"{'workload':20}{'batches':>8}"
+        + "".join(f"{key + '=' + str(c) if c != AUTO else 'auto':>18}" for c in choices)
+        + f"{'best':>6}{'auto/best':>10}  auto's median run"
+    ]
+    for result in results:
+        tuning = result.median_tuning()
+        runs = sorted(result.runs[AUTO], key=lambda run: run.throughput)
+        epoch = runs[(len(runs) - 1) // 2].seconds
+        did = tuning.describe() + (f"; prefetch {tuning.prefetch}" if tuning.prefetch else "")
+        lines.append(
+            f"{result.workload.name:20}{result.workload.batches:8}"
+            + "".join(f"{result.median(c):18.1f}" for c in choices)
+            + f"{result.best:6}{result.ratio:10.2f}  epoch {epoch:.2f} s, {did}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m statecore.tools.sweep lengths|prefetch ...`: the two studies, printed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m statecore.tools.sweep")
+    parser.add_argument("study", choices=("lengths", "prefetch"))
+    parser.add_argument("--only", default="io-4ms,straggler", help="sweep workloads, by name")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--batches",
+        default=None,
+        help="lengths: the epoch lengths (default 1200,2400,4800,9600)"
+        "; prefetch: the one length (default the workload's)",
+    )
+    parser.add_argument("--counts", default="8,16", help="lengths: the fixed counts")
+    parser.add_argument("--workers", type=int, default=16, help="prefetch: the worker count")
+    args = parser.parse_args(argv)
+
+    def ints(text: str) -> list[int]:
+        return [int(part) for part in text.split(",")]
+
+    try:
+        workloads = select_sweep(args.only.split(","))
+    except ValueError as error:
+        print(f"sweep: {error}")
+        return 2
+
+    def say(message: str) -> None:
+        print(f"sweep: {message}", flush=True)
+
+    started = time.perf_counter()
+    if args.study == "lengths":
+        sizes = ints(args.batches) if args.batches else list(LENGTHS)
+        results = lengths(workloads, sizes, ints(args.counts), args.rounds, say)
+        print(study_table(results, "n"))
+    else:
+        if args.batches:
+            workloads = tuple(workload.resized(int(args.batches)) for workload in workloads)
+        results = prefetch(workloads, args.workers, PREFETCH_FACTORS, args.rounds, say)
+        print(f"num_workers={args.workers}")
+        print(study_table(results, "pf"))
+    print(
+        f"{len(os.sched_getaffinity(0))} CPU(s); {time.perf_counter() - started:.0f} s; "
+        f"medians over {args.rounds} round(s), auto/best the ratio of the medians"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
