@@ -43,7 +43,7 @@ import torch
 import torch.utils.data
 
 from statecore.tools.loader_bench import rotated
-from statecore.tools.memory import AVAILABLE, INTERVAL, descendants, pss
+from statecore.tools.memory import AVAILABLE, INTERVAL, descendants, pss, tree_pss
 from statecore.tools.workloads import SEED, Mixed, PythonWork, Sleeps, close, release
 
 __all__ = [
@@ -323,15 +323,20 @@ def measure_memory(workload: SweepWorkload, count: Count) -> MemoryPeak:
     """
     gc.collect()
     me = os.getpid()
-    before = pss(me) + sum(pss(child) for child in descendants(me))
+    before = tree_pss(me)
     highest = [before, 0]
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            workers = [pss(child) for child in descendants(me)]
-            highest[0] = max(highest[0], pss(me) + sum(workers))
-            highest[1] = max([highest[1], *workers])
+            tree = descendants(me)
+            own = pss(me)
+            workers = [pss(child) for child in tree]
+            # A worker forked (auto adds them mid-run) or ended while the tree was read is
+            # counted wrongly, shared pages twice (`tools.memory.tree_pss`): read again.
+            if descendants(me) == tree:
+                highest[0] = max(highest[0], own + sum(workers))
+                highest[1] = max([highest[1], *workers])
             done.wait(INTERVAL)
 
     sampler = threading.Thread(target=sample, daemon=True)
