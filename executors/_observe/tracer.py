@@ -652,7 +652,8 @@ class Tracer:
                     if ready is not None:
                         worker = event.worker  # type: ignore[attr-defined]
                         marks.append(Moment(ready, "worker ready", worker))
-            carried(now, transition)
+            if transition[1]:  # often none: a request mostly, an answer nobody waits for
+                carried(now, transition)
 
         def failed(state: State, event: Event, transition: Transition) -> None:
             task = event.task + offset  # type: ignore[attr-defined]
@@ -666,7 +667,8 @@ class Tracer:
             now = clock()
             if asked is None:
                 asked = now
-            carried(now, transition)
+            if transition[1]:  # often none: a request mostly, an answer nobody waits for
+                carried(now, transition)
 
         def reset(state: State, event: Event, transition: Transition) -> None:
             nonlocal asked
