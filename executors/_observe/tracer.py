@@ -541,9 +541,15 @@ class Tracer:
         # loader's own work; the seam picks it by the event's type. What is asked most comes
         # first, and everything that can wait until the trace is read (which batches were
         # ready while the loop waited) does.
-        def carried(now: float, transition: Transition) -> None:
-            """The commands of a transition: tasks sent, outcomes handed over, resumes."""
+        def carried(
+            state: State, event: Event, transition: Transition, now: float | None = None
+        ) -> None:
+            """The commands of a transition: tasks sent, outcomes handed over, resumes; `now`:
+            the moment the caller read, None to read it here. An index drawn has no more to
+            it: this is that event's hook, a call less on every batch's send."""
             nonlocal asked, restarted, packing
+            if now is None:
+                now = clock()
             task: int | None
             for command in transition[1]:
                 ckind = type(command)
@@ -625,9 +631,6 @@ class Tracer:
             incarnation_of[task] = incarnation
             return True
 
-        def drawn(state: State, event: Event, transition: Transition) -> None:
-            carried(clock(), transition)
-
         def answered(state: State, event: Event, transition: Transition) -> None:
             now = clock()
             task = event.task + offset  # type: ignore[attr-defined]
@@ -653,7 +656,7 @@ class Tracer:
                         worker = event.worker  # type: ignore[attr-defined]
                         marks.append(Moment(ready, "worker ready", worker))
             if transition[1]:  # often none: a request mostly, an answer nobody waits for
-                carried(now, transition)
+                carried(state, event, transition, now)
 
         def failed(state: State, event: Event, transition: Transition) -> None:
             task = event.task + offset  # type: ignore[attr-defined]
@@ -668,7 +671,7 @@ class Tracer:
             if asked is None:
                 asked = now
             if transition[1]:  # often none: a request mostly, an answer nobody waits for
-                carried(now, transition)
+                carried(state, event, transition, now)
 
         def reset(state: State, event: Event, transition: Transition) -> None:
             nonlocal asked
@@ -679,15 +682,15 @@ class Tracer:
             if asked is None:
                 asked = now
             check()
-            carried(now, transition)
+            carried(state, event, transition, now)
 
         def rare(state: State, event: Event, transition: Transition) -> None:
             now = clock()
             self._saw_rare(now, state, event, transition, driver)
-            carried(now, transition)
+            carried(state, event, transition, now)
 
         hooks: dict[type[Event], Hook | None] = {
-            IndexDrawn: drawn,
+            IndexDrawn: carried,
             TaskCompleted: answered,
             TaskFailed: failed,
             NextRequested: requested,
