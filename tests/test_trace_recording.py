@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 import statecore
 from statecore.executors import LoaderStats, Trace
-from statecore.executors._observe.tracer import TRACE_VARIABLE, Tracer
+from statecore.executors._observe.tracer import TASK_BITS, TRACE_VARIABLE, Tracer
 from statecore.executors._timing import WHOLE_BATCH
 
 
@@ -315,6 +315,19 @@ def test_a_batch_timed_whole_is_named_in_the_trace_by_its_indices() -> None:
     batches = sorted(loader.trace_record().batches, key=lambda b: b.task)
     # The first batch is timed sample by sample; the next, of fast samples, as a whole.
     assert batches[1].slowest[0][0] == [4, 5, 6, 7]
+
+
+def test_a_batch_timed_whole_costs_the_tracer_no_entry_for_its_slowest_sample() -> None:
+    # Fast samples, the common case, are timed by their batch: the tracer keeps only the
+    # seconds, in the batch's row, and the reader names the batch by its indices.
+    loader = statecore.DataLoader(FastButFive(), batch_size=4, trace=True)
+    list(loader)
+    batches = loader.trace_record().batches
+    one_by_one = {b.task for b in batches if not isinstance(b.slowest[0][0], list)}
+    whole = {b.task for b in batches if isinstance(b.slowest[0][0], list)}
+    assert one_by_one and whole
+    kept = {key & ((1 << TASK_BITS) - 1) for key in loader._tracer.tasks.slowest_index}
+    assert kept == one_by_one
 
 
 class AnyKey(Dataset[int]):

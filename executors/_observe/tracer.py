@@ -12,8 +12,8 @@ only watches what the scheduler does.
 It keeps them in columns of numbers, which the garbage collector leaves out of its walks: a
 table of lists, one per batch, with the timings' tuples in them, added four objects a batch
 to every young collection of the main process, a third of what tracing cost where batches are
-small and fast. A batch sampler's lists of indices are kept packed (`_Packer`) for the same
-reason, and more: kept as they are, each batch's list and its int objects (2.6 kB for 64
+small and fast. A batch sampler's lists of indices are kept packed (eight bytes a number) for
+the same reason, and more: kept as they are, each batch's list and its int objects (2.6 kB for 64
 indices) outlived it, and processes-b64 traced cost 11.6% more than untraced, against 7.3%
 with no indices kept at all.
 
@@ -108,37 +108,6 @@ LIMIT_CHECKED_EVERY = 1024
 to this many more batches than the limit; a trace read is cut to the limit exactly."""
 
 
-class _Packer:
-    """Packs a batch sampler's lists of indices into bytes, eight a number: 0.55 us for 64,
-    where keeping a list kept 65 objects alive (see `_FIELDS`).
-
-    A list that does not pack (not all integers, or one beyond 64 bits) is kept as it is, and
-    so is every later one: a sampler that yields such lists once will again, and the failed
-    attempt would cost each batch an exception.
-    """
-
-    def __init__(self) -> None:
-        self.formats: dict[int, Callable[..., bytes]] = {}
-        self.pack = self._pack
-        """Packs a list, or answers None: the attribute is the method until a list does not
-        pack, and then a function that answers None at once."""
-
-    def _pack(self, index: list[Any]) -> bytes | None:
-        size = len(index)
-        pack = self.formats.get(size)
-        if pack is None:
-            pack = self.formats[size] = struct.Struct(f"{size}q").pack
-        try:
-            return pack(*index)
-        except (struct.error, TypeError, OverflowError):
-            self.pack = _keep
-            return None
-
-
-def _keep(index: list[Any]) -> None:
-    return None
-
-
 TASK_BITS = 36
 """A task's key in the tracer's tables: the number of the driver (loader iterator) that sent
 it above these bits, the task's own number (counted by that driver) below. One table serves
@@ -154,9 +123,14 @@ numbers: a number comes back after 134 million iterators, long after the batches
 iterator that had it were forgotten."""
 
 
+_STARTED, _FINISHED, _ARRIVED, _HANDED, _CPU, _TOOK = range(6)
+"""The places in a row of `_Tasks.moments` of a task's moments and figures."""
+_WIDTH = 6
+"""Numbers in a row of `_Tasks.moments`."""
+
 _GROWN_BY = 1024
-"""Rows the columns filled on an answer grow by at a time, NaN (not yet) until then."""
-_NANS = array("d", [math.nan]) * _GROWN_BY
+"""Rows `_Tasks.moments` grows by at a time, NaN (not yet) until then."""
+_NANS = array("d", [math.nan]) * (_GROWN_BY * _WIDTH)
 
 
 class _Tasks:
@@ -179,28 +153,24 @@ class _Tasks:
         self.worker = array("q")
         self.sent = array("d")
         """When each task was sent, in the order of sending: its length is the tasks kept."""
-        self.started = array("d")
-        self.finished = array("d")
-        self.arrived = array("d")
-        self.handed = array("d")
-        self.cpu = array("d")
-        self.slowest_took = array("d")
-        """A task's slowest sample's seconds, as its worker reported it (a worker reports one).
-        These six are filled as answers come, and grow `_GROWN_BY` rows at a time: they may
-        be longer than `sent`, and what lies beyond it is no task's yet."""
-        self.filled = (
-            self.started,
-            self.finished,
-            self.arrived,
-            self.handed,
-            self.cpu,
-            self.slowest_took,
-        )
+        self.moments = array("d")
+        """What is filled in as answers come, `_WIDTH` numbers a task, a row after another:
+        when its worker started and finished it, when its answer arrived, when it was handed
+        over, its CPU seconds, and its slowest sample's seconds as its worker reported it (a
+        worker reports one); places `_STARTED` to `_TOOK`. One row where six columns were: an
+        answer then touches one place in memory, not six, and between two answers a loader's
+        main process has done enough else that each place touched is likely a miss in the
+        caches. It grows `_GROWN_BY` rows at a time: it may hold more
+        rows than `sent`, and what lies beyond it is no task's yet. Read whole, as columns
+        (`table`)."""
         self.index: dict[int, Any] = {}
         """The sampler's index of each task, by key, as it gave it, when not packed."""
         self.packed: dict[int, bytes] = {}
-        """A batch sampler's list of ints, packed (see `_Packer`)."""
+        """A batch sampler's list of ints, packed: eight bytes a number (`struct`'s "q")."""
         self.slowest_index: dict[int, Any] = {}
+        """A task's slowest sample's dataset index, by key, where a worker timed the samples
+        of its batch one by one; where it timed the batch whole (`WHOLE_BATCH`, the common
+        case of fast samples), nothing: that costs each answer no entry here."""
         self.failed: set[int] = set()
         self.incarnation: dict[int, int] = {}
         """The incarnation each task was sent to, by key, where not 0 (a replaced slot's)."""
@@ -216,9 +186,13 @@ class _Tasks:
         the trace is read (`waits`)."""
 
     def grow(self) -> None:
-        """Room for `_GROWN_BY` more tasks in the columns filled as answers come."""
-        for column in self.filled:
-            column.extend(_NANS)
+        """Room for `_GROWN_BY` more tasks in `moments`."""
+        self.moments.extend(_NANS)
+
+    def table(self, kept: int) -> Any:
+        """The first `kept` rows of `moments`, copied out as a tensor of `kept` rows and
+        `_WIDTH` columns (a column of it: `table[:, _ARRIVED]`)."""
+        return _numbers(self.moments, kept * _WIDTH).reshape(kept, _WIDTH)
 
     def forget_oldest(self, count: int) -> None:
         """Forget the `count` oldest batches kept (at most as many as are kept)."""
@@ -239,8 +213,9 @@ class _Tasks:
                     pop(key, None)
         if self.failed:
             self.failed.difference_update(keys)
-        for column in (self.key, self.worker, self.sent, *self.filled):
+        for column in (self.key, self.worker, self.sent):
             del column[:count]
+        del self.moments[: count * _WIDTH]
         self.first += count
 
     def forget_waits(self, count: int) -> None:
@@ -265,7 +240,8 @@ class _Tasks:
         task_of = [None if task == _TASK else task for task in tasks]
         count = len(got)
         kept = len(self.sent)
-        arrived, handed = _numbers(self.arrived, kept), _numbers(self.handed, kept)
+        table = self.table(kept)
+        arrived, handed = table[:, _ARRIVED], table[:, _HANDED]
         came = ~np.isnan(arrived)
         if count > 1 and not bool(np.all(got[1:] >= got[:-1])):
             # The clock went back: every answer goes through the sweep, from the first wait.
@@ -280,7 +256,7 @@ class _Tasks:
             first = int(seen_by[rows].min()) if rows else count
         held_for = held.tolist()
         if rows:
-            self._sweep(rows, first, asked.tolist(), got.tolist(), held_for, epoch_starts)
+            self._sweep(rows, first, asked.tolist(), got.tolist(), held_for, epoch_starts, table)
         return WaitColumns(asked.tolist(), got.tolist(), task_of, held_for).in_order_asked()
 
     def _sweep(
@@ -291,9 +267,12 @@ class _Tasks:
         got: list[float],
         held_for: list[float],
         epoch_starts: list[float],
+        table: Any,
     ) -> None:
-        """`held_for` of each wait from the `first` on, with the answers of `rows`."""
-        arrived, handed, sent, keys = self.arrived, self.handed, self.sent, self.key
+        """`held_for` of each wait from the `first` on, with the answers of `rows`; `table`:
+        the rows of `moments` kept (`table`)."""
+        arrived, handed = table[:, _ARRIVED].tolist(), table[:, _HANDED].tolist()
+        sent, keys = self.sent, self.key
         # Answers are kept as they arrive, so mostly in order of time already: sorted cheaply.
         arrivals = sorted((arrived[row], keys[row], row) for row in rows)
         count, next_arrival = len(arrivals), 0
@@ -343,7 +322,8 @@ class _Tasks:
             if failed
             else np.zeros(kept, dtype=np.bool_)
         )
-        took = _numbers(self.slowest_took, kept)
+        table = self.table(kept)
+        took = np.ascontiguousarray(table[:, _TOOK])
         sampled = np.flatnonzero(~np.isnan(took))
         packed, given, sample_of, took_of = self.packed, self.index, self.slowest_index, took
         incarnation_of, first_sent_of = self.incarnation, self.first_sent
@@ -356,12 +336,12 @@ class _Tasks:
         def slowest(key: int, seconds: float, whole: Any) -> tuple[tuple[Any, float], ...]:
             if seconds != seconds:
                 return ()
-            sample = sample_of[key]
+            sample = sample_of.get(key, WHOLE_BATCH)
             return (((whole if sample is WHOLE_BATCH else sample), seconds),)
 
         def sample_index(number: int) -> Any:
             key = key_of[int(sampled[number])]
-            sample = sample_of[key]
+            sample = sample_of.get(key, WHOLE_BATCH)
             return index(key) if sample is WHOLE_BATCH else sample
 
         columns = BatchColumns(
@@ -369,11 +349,11 @@ class _Tasks:
             worker=_numbers(self.worker),
             epoch=epoch,
             sent=sent,
-            started=_numbers(self.started, kept),
-            finished=_numbers(self.finished, kept),
-            arrived=_numbers(self.arrived, kept),
-            handed=_numbers(self.handed, kept),
-            cpu=_numbers(self.cpu, kept),
+            started=np.ascontiguousarray(table[:, _STARTED]),
+            finished=np.ascontiguousarray(table[:, _FINISHED]),
+            arrived=np.ascontiguousarray(table[:, _ARRIVED]),
+            handed=np.ascontiguousarray(table[:, _HANDED]),
+            cpu=np.ascontiguousarray(table[:, _CPU]),
             failed=flags,
             sample_row=sampled,
             sample_took=took[sampled],
@@ -528,11 +508,14 @@ class Tracer:
         driver = self.drivers
         self.drivers += 1
         row_of, index_of, packed_of = tasks.row, tasks.index, tasks.packed
-        key_column, worker_column, sent_at = tasks.key, tasks.worker, tasks.sent
-        packing = _Packer()
-        started_at, finished_at, arrived_at = tasks.started, tasks.finished, tasks.arrived
-        handed_at, cpu_of = tasks.handed, tasks.cpu
-        slowest_index, slowest_took = tasks.slowest_index, tasks.slowest_took
+        keyed, worked, sent_at = tasks.key.append, tasks.worker.append, tasks.sent
+        moments, slowest_index = tasks.moments, tasks.slowest_index
+        formats: dict[int, Callable[..., bytes]] = {}
+        """Per length of a batch sampler's list, what packs a list of that many ints."""
+        # Whether the lists of indices are packed: a list that does not pack (not all ints, or
+        # one beyond 64 bits) is kept as it is, and so is every later one: a sampler that
+        # yields such lists once will again, and each failed attempt would cost an exception.
+        packing = True
         grow = tasks.grow
         asked_at, got_at, waited_for = tasks.asked.append, tasks.got.append, tasks.waited_for.append
         marks = self.marks
@@ -558,9 +541,15 @@ class Tracer:
         # loader's own work; the seam picks it by the event's type. What is asked most comes
         # first, and everything that can wait until the trace is read (which batches were
         # ready while the loop waited) does.
-        def carried(now: float, transition: Transition) -> None:
-            """The commands of a transition: tasks sent, outcomes handed over, resumes."""
-            nonlocal asked, restarted
+        def carried(
+            state: State, event: Event, transition: Transition, now: float | None = None
+        ) -> None:
+            """The commands of a transition: tasks sent, outcomes handed over, resumes; `now`:
+            the moment the caller read, None to read it here. An index drawn has no more to
+            it: this is that event's hook, a call less on every batch's send."""
+            nonlocal asked, restarted, packing
+            if now is None:
+                now = clock()
             task: int | None
             for command in transition[1]:
                 ckind = type(command)
@@ -573,17 +562,25 @@ class Tracer:
                         continue
                     row = len(sent_at)
                     row_of[task] = row + tasks.first
-                    key_column.append(task)
-                    worker_column.append(command.worker)  # type: ignore[attr-defined]
+                    keyed(task)
+                    worked(command.worker)  # type: ignore[attr-defined]
                     sent_at.append(now)
-                    if row >= len(arrived_at):
+                    if row * _WIDTH >= len(moments):
                         grow()
                     index = command.index  # type: ignore[attr-defined]
-                    packed = packing.pack(index) if type(index) is list else None
-                    if packed is None:
-                        index_of[task] = index
+                    if packing and type(index) is list:
+                        # Eight bytes a number: 0.6 us for 64, where keeping the list kept
+                        # 65 objects alive (see the module's docstring).
+                        pack = formats.get(len(index))
+                        if pack is None:
+                            pack = formats[len(index)] = struct.Struct(f"{len(index)}q").pack
+                        try:
+                            packed_of[task] = pack(*index)
+                        except (struct.error, TypeError, OverflowError):
+                            packing = False
+                            index_of[task] = index
                     else:
-                        packed_of[task] = packed
+                        index_of[task] = index
                     if not number % LIMIT_CHECKED_EVERY:
                         check()
                 elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
@@ -600,7 +597,7 @@ class Tracer:
                     if task is not None:
                         handed = row_of.get(task)
                         if handed is not None:
-                            handed_at[handed - tasks.first] = now
+                            moments[(handed - tasks.first) * _WIDTH + _HANDED] = now
                     if asked is not None:
                         asked_at(asked)
                         got_at(now)
@@ -634,9 +631,6 @@ class Tracer:
             incarnation_of[task] = incarnation
             return True
 
-        def drawn(state: State, event: Event, transition: Transition) -> None:
-            carried(clock(), transition)
-
         def answered(state: State, event: Event, transition: Transition) -> None:
             now = clock()
             task = event.task + offset  # type: ignore[attr-defined]
@@ -646,19 +640,23 @@ class Tracer:
                 if event.incarnation < incarnation_now.get(worker, 0):  # type: ignore[attr-defined]
                     row = None  # a lost incarnation's late answer, which the scheduler drops
             if row is not None:
-                row -= tasks.first
-                arrived_at[row] = now
+                at = (row - tasks.first) * _WIDTH
+                moments[at + _ARRIVED] = now
                 timing = event.timing  # type: ignore[attr-defined]
                 if timing is not None:
-                    started_at[row], finished_at[row], cpu, slowest, ready = timing
+                    # At `at` itself: `_STARTED`.
+                    moments[at], moments[at + _FINISHED], cpu, slowest, ready = timing
                     if cpu is not None:
-                        cpu_of[row] = cpu
+                        moments[at + _CPU] = cpu
                     if slowest:
-                        slowest_index[task], slowest_took[row] = slowest[0]
+                        sample, moments[at + _TOOK] = slowest[0]
+                        if sample is not WHOLE_BATCH:
+                            slowest_index[task] = sample
                     if ready is not None:
                         worker = event.worker  # type: ignore[attr-defined]
                         marks.append(Moment(ready, "worker ready", worker))
-            carried(now, transition)
+            if transition[1]:  # often none: a request mostly, an answer nobody waits for
+                carried(state, event, transition, now)
 
         def failed(state: State, event: Event, transition: Transition) -> None:
             task = event.task + offset  # type: ignore[attr-defined]
@@ -672,7 +670,8 @@ class Tracer:
             now = clock()
             if asked is None:
                 asked = now
-            carried(now, transition)
+            if transition[1]:  # often none: a request mostly, an answer nobody waits for
+                carried(state, event, transition, now)
 
         def reset(state: State, event: Event, transition: Transition) -> None:
             nonlocal asked
@@ -683,15 +682,15 @@ class Tracer:
             if asked is None:
                 asked = now
             check()
-            carried(now, transition)
+            carried(state, event, transition, now)
 
         def rare(state: State, event: Event, transition: Transition) -> None:
             now = clock()
             self._saw_rare(now, state, event, transition, driver)
-            carried(now, transition)
+            carried(state, event, transition, now)
 
         hooks: dict[type[Event], Hook | None] = {
-            IndexDrawn: drawn,
+            IndexDrawn: carried,
             TaskCompleted: answered,
             TaskFailed: failed,
             NextRequested: requested,
