@@ -1024,8 +1024,8 @@ def restorer(driver: Driver) -> Callable[[DriverState], None]:
     arguments and then `Driver.restore`d, would be, from whatever calls it made since.
 
     For a caller that drives many states one call at a time through one executor (the models'
-    explorer, `statecore.models.world`), where building a driver for each state would cost a
-    fifth of its time. Everything `__init__` set is put back as it was built, so what a call
+    explorer, `statecore.models.world`), where building a driver for each state took an
+    eighth of its time. Everything `__init__` set is put back as it was built, so what a call
     leaves outside the snapshot (the stuck-worker watch, the epoch's seeds) does not carry over;
     the objects it was built with (its executor, its observers) are the same ones.
     """

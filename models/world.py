@@ -698,8 +698,8 @@ class _Sim:
         self.step = step
         self.on_edge = on_edge
         # As the real executors do: it replaces lost workers, and kills stuck ones if it can.
-        # Declared only where workers may be replaced or found stuck: the driver then checks the
-        # methods on each action's new driver, which costs the other scenarios a tenth.
+        # Declared only where workers may be replaced or found stuck: the driver then looks up
+        # the methods that take part in that, which the other scenarios can do without.
         if scenario.config.restarts or scenario.hangs or scenario.tunes:
             self.capabilities = _CAPABLE if scenario.killable else _CAPABLE_UNKILLABLE
         # No flight recorder: each action restores the world's state into the driver, so a
