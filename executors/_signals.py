@@ -124,19 +124,23 @@ def is_interrupt(error: BaseException) -> bool:
     if not isinstance(error, Exception):
         return True
     # The C getsignal over plain ints (see `_getsignal`): the models' simulated executors
-    # raise at every wait, so this runs thousands of times a second there.
-    handlers = set()
+    # raise at every wait, so this runs thousands of times a second there. The traceback's
+    # few frames first, then only handlers that are Python functions (most signals have
+    # SIG_DFL, a plain int) are looked into.
+    codes = set()
+    trace = error.__traceback__
+    while trace is not None:
+        codes.add(trace.tb_frame.f_code)
+        trace = trace.tb_next
+    if not codes:
+        return False
     for number in _VALID:
         try:
             handler = _getsignal(number)
         except (OSError, ValueError):
             continue
-        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-        if code is not None:
-            handlers.add(code)
-    trace = error.__traceback__
-    while trace is not None:
-        if trace.tb_frame.f_code in handlers:
+        if handler is None or handler.__class__ is int:
+            continue
+        if getattr(getattr(handler, "__func__", handler), "__code__", None) in codes:
             return True
-        trace = trace.tb_next
     return False

@@ -145,8 +145,16 @@ def scheduler_machine(
         def _apply(self, action: Action) -> None:
             self.world = self.world.apply(action, step)
 
+        listed: tuple[World | None, tuple[Action, ...]] = (None, ())
+        """The world whose actions were listed last, and those actions: each rule's
+        precondition asks for one kind of them, so they are listed once per world."""
+
         def _enabled(self, kind: type[_Kind]) -> list[_Kind]:
-            return [action for action in self.world.actions() if type(action) is kind]
+            world, actions = self.listed
+            if world is not self.world:
+                actions = tuple(self.world.actions())
+                self.listed = (self.world, actions)
+            return [action for action in actions if type(action) is kind]
 
         @initialize(scenario=drawn)
         def start(self, scenario: Scenario) -> None:

@@ -41,6 +41,7 @@ past them; a failure, once they are spent, that does not name every loss.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,7 +79,7 @@ from statecore import (
     violations,
 )
 from statecore import step as core_step
-from statecore.executors._driver import Driver, DriverState, handed_task
+from statecore.executors._driver import Driver, DriverState, handed_task, restorer
 from statecore.executors._incarnation import Carried, RanDry, Standing
 from statecore.executors._protocol import Capabilities, WorkerReport
 from statecore.models.reference import (
@@ -156,7 +157,7 @@ class _ExecutorError(OSError):
     """What the world's executor raises once broken, as a broken pipe would."""
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of `_SPARE`, looked up at every action
 class Scenario:
     """One configuration to simulate: the scheduler's config, the dataset, and what may go wrong."""
 
@@ -347,7 +348,7 @@ def _stack(worker: int, incarnation: int) -> str:
     return f'  File "dataset.py", line 7, in __getitem__ (worker {worker}.{incarnation} stuck)\n'
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # the explorer looks each world up once or twice
 class World:
     """The driver's and scheduler's state together with everything around them. A value."""
 
@@ -500,7 +501,7 @@ class World:
         )
         if not begin:
             return world
-        sim = _Sim(world, step, on_edge)
+        sim = _sim(world, step, on_edge)
         sim.call(sim.driver.start_epoch, iterating=True)
         return sim.freeze()
 
@@ -590,7 +591,7 @@ class World:
         """The world after `action`; raises `Violation` if the scheduler or driver misbehaves."""
         if isinstance(action, Preempt):
             return self.resumed(self.checkpoint(), action.workers, step, on_edge)
-        sim = _Sim(self, step, on_edge)
+        sim = _sim(self, step, on_edge)
         sim.act(action)
         return sim.freeze()
 
@@ -607,12 +608,15 @@ class World:
 
     def checkpoint(self) -> Saved:
         """What the loader's `state_dict()` records of the epoch now, through the real driver."""
-        driver = _Sim(self, core_step).driver
+        sim = _sim(self, core_step)
+        driver = sim.driver
         marks = driver.marks
         n = self.scenario.config.num_workers
-        return Saved(
+        saved = Saved(
             driver.progress(), None if marks is None else tuple(marks.get(w) for w in range(n))
         )
+        sim.release()
+        return saved
 
     def resumed(
         self,
@@ -666,13 +670,15 @@ class World:
             # A worker restores its part of the dataset from its mark, as `WorkerRuntime` does.
             shards=tuple((epoch, marks[w][0] if w in marks else 0) for w in range(workers)),
         )
-        sim = _Sim(fresh, step, on_edge)
+        sim = _sim(fresh, step, on_edge)
         resume = None if complete else progress
         sim.call(lambda: sim.driver.start_epoch(resume=resume, marks=marks), iterating=True)
         return sim.freeze()
 
 
-_FIELDS = [a.name for a in attrs.fields(World)]
+_FIELDS = tuple(a.name for a in attrs.fields(World))
+_FIELDS_OF = operator.attrgetter(*_FIELDS)
+"""A world's (or a `_Sim`'s) fields, in `World`'s order: what `World(*...)` takes."""
 _ACTIVE = WorkerStatus.ACTIVE
 _STARTING = WorkerStatus.STARTING
 _CAPABLE = Capabilities(replaces_workers=True, kills_stuck_workers=True)
@@ -681,15 +687,40 @@ _CAPABLE_UNKILLABLE = Capabilities(replaces_workers=True)
 
 class _Sim:
     """A mutable copy of a World for one action: the driver's executor and sampler, and the
-    consumer that calls the driver."""
+    consumer that calls the driver. Built once for a scenario, step and edge observer, and
+    `load`ed with each world that takes an action (`_sim`): building the driver and the copy for
+    each action was a third of the explorer's time."""
 
     def __init__(
-        self, world: World, step: StepFunction, on_edge: EdgeObserver | None = None
+        self, scenario: Scenario, step: StepFunction, on_edge: EdgeObserver | None
     ) -> None:
-        for name in _FIELDS:
-            setattr(self, name, getattr(world, name))
+        self.scenario = scenario
         self.step = step
         self.on_edge = on_edge
+        # As the real executors do: it replaces lost workers, and kills stuck ones if it can.
+        # Declared only where workers may be replaced or found stuck: the driver then looks up
+        # the methods that take part in that, which the other scenarios can do without.
+        if scenario.config.restarts or scenario.hangs or scenario.tunes:
+            self.capabilities = _CAPABLE if scenario.killable else _CAPABLE_UNKILLABLE
+        # No flight recorder: each action restores the world's state into the driver, so a
+        # recording would start from a state it never saw.
+        self.driver = Driver(
+            scenario.config,
+            self,
+            self.draw,
+            _TIMEOUT,
+            step=self.checked_step,
+            worker_timeout=_WORKER_TIMEOUT if scenario.hangs else 0,
+            clock=self.clock,
+        )
+        # The real driver, put back as new (`restorer`) with the world's state before each
+        # action: what one action's calls left in it cannot reach the next.
+        self._restore_driver = restorer(self.driver)
+
+    def load(self, world: World) -> _Sim:
+        """This copy, holding `world` as a new one would: its fields, nothing of an earlier
+        action, and the driver restored to the world's state."""
+        vars(self).update(zip(_FIELDS, _FIELDS_OF(world), strict=True))
         self.violation: Violation | None = None
         self.poll_with: str | None = None
         """What the next poll does instead of reporting: "expire" or "interrupt"."""
@@ -705,29 +736,25 @@ class _Sim:
         waits for (whom it watches is its own decision, never worked out here)."""
         self.stuck_worker: int | None = None
         """The worker the driver found stuck in this action, asked for its stack."""
-        # As the real executors do: it replaces lost workers, and kills stuck ones if it can.
-        # Declared only where workers may be replaced or found stuck: the driver then checks the
-        # methods on each action's new driver, which costs the other scenarios a tenth.
-        scenario = self.scenario
-        if scenario.config.restarts or scenario.hangs or scenario.tunes:
-            self.capabilities = _CAPABLE if scenario.killable else _CAPABLE_UNKILLABLE
-        # No flight recorder: each action gets a new driver with the world's state put in, so
-        # a recording would start from a state it never saw.
-        driver = Driver(
-            self.scenario.config,
-            self,
-            self.draw,
-            _TIMEOUT,
-            step=self.checked_step,
-            worker_timeout=_WORKER_TIMEOUT if self.scenario.hangs else 0,
-            clock=self.clock,
-        )
-        driver.restore(self.driven)
-        self.driver = driver
+        self._restore_driver(self.driven)
+        return self
 
     def freeze(self) -> World:
+        """The world this action left; this copy goes back to be loaded again."""
         self.driven = self.driver.snapshot()
-        return World(**{name: getattr(self, name) for name in _FIELDS})
+        world = World(*_FIELDS_OF(self))
+        self.release()
+        return world
+
+    def release(self) -> None:
+        """Done with: the next action of a world of this scenario may load this copy."""
+        key = (self.scenario, self.step, self.on_edge)
+        spare = _SPARE.get(key)
+        if spare is None:
+            if len(_SPARE) >= _SPARE_KEYS:
+                _SPARE.clear()  # the scenarios of explorations over and done with
+            spare = _SPARE[key] = []
+        spare.append(self)
 
     def clock(self) -> float:
         self.timed = True
@@ -1448,6 +1475,19 @@ class _Sim:
         everyone = set(range(self.scenario.config.num_workers)) - self.retired
         if not self.broken and self.resumed != everyone:
             raise Violation(f"a new epoch resumed workers {sorted(self.resumed)}, not every worker")
+
+
+_SPARE: dict[tuple[Scenario, StepFunction, EdgeObserver | None], list[_Sim]] = {}
+"""Copies done with, by scenario, step and edge observer, to be loaded again (`_sim`)."""
+_SPARE_KEYS = 64
+
+
+def _sim(world: World, step: StepFunction, on_edge: EdgeObserver | None = None) -> _Sim:
+    """A `_Sim` of `world`: one done with for its scenario, step and observer if there is one.
+    One in use is never handed out (an action that fails keeps its copy: it is dropped)."""
+    spare = _SPARE.get((world.scenario, step, on_edge))
+    sim = spare.pop() if spare else _Sim(world.scenario, step, on_edge)
+    return sim.load(world)
 
 
 def _replace(values: tuple, index: int, value: object) -> tuple:  # type: ignore[type-arg]

@@ -24,8 +24,9 @@ from statecore import (
     WorkerExhausted,
 )
 from statecore.executors import Driver
-from statecore.executors._driver import WorkerMarks, handed_task
+from statecore.executors._driver import WorkerMarks, handed_task, restorer
 from statecore.executors._inline import InlineExecutor
+from statecore.executors._seeding import BatchSeeds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +97,31 @@ def test_a_driver_restored_from_a_snapshot_goes_on_where_the_first_stood() -> No
     second.restore(taken)
     assert second.snapshot() == taken
     assert _epoch(second) == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_a_restorer_makes_the_driver_a_new_one_restored_from_the_snapshot() -> None:
+    executor = _Interrupting(launch(torch.arange(4), 1))
+    executor.start()
+    indices = iter([[0], [1], [2], [3]])
+
+    def draw(state: State) -> Any:
+        return next(indices)
+
+    config = Config(num_workers=1, prefetch_factor=1)
+    driver = Driver(config, executor, draw, 0, worker_timeout=30.0)
+    restore = restorer(driver)
+    driver.start_epoch()
+    assert int(driver.next()) == 0
+    taken = driver.snapshot()
+    # What a call may leave outside the snapshot: a watch on a task, and the epoch's seeds.
+    driver.watch = (1, 0, 30.0)
+    driver.seeds = BatchSeeds(7)
+    restore(taken)
+    new = Driver(config, executor, draw, 0, worker_timeout=30.0)
+    new.restore(taken)
+    assert vars(driver) == vars(new)
+    assert _epoch(driver) == [1, 2, 3]
 
 
 def test_a_mark_becomes_its_workers_once_the_consumer_receives_its_task() -> None:
