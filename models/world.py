@@ -436,6 +436,10 @@ class World:
     prefetch: int = 0
     """The prefetch bound a tuner set last (`Prefetch`), that a send must keep within; 0 while
     none did: the configuration's."""
+    lowered_from: int = 0
+    """The first task number sent under the bound since a tuner last lowered it: older tasks
+    were sent under a higher one and may stay over it, a lost worker's replacement being sent
+    them again included (the core's `Lifecycle.lowered_at`)."""
 
     @classmethod
     def start(
@@ -810,6 +814,7 @@ class _Sim:
     retired: frozenset[int]
     prefetches_left: int
     prefetch: int
+    lowered_from: int
 
     def _violate(self, message: str) -> Violation:
         # Kept, because the driver takes an exception from its executor for the executor's own
@@ -980,7 +985,11 @@ class _Sim:
             self.sent_max = max(self.sent_max, task)
         self.sent = self.sent | {(task, w, incarnation, index)}
         self.open_tasks = self.open_tasks | {(command.task, w)}
-        held = sum(1 for t in self.open_tasks if t[1] == w and t != self.in_hand)
+        held = sum(
+            1
+            for t in self.open_tasks
+            if t[1] == w and t != self.in_hand and t[0] >= self.lowered_from
+        )
         limit = self.prefetch or self.scenario.config.prefetch_factor
         if held > limit:
             raise self._violate(f"worker {w} holds {held} unresolved tasks, over prefetch {limit}")
@@ -1332,6 +1341,8 @@ class _Sim:
             # Lowered, nothing sent is cancelled (every batch is still delivered once, as the
             # end of the epoch checks), and no send may go over it from now on (`send`).
             self.prefetches_left -= 1
+            if action.prefetch_factor < (self.prefetch or self.scenario.config.prefetch_factor):
+                self.lowered_from = self.sent_max + 1
             self.prefetch = action.prefetch_factor
             self.driver.prefetch(action.prefetch_factor)
             self._raise_violation()
