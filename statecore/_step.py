@@ -142,11 +142,6 @@ RETIRING = WorkerStatus.RETIRING
 
 _tuple_new = tuple.__new__
 _DRAW = (DRAW_INDEX,)
-# The values every batch builds, by their own fast constructors, looked up once: a class
-# method looked up on its class is bound anew on every call.
-_deliver = Deliver.fast
-_send = SendTask.fast
-_ready = Ready.fast
 
 
 class Transition(NamedTuple):
@@ -167,11 +162,10 @@ def step(state: State, event: Event) -> Transition:
         handler, guards = _ROUTES[state.life.phase][type(event)]
     except KeyError:
         handler, guards = _illegal, ()  # raises below, so the KeyError is not its context
-    if guards:  # most moves have none, and a step should not pay for a loop over nothing
-        for guard in guards:
-            reason = guard(state, event)
-            if reason is not None:
-                raise _refuse(state, event, reason)
+    for guard in guards:
+        reason = guard(state, event)
+        if reason is not None:
+            raise _refuse(state, event, reason)
     return handler(state, event)
 
 
@@ -554,21 +548,20 @@ def _settle(
     rules of RESUMING and DRAINING are asked only in their phase.
     """
     phase = life.phase
-    policy = _policy.in_force
     # The rules, in the order of `RULES`: each may take on from the one before.
-    if phase is RESUMING and policy.resume_complete(life.workers):
+    if phase is RESUMING and _policy.in_force.resume_complete(life.workers):
         phase = RUNNING  # "every acknowledgement in"
         life = attrs.evolve(life, phase=phase)
     if phase is RUNNING and ACTIVE not in life.workers and STARTING not in life.workers:
         phase = DRAINING  # "no active worker left"; worker 0 is active, mostly
         life = attrs.evolve(life, phase=phase)
     if waiting and window:
-        i = policy.deliverable(window, config.in_order)
+        i = _policy.in_force.deliverable(window, config.in_order)
         if i is not None:
             slot = window[i]
             task = rcvd_idx + i
             if type(slot) is Ready:
-                out += (_deliver(task, slot.worker, slot.payload),)
+                out += (Deliver.fast(task, slot.worker, slot.payload),)
             else:
                 assert type(slot) is Failed
                 out += (RaiseError(TaskFailure(task, slot.worker, slot.error)),)
@@ -590,10 +583,10 @@ def _settle(
             if life.joining:
                 # Added slots still starting take no turn, as if still retired.
                 workers = tuple(STOPPED if w in life.joining else s for w, s in enumerate(workers))
-            drawing_for = policy.pick_worker(config, workers, loads, cursor)
+            drawing_for = _policy.in_force.pick_worker(config, workers, loads, cursor)
             if drawing_for is not None:
                 out += _DRAW
-    elif phase is DRAINING and policy.epoch_over(window, drawing_for, waiting):
+    elif phase is DRAINING and _policy.in_force.epoch_over(window, drawing_for, waiting):
         # The last rule, "the epoch over". Stopping the workers is not charged to the last batch: it
         # comes with the request after it, before that request is told the end.
         workers, joining = life.workers, life.joining
@@ -830,7 +823,7 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
     cursor = (w + 1) % config.num_workers
     # A replacement still starting is sent its tasks once it has started (`_on_started`).
     if status is ACTIVE or _policy.in_force.sent_at_once(status):
-        out: tuple[Command, ...] = (_send(w, rcvd_idx + len(window) - 1, index),)
+        out: tuple[Command, ...] = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),)
     else:
         out = ()
     return _settle(config, life, rcvd_idx, window, tuple(counts), cursor, None, waiting, out)
@@ -862,7 +855,7 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
             return _drop_stale(state, task, worker, event.incarnation)
         i = claimed
     if type(event) is TaskCompleted:
-        arrived: Slot = _ready(worker, event.payload)
+        arrived: Slot = Ready.fast(worker, event.payload)
     else:
         arrived = Failed(worker, event.error)  # type: ignore[union-attr]
     slots = [*window]
