@@ -422,7 +422,18 @@ class Driver:
             if self.confirm_owed and confirm is not None:
                 confirm()
                 self.confirm_owed = False
-            event = self._poll()
+            if self.worker_timeout is None:
+                # `_poll`'s common case, without its frame.
+                try:
+                    event = self.executor.poll(self.timeout)
+                except Exception as error:
+                    if is_interrupt(error):
+                        raise
+                    event = ExecutorFailed(error)
+                if event is None:
+                    event = self._nothing_polled()
+            else:
+                event = self._poll()
             state, commands = self.poll_step(self.state, event)
             worker_marks = self.worker_marks
             if worker_marks is not None:
@@ -542,15 +553,17 @@ class Driver:
             if is_interrupt(error):
                 raise
             return ExecutorFailed(error)
-        if event is None:
-            if self.timeout is None:
-                raise self._recorded(
-                    InternalError(
-                        f"the scheduler waits in {self.state!r} but the executor owes nothing"
-                    )
+        return self._nothing_polled() if event is None else event
+
+    def _nothing_polled(self) -> Event:
+        """What a poll that returned nothing tells the scheduler: the loader's timeout passed."""
+        if self.timeout is None:
+            raise self._recorded(
+                InternalError(
+                    f"the scheduler waits in {self.state!r} but the executor owes nothing"
                 )
-            event = TimedOut(self.timeout)
-        return event
+            )
+        return TimedOut(self.timeout)
 
     def _watched(self) -> tuple[int, int] | None:
         """The task the waiting consumer waits for and the worker that holds it: the first
@@ -617,7 +630,7 @@ class Driver:
             command = todo[0]
             kind = type(command)
             if kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                held = Ledger(command, self.ledger.void)
+                held = Ledger.fast(command, self.ledger.void)
                 # No call between these two: the outcome is the driver's, not a frame's.
                 self.ledger = held
                 todo.popleft()
@@ -773,7 +786,19 @@ class Ledger:
     void: tuple[tuple[int, int], ...] = ()
     """(task, worker) handed over in a call that raised the executor's failure instead."""
 
+    @classmethod
+    def fast(cls, handed: Command | None, void: tuple[tuple[int, int], ...]) -> Ledger:
+        """`Ledger(handed, void)`, for `carry_out`'s hot path (one per batch): the same value,
+        built without attrs' frozen `__init__`."""
+        ledger: Ledger = _new(cls)
+        _set_handed(ledger, handed)
+        _set_void(ledger, void)
+        return ledger
 
+
+_new = object.__new__
+_set_handed = Ledger.__dict__["handed"].__set__
+_set_void = Ledger.__dict__["void"].__set__
 _NO_LEDGER = Ledger()
 
 

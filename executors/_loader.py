@@ -1281,7 +1281,11 @@ class _Iterator(_BaseDataLoaderIter):
         # batch's journey through torch (record_function enters a dispatcher op each time).
         if self._sampler_iter is None:
             self._reset()  # type: ignore[call-arg]
-        data = self._next_data()
+        driver = self._driver
+        if driver is not None and self._resumed_from is None and self._autotuner is None:
+            data = driver.next()  # `_next_data`'s common case, without its frame
+        else:
+            data = self._next_data()
         self._num_yielded += 1
         promised: int | None = self._IterableDataset_len_called
         if promised is not None and self._num_yielded > promised and self._dataset_kind == _ITER:

@@ -421,7 +421,14 @@ class WorkerRuntime:
         if not self.iterable:
             if type(command) is SeededTask and self.seeder is not None:
                 return self._answer_seeded(command)
-            return self._answer_map(command)
+            if self.stateful_map:
+                return self._answer_stateful_map(command)
+            # `_answer_map`, without its frame: the common task of all, one per batch.
+            try:
+                data = self.fetch(command.index)
+            except Exception as error:
+                return TaskFailed(task, worker, self._capture(error, command.index))
+            return TaskCompleted.fast(task, worker, data)
         try:
             if self.skip:
                 self._fast_forward(command.index)

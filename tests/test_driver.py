@@ -24,7 +24,7 @@ from statecore import (
     WorkerExhausted,
 )
 from statecore.executors import Driver
-from statecore.executors._driver import WorkerMarks, handed_task, restorer
+from statecore.executors._driver import Ledger, WorkerMarks, handed_task, restorer
 from statecore.executors._inline import InlineExecutor
 from statecore.executors._seeding import BatchSeeds
 
@@ -245,3 +245,14 @@ def test_the_models_world_uses_the_driver_only_through_its_calls_and_snapshots()
                     written.add(node.attr)
     assert written == set()
     assert used <= _DRIVER_SURFACE, used - _DRIVER_SURFACE
+
+
+def test_the_ledger_built_for_a_batch_equals_the_constructors() -> None:
+    # `carry_out` builds the ledger of every outcome with `Ledger.fast`, which skips attrs'
+    # `__init__`: it must give the very value the constructor gives, void tasks and all.
+    outcome = Deliver(3, 1, ["batch"])
+    for void in ((), ((2, 0),)):
+        fast, built = Ledger.fast(outcome, void), Ledger(outcome, void)
+        assert type(fast) is Ledger
+        assert (fast, hash(fast), repr(fast)) == (built, hash(built), repr(built))
+        assert fast.handed is outcome
