@@ -16,6 +16,7 @@ datapipe of its own: a process has its copy; the thread executor makes one per t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -183,6 +184,9 @@ class WorkerRuntime:
         self.skip = 0
         """Batches to fast-forward before the next one: those handed over before a checkpoint."""
         self.stateful = False
+        self.opening: dict[str, Any] | None = None
+        """A stateful iterable dataset's state as this epoch's iterator was made, sent with the
+        first mark that would otherwise refer back to a state taken before it (see `_mark`)."""
         # A worker that failed to start runs none of the dataset's code, lookups included:
         # the failure may be the dataset's own, met looking it up.
         self.stateful_map = (
@@ -279,8 +283,16 @@ class WorkerRuntime:
         self.stateful_iterator = has_state(iterator)
         self.stateful_dataset = has_state(self.dataset) and iterator is not self.dataset
         self.stateful = self.stateful_iterator or self.stateful_dataset
+        self.opening = None
         if mark is not None:
             self.since = self.skip = mark[0]
+        elif self.stateful and self.setup.snapshot_every is not None:
+            # A new iterator: a mark of `...` would name the last state taken, of an iterator
+            # before this one (the epoch before's). A dataset that moves on as its part runs
+            # dry (counting its epochs) stands elsewhere now, and only this state says where.
+            # A state_dict() that fails is met, and told, with the next state taken.
+            with contextlib.suppress(Exception):
+                self.opening = self._snapshot()
         return True
 
     def _carry(self, mark: Mark | None, left_open: bool = False) -> None:
@@ -340,7 +352,14 @@ class WorkerRuntime:
         # this batch fast-forwarded, runs dry again instead.
         if every is None or since < every or self.fetcher.ended:
             self.since = since
-            return (since, ...)
+            opening, self.opening = self.opening, None
+            return (since, ...) if opening is None else (since, opening)
+        snapshot = self._snapshot()
+        self.since = 0
+        self.opening = None
+        return (0, snapshot)
+
+    def _snapshot(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = {}
         if self.stateful_dataset:
             snapshot["dataset"] = self.dataset.state_dict()
@@ -349,9 +368,7 @@ class WorkerRuntime:
         # A copy, taken now: a dataset may hand out the very dict it goes on updating, and the
         # state is pickled later (a worker process's sending thread) or never (threads, the
         # main process), after the dataset has moved on.
-        snapshot = copy.deepcopy(snapshot)
-        self.since = 0
-        return (0, snapshot)
+        return copy.deepcopy(snapshot)
 
     def _fast_forward(self, index: object) -> None:
         """Yield again, and drop, the batches handed over before the checkpoint, uncollated."""

@@ -101,3 +101,34 @@ def test_a_state_after_a_resumed_epoch_run_to_its_end_resumes_the_next_exactly(
     again = build(executor)
     again.load_state_dict(state)
     assert [run_to_end(iter(again)) for _ in range(2)] == [epochs[1][taken:], epochs[2]]
+
+
+@WORKERS
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_state_taken_two_epochs_on_restores_a_part_that_never_took_a_state_of_its_own(
+    executor: str,
+) -> None:
+    # Worker 1's part is one short batch: its iterator runs dry on every batch it gives, so it
+    # never takes a state of its own, and its marks named the last state taken, of an epoch
+    # before. In the third epoch, before worker 1's batch, its part stands where the second
+    # left it (run dry, its count moved on twice); restored from that stale state it gave the
+    # second epoch's batch again ([1100] for [2100]). Found by the dry-worker machine.
+    def three_workers() -> DataLoader[Any]:
+        return DataLoader(
+            CountsEpochs((3, 1, 5)), batch_size=2, num_workers=3, persistent_workers=True,
+            executor=executor,
+        )  # fmt: skip
+
+    uninterrupted = three_workers()
+    epochs = [run_to_end(iter(uninterrupted)) for _ in range(3)]
+    original = three_workers()
+    run_to_end(iter(original))
+    run_to_end(iter(original))
+    third = iter(original)
+    assert take(third, 1) == epochs[2][:1]
+    state = roundtrip(original.state_dict())
+    del third
+    resumed = three_workers()
+    resumed.load_state_dict(state)
+    assert run_to_end(iter(resumed)) == epochs[2][1:]
+    assert epochs[2][1] == [2100]
