@@ -18,6 +18,7 @@ subclass), since users and frameworks recognise the shuffling sampler by that cl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sized
 
 import torch
@@ -47,8 +48,12 @@ class PermutationSampler(RandomSampler):
 
     def __iter__(self) -> Iterator[int]:
         if self.replacement:
-            yield from super().__iter__()
-            return
+            return super().__iter__()
+        # Chained in C: a Python frame per chunk, not per index (two generators yielding each
+        # index cost a batch of 64 about 2 us). Lazy still: nothing is drawn before the first.
+        return itertools.chain.from_iterable(self._chunks())
+
+    def _chunks(self) -> Iterator[list[int]]:
         size = len(self.data_source)
         wanted = self.num_samples
         generator = self._epoch_generator()
@@ -76,9 +81,9 @@ class PermutationSampler(RandomSampler):
         return own
 
 
-def _in_chunks(permutation: torch.Tensor) -> Iterator[int]:
+def _in_chunks(permutation: torch.Tensor) -> Iterator[list[int]]:
     for start in range(0, len(permutation), CHUNK):
-        yield from permutation[start : start + CHUNK].tolist()
+        yield permutation[start : start + CHUNK].tolist()
 
 
 def default_sampler(
