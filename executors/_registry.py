@@ -134,7 +134,10 @@ def missing(name: str) -> Missing | None:
     """
     if name in NEEDS:
         package, install = NEEDS[name]
-        if importlib.util.find_spec(package) is None:
+        spec = importlib.util.find_spec(package)
+        # A folder of that name is found as a namespace package when the package is not there:
+        # Ray's own session folder, /tmp/ray, for a program run from /tmp. It is not the package.
+        if spec is None or spec.origin in (None, "namespace"):
             return Missing(name, package, install)
         return None
     point = _plugins().get(name)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import statecore
 from statecore.executors import RayUnavailableError, available, runnable
+from statecore.executors import _registry as registry
 from statecore.executors._registry import Missing, missing
 from statecore.tools.demo import skipped_line
 
@@ -39,6 +41,18 @@ def test_the_executors_without_optional_packages_are_always_runnable(
 ) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
     assert {"inline", "mp", "thread", "pinned"} <= set(runnable()[0])
+
+
+def test_a_folder_named_like_the_package_is_not_the_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ray leaves a session folder /tmp/ray: a program run from /tmp without Ray installed found
+    # it as a namespace package, and the demo then failed in Ray's turn.
+    (tmp_path / "statecore_absent_engine").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.NEEDS, "engine", ("statecore_absent_engine", "pip install it"))
+    found = registry.missing("engine")
+    assert found is not None and found.package == "statecore_absent_engine"
 
 
 def test_ray_is_runnable_where_it_is_installed() -> None:
