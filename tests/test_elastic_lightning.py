@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,15 @@ def _job(mode: str, world: int, where: Path) -> list[dict[str, Any]]:
     return [json.loads((where / f"{mode}-{rank}.json").read_text()) for rank in range(world)]
 
 
+def _entry_point_installed() -> None:
+    # An install whose metadata predates the entry point (an old editable install) runs the
+    # resumed fit without ElasticEpochs: say so, rather than fail on the batches.
+    names = {e.value for e in entry_points(group="lightning.pytorch.callbacks_factory")}
+    assert "statecore.executors.frameworks:lightning_callbacks" in names, (
+        "statecore's Lightning entry point is not installed: reinstall statecore (pip install -e .)"
+    )
+
+
 def _batches(record: dict[str, Any], epoch: int) -> list[list[int]]:
     return [b for b, e in zip(record["indices"], record["epochs"], strict=True) if e == epoch]
 
@@ -79,6 +89,7 @@ def _batches(record: dict[str, Any], epoch: int) -> list[list[int]]:
 def test_a_fit_checkpointed_mid_epoch_finishes_its_epoch_on_another_number_of_processes(
     tmp_path: Path, old: int, new: int
 ) -> None:
+    _entry_point_installed()
     first = _job("first", old, tmp_path)
     resumed = _job("resumed", new, tmp_path)
     rest = [_batches(rank, 0) for rank in resumed]
