@@ -118,3 +118,15 @@ def quiet_trainer(**options: Any) -> lightning.Trainer:
         enable_model_summary=False,
         **options,
     )
+
+
+def close_group() -> None:
+    """Ends a rank of a DDP fit: once every rank is here, they close the process group together.
+
+    Lightning leaves the gloo group up. Left to the interpreter's exit, its threads were torn
+    down while another rank's end still talked to them, and a rank aborted ("terminate called
+    without an active exception") after its work was done.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning
 import torch
-from _frameworks import Marked, Recorder, quiet_trainer
+from _frameworks import Marked, Recorder, close_group, quiet_trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 import statecore
@@ -89,13 +89,7 @@ def main(mode: str, world: int, where: Path) -> None:
     rank = os.environ["RANK"]
     record = {"indices": module.indices, "epochs": module.epochs}
     (where / f"{mode}-{rank}.json").write_text(json.dumps(record))
-    # Lightning leaves the gloo group up. Left to the interpreter's exit, its threads were
-    # torn down while another rank's end still talked to them, and the rank aborted ("terminate
-    # called without an active exception") after its work was done: every rank ends here, and
-    # then they close the group together.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_group()
 
 
 if __name__ == "__main__":

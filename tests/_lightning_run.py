@@ -24,7 +24,7 @@ for _name in filter(None, sys.argv[1].split(",")):
     importlib.import_module(_name)
 
 import torch  # noqa: E402
-from _frameworks import Marked, Recorder, quiet_trainer  # noqa: E402
+from _frameworks import Marked, Recorder, close_group, quiet_trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 SAMPLES = 16
@@ -72,6 +72,7 @@ def ddp() -> dict[str, Any]:
             )
             trainer.fit(module, train_dataloaders=None if where == "hook" else make())
             outcomes[f"{name} loader from the {where}"] = outcome(module, trainer.train_dataloader)
+    close_group()
     return outcomes
 
 
