@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from statecore.executors._elastic import merge_state_dicts
     from statecore.executors._loader import DataLoader
     from statecore.executors._observe.trace import LoaderCounters, LoaderStats, Trace
+    from statecore.executors._permutation import PermutationSampler
     from statecore.executors._pinned import Pinned, PinnedExecutor, pinned
     from statecore.executors._protocol import (
         Capabilities,
@@ -47,6 +48,7 @@ _WHERE = {
     "Launch": "_protocol",
     "LoaderCounters": "_observe.trace",
     "LoaderStats": "_observe.trace",
+    "PermutationSampler": "_permutation",
     "Pinned": "_pinned",
     "PinnedExecutor": "_pinned",
     "RayOptions": "_ray",
@@ -81,6 +83,7 @@ __all__ = [
     "Launch",
     "LoaderCounters",
     "LoaderStats",
+    "PermutationSampler",
     "Pinned",
     "PinnedExecutor",
     "RayOptions",

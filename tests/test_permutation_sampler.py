@@ -163,6 +163,18 @@ def test_a_shuffling_loader_yields_torchs_batches(seed: int, batch_size: int | N
     assert epochs[0] == epochs[1]
 
 
+def test_passed_as_a_sampler_it_gives_the_batches_of_torchs_random_sampler() -> None:
+    # Public, for a loader given its sampler (a batch sampler of the user's around it, say).
+    from statecore.executors import PermutationSampler as Public
+
+    epochs = []
+    for kind in (RandomSampler, Public):
+        sampler = kind(Numbers(50), generator=torch.Generator().manual_seed(3))  # type: ignore[arg-type]
+        loader = DataLoader(Numbers(50), batch_size=4, sampler=sampler)
+        epochs.append([run_to_end(iter(loader)), run_to_end(iter(loader))])
+    assert epochs[0] == epochs[1]
+
+
 @pytest.mark.parametrize(
     ("dataset", "options"),
     [
