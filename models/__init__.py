@@ -9,6 +9,8 @@
   compares it with torch's, for any executor name or factory.
 - `kit`: the executor conformance kit, `check_executor`: a torch comparison matrix and the
   machine above, in one call.
+- `datasets`: the datasets of those two, in a module that imports only torch (a spawned worker
+  or a Ray actor imports it to unpickle them).
 
 The programs that use them (the `python -m statecore` commands, the benchmarks) live in
 `statecore.tools`; nothing here imports them.

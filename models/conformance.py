@@ -50,6 +50,7 @@ from hypothesis.stateful import (
 from statecore import violations
 from statecore.executors._protocol import ExecutorFactory
 from statecore.executors._registry import loads_in_process
+from statecore.models.datasets import STRIDE, InjectedFailure, MapDataset, ShardedIterable
 
 __all__ = [
     "ConformanceError",
@@ -71,64 +72,6 @@ __all__ = [
 
 Outcome = tuple[Literal["data", "error"], Hashable]
 """What the consumer got from one `next()`: a batch (in canonical form) or an error's type."""
-
-# Iterable datasets number their items 100 * worker + k, so every item is distinct.
-_STRIDE = 100
-
-
-class InjectedFailure(Exception):
-    """Raised by the test datasets when they load the item chosen to fail."""
-
-
-class MapDataset(torch.utils.data.Dataset[int]):
-    """Item i is the integer i; loading item `failing` raises `InjectedFailure`."""
-
-    def __init__(self, size: int, failing: int | None = None) -> None:
-        self.size = size
-        self.failing = failing
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.failing:
-            raise InjectedFailure(f"injected failure at index {index}")
-        return int(index)
-
-
-class _Shard:
-    """One worker's share of a `ShardedIterable`: an iterator that goes on after a failure."""
-
-    def __init__(self, items: range, failing: int | None) -> None:
-        self.items = iter(items)
-        self.failing = failing
-
-    def __iter__(self) -> _Shard:
-        return self
-
-    def __next__(self) -> int:
-        item = next(self.items)
-        if item == self.failing:
-            raise InjectedFailure(f"injected failure at item {item}")
-        return item
-
-
-class ShardedIterable(torch.utils.data.IterableDataset[int]):
-    """Worker w (by torch's get_worker_info; 0 in the main process) yields `lengths[w]` items.
-
-    Its k-th item is `100 * w + k`; loading the item `failing` raises `InjectedFailure`, and the
-    shard goes on with the next item, so the epoch continues after the error.
-    """
-
-    def __init__(self, lengths: tuple[int, ...], failing: int | None = None) -> None:
-        self.lengths = lengths
-        self.failing = failing
-
-    def __iter__(self) -> Iterator[int]:
-        info = torch.utils.data.get_worker_info()
-        worker = 0 if info is None else info.id
-        start = _STRIDE * worker
-        return _Shard(range(start, start + self.lengths[worker]), self.failing)
 
 
 @attrs.frozen
@@ -190,7 +133,7 @@ def setups(
         lengths = tuple(
             draw(st.lists(st.integers(0, per_worker), min_size=shards, max_size=shards), "lengths")
         )
-        items = [_STRIDE * w + k for w, length in enumerate(lengths) for k in range(length)]
+        items = [STRIDE * w + k for w, length in enumerate(lengths) for k in range(length)]
     else:
         lengths = (draw(st.integers(0, max_items), label="size"),)
         items = list(range(lengths[0]))

@@ -2,7 +2,10 @@
 
 Everything here is defined at module level so that it pickles by reference: the same objects
 serve torch's DataLoader and statecore's, under every start method (spawn and forkserver
-workers import this module by name to unpickle them).
+workers import this module by name to unpickle them). So does every Ray actor, which is why
+this module imports only what its datasets need (torch, numpy, statecore): the interrupting
+datasets import `_interrupting` (statecore's models, Hypothesis: about 0.3 s of each worker's
+start) only when they fire.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from typing import Any
 
 import numpy
 import torch
-from _interrupting import interrupt_main_once
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 import statecore
@@ -759,6 +761,8 @@ class InterruptsAt(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> int:
         if i == self.index:
+            from _interrupting import interrupt_main_once  # see the module docstring
+
             interrupt_main_once(self.main, self.polling, self.marker, self.signum)
         return i
 
@@ -776,6 +780,8 @@ class InterruptsResume(IterableDataset):  # type: ignore[type-arg]
         assert info is not None
         self.starts += 1  # a persistent worker keeps its copy of the dataset
         if info.id == 0 and self.starts == 2:
+            from _interrupting import interrupt_main_once  # see the module docstring
+
             interrupt_main_once(self.main, self.polling, self.marker, signal.SIGINT)
         return iter(range(info.id, self.n, info.num_workers))
 

@@ -79,7 +79,8 @@ def assert_same(ours: Any, theirs: Any, where: str = "batch") -> None:
 
 
 def expected(first: int, size: int = 2) -> torch.Tensor:
-    """The batch of `Filled` that starts at item `first`."""
+    """The batch of `Filled` that starts at item `first`. Made afresh each call (2 MiB of new
+    pages): a test that checks kept batches at every step makes each one's once and keeps it."""
     return torch.stack([torch.full((NUMEL,), float(first + k)) for k in range(size)])
 
 
@@ -162,14 +163,16 @@ class Hoarding:
     """
 
     def __init__(self) -> None:
-        self.kept: list[tuple[int, torch.Tensor]] = []
+        self.kept: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        """(first item, the batch kept, what it must still hold: made once, see `expected`)."""
 
     def __call__(self, samples: list[torch.Tensor]) -> torch.Tensor:
         batch = torch.utils.data.default_collate(samples)
-        for first, earlier in self.kept:
-            if not torch.equal(earlier, expected(first)):
+        for first, earlier, wanted in self.kept:
+            if not torch.equal(earlier, wanted):
                 raise AssertionError(f"the batch from item {first} kept in the worker changed")
-        self.kept.append((int(batch[0, 0]), batch))
+        first = int(batch[0, 0])
+        self.kept.append((first, batch, expected(first)))
         return batch
 
 
@@ -195,14 +198,15 @@ def test_dropped_batches_give_their_buffers_back_for_reuse():
 
 
 def test_batches_the_consumer_keeps_are_never_overwritten():
-    kept: dict[int, torch.Tensor] = {}
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     seen: set[str] = set()
     for index, batch in enumerate(loader(Filled(120))):
         seen.add(origin(batch))
         if index % 6 == 0:
-            kept[2 * index] = batch  # ten batches in all, kept while the rest go by
-        for first, held in kept.items():
-            assert torch.equal(held, expected(first)), f"the batch from item {first} changed"
+            # Ten batches in all, kept while the rest go by, each beside what it must hold.
+            kept[2 * index] = (batch, expected(2 * index))
+        for first, (held, wanted) in kept.items():
+            assert torch.equal(held, wanted), f"the batch from item {first} changed"
     assert len(kept) == 10
     assert len(seen) < 60, "no buffer was reused: the test proves nothing"
 
@@ -215,15 +219,15 @@ def test_batches_received_by_a_pin_stage_thread_are_never_overwritten():
     # The stage's thread receives the batches while the driver's thread sends the tasks that
     # carry buffers back.
     staged = loader(Filled(120), executor=statecore.executors.pinned("mp", pin=unchanged))
-    kept: dict[int, torch.Tensor] = {}
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     seen: set[str] = set()
     for index, batch in enumerate(staged):
         assert in_buffer(batch)
         seen.add(origin(batch))
         if index % 6 == 0:
-            kept[2 * index] = batch
-        for first, held in kept.items():
-            assert torch.equal(held, expected(first)), f"the batch from item {first} changed"
+            kept[2 * index] = (batch, expected(2 * index))
+        for first, (held, wanted) in kept.items():
+            assert torch.equal(held, wanted), f"the batch from item {first} changed"
     assert len(seen) < 60, "no buffer was reused: the test proves nothing"
 
 
@@ -262,14 +266,15 @@ def test_a_batch_sent_on_to_another_process_is_moved_out_of_its_buffer_first():
 
 
 def test_a_numpy_array_alone_keeps_its_buffer():
-    arrays: dict[int, Any] = {}
+    arrays: dict[int, tuple[Any, torch.Tensor]] = {}
     seen: set[str] = set()
     for index, batch in enumerate(loader(Filled(60))):
         seen.add(origin(batch))
         if index % 5 == 0:
-            arrays[2 * index] = batch.numpy()  # the tensor itself goes at the next step
-        for first, array in arrays.items():
-            assert torch.equal(torch.from_numpy(array), expected(first))
+            # The tensor itself goes at the next step; what the array must hold is kept beside.
+            arrays[2 * index] = (batch.numpy(), expected(2 * index))
+        for first, (array, wanted) in arrays.items():
+            assert torch.equal(torch.from_numpy(array), wanted), f"item {first}'s array changed"
     assert len(seen) < 30, "no buffer was reused: the test proves nothing"
 
 

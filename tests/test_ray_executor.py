@@ -10,9 +10,9 @@ instance's processes are gone, so later forks copy no live Ray state. Checked by
 `pytest tests/test_ray_executor.py tests/test_mp_*.py tests/test_loader_api.py -p no:randomly`
 (Ray first, then every fork-based test): all pass.
 
-The datasets are defined here, at module level: the actors' processes import this module to
-unpickle them, so the fixture puts the tests' folder on their PYTHONPATH. Items carry the pid
-of the actor that made them, which is how a test learns whom to kill.
+The datasets are defined in tests/_ray_datasets.py, a light module: the actors' processes
+import it to unpickle them (the fixture puts the tests' folder on their PYTHONPATH). Items
+carry the pid of the actor that made them, which is how a test learns whom to kill.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,10 +27,10 @@ import torch
 import torch.utils.data
 from _checkpoints import roundtrip, run_to_end, take
 from _datasets import Numbers, ShardedRange, StatefulDataset, StatefulIterator
+from _ray_datasets import Drawn, Pids, Sharded, StuckAt, mark_initialised, skew_the_clock
 from _ray_local import live_actors, local_cluster, owned_references, settles
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
-from torch.utils.data import Dataset, IterableDataset
 
 import statecore
 from statecore import LoaderTimeoutError, WorkerDiedError
@@ -43,69 +41,6 @@ from statecore.models.kit import check_executor, matrix, replace_cases, run_case
 ray = pytest.importorskip("ray")
 
 cluster = pytest.fixture(name="cluster")(local_cluster)
-
-
-class Pids(Dataset[tuple[int, int, float]]):
-    """(index, pid of the process loading it, a draw from torch's seeded generator)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[int, int, float]:
-        return index, os.getpid(), float(torch.rand(()))
-
-
-class Drawn(Dataset[dict[str, Any]]):
-    """Items from the worker's seeded generators and its WorkerInfo (torch's and ours)."""
-
-    def __len__(self) -> int:
-        return 24
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        info = torch.utils.data.get_worker_info()
-        ours = statecore.executors.get_worker_info()
-        assert info is not None and ours is info
-        return {
-            "index": index,
-            "image": torch.rand(3, 4, 4),
-            "worker": info.id,
-            "seed": info.seed,
-            "initialised": getattr(info.dataset, "initialised", -1),
-        }
-
-
-def mark_initialised(worker_id: int) -> None:
-    info = torch.utils.data.get_worker_info()
-    assert info is not None
-    info.dataset.initialised = worker_id * 10
-
-
-class Sharded(IterableDataset[torch.Tensor]):
-    """Shards itself by torch's get_worker_info(), as many iterable datasets do."""
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for index in range(worker, 23, workers):
-            yield torch.tensor([index, worker]) + torch.rand(2)
-
-
-class StuckAt(Dataset[int]):
-    """Item `stuck` never comes (its worker waits far longer than any test's timeout)."""
-
-    def __init__(self, stuck: int) -> None:
-        self.stuck = stuck
-
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.stuck:
-            time.sleep(3600)
-        return index
 
 
 def torch_batches(dataset: Any, **options: Any) -> list[Any]:
@@ -359,19 +294,6 @@ def test_the_factory_passes_actor_options_to_ray(cluster: Any) -> None:
     del batches
     gc.collect()
     assert settles(lambda: ray.available_resources().get("CPU", 0.0) == 2.0)
-
-
-SKEW = 1000.0
-"""Seconds an actor's clock is set ahead by, as another machine's clock would be."""
-
-
-def skew_the_clock(worker_id: int) -> None:
-    """worker_init_fn: this actor's `time.perf_counter` reads SKEW seconds ahead, as the clock
-    of a node booted earlier would (CLOCK_MONOTONIC counts from a machine's boot)."""
-    if not getattr(time, "statecore_skewed", False):
-        real = time.perf_counter
-        time.perf_counter = lambda: real() + SKEW
-        time.statecore_skewed = True  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(180)
