@@ -5,6 +5,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from _processes import release_kept_buffers
 from _wire import pair
 
 from statecore.models.profiles import load_profile
@@ -23,6 +24,13 @@ def flight_files_in_a_folder_of_the_run(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STATECORE_FLIGHT_DIR", str(tmp_path_factory.mktemp("flight")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_buffers_kept_from_an_earlier_test() -> None:
+    """Each test's workers start without the buffers an earlier test's workers left for the next
+    ones (the mp executor keeps them: docs/architecture.md, "How tensors travel")."""
+    release_kept_buffers()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -231,6 +231,11 @@ def _child(name: str, batches: int, side: Side) -> int:
     # Made before the baseline: an in-memory dataset's own tensors are not the loader's doing.
     dataset = workload.dataset_for_run()
     gc.collect()
+    # The warm-up's workers left their buffers for the next ones (the mp executor keeps them,
+    # docs/architecture.md): in the baseline, the run's own buffers would not count.
+    from statecore.executors._mp.leases import KEPT
+
+    KEPT.release()
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1

@@ -23,6 +23,11 @@ and the worker shrinks its pool at once: a worker sent no more tasks (the consum
 persistent workers between epochs) would otherwise keep its pool, and this process its
 mappings, as large as a consumer that kept many batches made them.
 
+When forked workers end (shutdown), the buffers of theirs that nothing uses any more are kept
+by this process (`leases.Kept`, bounded, released when unused for a while), and the next forked
+workers, of this loader's next epoch or of a later loader, each adopt a share of them as they
+start (`_kept_share`): their first batches then go into pages already faulted in.
+
 Both picklers share tensors through the standard library's resource sharer, which
 authenticates with `multiprocessing.current_process().authkey`. In a worker started by
 `multiprocess` that key is not the parent's, so each worker takes the parent's key (`Home`)
@@ -65,7 +70,8 @@ from statecore.executors._mp import stacks
 from statecore.executors._mp import worker as worker_module
 from statecore.executors._mp.descriptors import explain_exhaustion
 from statecore.executors._mp.handles import WorkerProcess
-from statecore.executors._mp.leases import BufferReceiver, HostRegister
+from statecore.executors._mp.leases import KEPT, BufferReceiver, HostRegister
+from statecore.executors._mp.pool import BUFFERS_PER_WORKER
 from statecore.executors._mp.taskpipe import TaskWriter
 from statecore.executors._mp.wire import (
     BATCH,
@@ -272,6 +278,9 @@ class MultiprocessExecutor(Confirming):
         shipped = self.shipped
         task_reader, task_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
+        # A forked worker inherits the descriptors of the buffers kept from workers gone before
+        # it (`leases.Kept`), and adopts its share of them; the others start with none.
+        adopted = self.buffers.adopt(worker, self._kept_share()) if shipped is not None else ()
         try:
             tasks = TaskWriter(os.dup(task_writer.fileno()), f"statecore-tasks-{worker}")
         finally:
@@ -286,6 +295,7 @@ class MultiprocessExecutor(Confirming):
                 home,
                 self.shutting_down,
                 restart,
+                adopted,
             ),
             name=f"statecore-worker-{worker}",
             daemon=True,
@@ -315,6 +325,15 @@ class MultiprocessExecutor(Confirming):
         for message in self.held.pop(worker, ()):
             tasks.put(message)
         self.tasks[worker] = tasks  # last: from now on `_send` writes to it directly
+
+    def _kept_share(self) -> int:
+        """How many kept buffers the worker about to start takes: an even share among the
+        workers not started yet, at most what a pool holds."""
+        waiting = sum(
+            worker not in self.processes and worker not in self.stopping
+            for worker in range(self.launch.num_workers)
+        )
+        return min(BUFFERS_PER_WORKER, -(-len(KEPT) // max(1, waiting)))
 
     def _setup_message(self, home: Home) -> bytes:
         """The first message of a spawn or forkserver worker just started: the file holding
@@ -773,6 +792,7 @@ class MultiprocessExecutor(Confirming):
             reader.close()
         self.ready.clear()
         self.confirm()
-        self.buffers.close()
+        # Every worker is gone: forked ones leave the buffers nothing uses to the next ones.
+        self.buffers.close(keep=self.shipped is not None)
         if self.remove_tempdir is not None:
             self.remove_tempdir()  # every worker is gone: the sockets in it are dead

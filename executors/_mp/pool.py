@@ -47,6 +47,10 @@ them while no task came: see `executor`), the free buffers beyond what the next 
 are closed (`trim`). A buffer's pages go back to the system the moment the worker closes it
 (punched out of the memory, not merely unmapped), although the main process still maps it until
 it reads the notice: nobody reads a buffer that is free, in either process.
+
+A forked worker may start with buffers of workers gone before it, which the main process kept
+(`leases.Kept`): it adopts them as its first buffers (`adopt`), mapped with their pages
+present, and keeps them until its own batches say how many it needs.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ _MODE = 0o600
 
 # Frees a range of a shared mapping's pages, in every process that maps them (Linux).
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
+# Maps an adopted buffer's pages, present already, in one call rather than a fault apiece.
+_MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 
 AVAILABLE = hasattr(os, "memfd_create")
 """Buffers need anonymous shared memory (Linux); elsewhere every tensor goes torch's way."""
@@ -206,22 +212,32 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 class _Buffer:
     """One buffer as its worker sees it."""
 
-    def __init__(self, ident: int, capacity: int) -> None:
+    def __init__(self, ident: int, capacity: int, adopted: int | None = None) -> None:
         self.ident = ident
         self.capacity = capacity
-        # Named for the worker and the buffer, as /proc/<pid>/fd shows it, for those debugging.
-        fd = os.memfd_create(f"statecore-buffer-{os.getpid()}-{ident}")
-        try:
-            # A memfd is made with mode 0777, and another user's process that can reach this
-            # one's descriptors (through /proc/<pid>/fd) could open it.
-            os.fchmod(fd, _MODE)
-            os.ftruncate(fd, capacity)
-            self.memory = mmap.mmap(fd, capacity)
-            # Registers a duplicate with the resource sharer, from which the main process
-            # fetches it once; the mapping keeps a descriptor of its own.
-            self.handle: Any = DupFd(fd)
-        finally:
-            os.close(fd)
+        self.handle: Any = None
+        if adopted is not None:
+            # A kept buffer (`adopt`): the main process maps it already, so no notice goes.
+            try:
+                flags = mmap.MAP_SHARED | _MAP_POPULATE
+                self.memory = mmap.mmap(adopted, capacity, flags=flags)
+            finally:
+                os.close(adopted)  # this worker's inherited copy: the mapping keeps its own
+        else:
+            # Named for the worker and the buffer, as /proc/<pid>/fd shows it, for those
+            # debugging.
+            fd = os.memfd_create(f"statecore-buffer-{os.getpid()}-{ident}")
+            try:
+                # A memfd is made with mode 0777, and another user's process that can reach
+                # this one's descriptors (through /proc/<pid>/fd) could open it.
+                os.fchmod(fd, _MODE)
+                os.ftruncate(fd, capacity)
+                self.memory = mmap.mmap(fd, capacity)
+                # Registers a duplicate with the resource sharer, from which the main process
+                # fetches it once; the mapping keeps a descriptor of its own.
+                self.handle = DupFd(fd)
+            finally:
+                os.close(fd)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
         self.lent = False
         """A message refers to it and the main process has not given it back."""
@@ -355,6 +371,23 @@ class BufferSender:
             return original(size, device=device)
 
         torch.UntypedStorage._new_shared = classmethod(new_shared)  # type: ignore[assignment,method-assign]
+
+    def adopt(self, adopted: tuple[tuple[int, int, int], ...]) -> None:
+        """Take buffers the main process kept from workers gone before this one (`leases.Kept`):
+        per buffer, its number here, its capacity, and the inherited descriptor that maps it.
+        The pool keeps them all free until its batches say how many it needs (`spare`)."""
+        with self.lock:
+            for ident, capacity, fd in adopted:
+                try:
+                    buffer = _Buffer(ident, capacity, adopted=fd)
+                except (OSError, ValueError):
+                    # Not mapped here: the main process keeps its mapping until shutdown, and
+                    # this number is never used.
+                    self.next_ident = max(self.next_ident, ident + 1)
+                    continue
+                self.buffers[ident] = buffer
+                self.next_ident = max(self.next_ident, ident + 1)
+            self.spare = max(_MIN_SPARE, min(len(self.buffers), self.most))
 
     def returned(self, idents: tuple[int, ...]) -> None:
         """The main process has let go of these buffers."""

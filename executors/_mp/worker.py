@@ -231,11 +231,14 @@ def worker_main(
     home: Home,
     stopping: Any,
     restart: Restart | None = None,
+    adopted: tuple[tuple[int, int, int], ...] = (),
 ) -> None:
     """The body of a worker process; `restart` for one that replaces a lost one.
 
     `shipped`: the setup, for a forked worker; None for a spawn or forkserver worker, whose
-    first message says where its pickle is (`executor._setup_message`).
+    first message says where its pickle is (`executor._setup_message`). `adopted`: buffers the
+    main process kept from workers gone before this one, for a forked worker to adopt
+    (`leases.Kept`), each with the descriptor it inherited.
     """
     restore_in_child()  # forked while the main thread held signals back
     # Ctrl-C reaches the whole process group; the main process decides what happens next and
@@ -267,6 +270,11 @@ def worker_main(
     if restart is not None:
         setup = restart.setup_for(setup, worker_id)
     buffers = BufferSender(workers=setup.num_workers)
+    if buffers.enabled:
+        buffers.adopt(adopted)
+    else:
+        for _, _, fd in adopted:
+            os.close(fd)
     buffers.install()
     runtime = start_worker(setup, worker_id, Seat.process(os.getpid()))
     answers = AnswerSender(worker_id, results, buffers)
