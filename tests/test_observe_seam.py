@@ -4,6 +4,9 @@ reading the epoch from the transition it is told of."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 from collections import deque
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 
 from statecore import (
     Config,
+    Deliver,
     Event,
     IndexDrawn,
     LoaderTimeoutError,
@@ -32,6 +36,9 @@ from statecore.executors._driver import WorkerMarks
 from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._observe.seam import Observer, observed
 from statecore.executors._observe.tracer import Tracer
+
+_OBSERVE = os.path.dirname(observed.__code__.co_filename)
+"""Where the observers' code lives: the calls counted are those of its functions."""
 
 _ONE_WORKER = Config(num_workers=1, prefetch_factor=1, lazy=True, persistent_workers=True)
 
@@ -157,25 +164,26 @@ def test_a_later_observer_that_joins_the_earlier_ones_hook_is_the_one_call_of_a_
 
 
 def _calls_per_batch(observers: Any) -> float:
-    """Python calls each batch of an epoch (its request, its draw, its answer) makes through
-    the seam with the observers `observers()` gives: two epochs' calls, of 8 and 72 batches,
+    """Python calls of the observers' code (executors/_observe) each batch of an epoch (its
+    request, its draw, its answer) makes through the seam with the observers `observers()`
+    gives: two epochs' calls, of 8 and 72 batches,
     told apart, so that what an epoch's start and end cost drops out."""
-    import sys
-
     counted = []
     for batches in (8, 72):
         calls = 0
 
         def count(frame: Any, what: str, argument: Any) -> None:
             nonlocal calls
-            calls += what == "call"
+            calls += what == "call" and frame.f_code.co_filename.startswith(_OBSERVE)
 
         watched = observed(step, observers())
+        gc.disable()  # no finalizer's calls among those counted
         sys.setprofile(count)
         try:
             _epoch(watched, initial_state(_ONE_WORKER), batches)
         finally:
             sys.setprofile(None)
+            gc.enable()
         counted.append(calls)
     return (counted[1] - counted[0]) / 64
 
@@ -194,6 +202,47 @@ def test_a_traced_batch_calls_the_flight_recorder_from_the_tracers_hooks() -> No
     # The tracer's hooks for a batch's events call the recorder's themselves: joining the two
     # costs no call of its own (the seam's joining call was three a batch).
     assert both == recorded + traced - seam
+
+
+def _calls_per_answer(observer: Observer) -> list[int]:
+    """Python calls of the observers' code (executors/_observe) each answer of an epoch of 4
+    batches makes through the seam with `observer`: in `_ONE_WORKER`'s epoch each comes while
+    the consumer waits for it."""
+    watched, state = observed(step, [observer]), initial_state(_ONE_WORKER)
+    state, _ = watched(state, ResetRequested())
+    if state.phase is Phase.RESUMING:
+        state, _ = watched(state, WorkerResumed(0, state.life.epoch))
+    counted = []
+    for index in range(4):
+        state, _ = watched(state, NextRequested())
+        state, _ = watched(state, IndexDrawn.fast(index))
+        calls = 0
+
+        def count(frame: Any, what: str, argument: Any) -> None:
+            nonlocal calls
+            calls += what == "call" and frame.f_code.co_filename.startswith(_OBSERVE)
+
+        gc.disable()  # no finalizer's calls among those counted
+        sys.setprofile(count)
+        try:
+            state, commands = watched(state, TaskCompleted(state.rcvd_idx, 0, index))
+        finally:
+            sys.setprofile(None)
+            gc.enable()
+        assert [type(command) for command in commands][:1] == [Deliver]
+        counted.append(calls)
+    return counted
+
+
+def test_an_answer_handed_over_at_once_costs_the_tracer_one_call() -> None:
+    tracer = Tracer(1, True, True, "test")
+    seam = _calls_per_answer(Observer(None))
+    traced = _calls_per_answer(tracer.observer())
+    assert [ours - theirs for ours, theirs in zip(traced, seam, strict=True)] == [1] * 4
+    waits = tracer.trace().waits
+    assert [wait.task for wait in waits] == [0, 1, 2, 3]
+    batches = tracer.trace().batches
+    assert [batch.handed for batch in batches] == [wait.got for wait in waits]
 
 
 def test_a_traced_flight_recorder_records_each_event_once() -> None:

@@ -649,6 +649,7 @@ class Tracer:
                         self._stopped(now, driver, command.worker)  # type: ignore[attr-defined]
 
             def answered(state: State, event: Event, transition: Transition) -> None:
+                nonlocal asked
                 if before_answer is not None:
                     before_answer(state, event, transition)
                 now = clock()
@@ -674,8 +675,30 @@ class Tracer:
                         if ready is not None:
                             worker = event.worker  # type: ignore[attr-defined]
                             marks.append(Moment(ready, "worker ready", worker))
-                if transition[1]:  # often none: a request mostly, an answer nobody waits for
-                    carried(state, event, transition, now, None)
+                commands = transition[1]
+                if not commands:  # an answer nobody waits for yet
+                    return
+                first = commands[0]
+                if (
+                    asked is not None
+                    and row is not None
+                    and type(first) is Deliver
+                    and first.task + offset == task
+                    and (
+                        len(commands) == 1
+                        or (len(commands) == 2 and type(commands[1]) is DrawIndex)
+                    )
+                ):
+                    # The answer the consumer waits for, handed over at once, and maybe the
+                    # next index asked for (a draw has no more to it): what `carried` would
+                    # do, without its call, its loop and a second lookup of the row.
+                    moments[at + _HANDED] = now
+                    asked_at(asked)
+                    got_at(now)
+                    waited_for(task)
+                    asked = None
+                    return
+                carried(state, event, transition, now, None)
 
             def requested(state: State, event: Event, transition: Transition) -> None:
                 nonlocal asked
