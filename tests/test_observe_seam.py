@@ -4,6 +4,9 @@ reading the epoch from the transition it is told of."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 from collections import deque
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 
 from statecore import (
     Config,
+    Deliver,
     Event,
     IndexDrawn,
     LoaderTimeoutError,
@@ -29,8 +33,12 @@ from statecore import (
 )
 from statecore.executors import Driver
 from statecore.executors._driver import WorkerMarks
+from statecore.executors._observe.flight import FlightRecorder
 from statecore.executors._observe.seam import Observer, observed
 from statecore.executors._observe.tracer import Tracer
+
+_OBSERVE = os.path.dirname(observed.__code__.co_filename)
+"""Where the observers' code lives: the calls counted are those of its functions."""
 
 _ONE_WORKER = Config(num_workers=1, prefetch_factor=1, lazy=True, persistent_workers=True)
 
@@ -125,6 +133,125 @@ def test_the_seam_looks_an_events_type_up_once_per_transition_for_all_its_observ
         watched(transition[0], _Counted())
     assert _CountedHashes.hashed == 5
     assert [len(t.told) for t in told] == [6, 6, 6]
+
+
+def test_a_later_observer_that_joins_the_earlier_ones_hook_is_the_one_call_of_a_transition() -> (
+    None
+):
+    earlier = _Told()
+    order: list[str] = []
+    asked: list[type] = []
+
+    def joined(kind: type[Event], before: Any) -> Any:
+        asked.append(kind)
+        if kind is not NextRequested:
+            return None  # the seam joins these itself
+
+        def both(state: State, event: Event, transition: Transition) -> None:
+            before(state, event, transition)
+            order.append("later")
+
+        return both
+
+    later = Observer(_Told(), joined=joined)
+    watched = observed(step, [Observer(lambda *told: order.append("earlier")), later])
+    _epoch(watched, initial_state(_ONE_WORKER), 2)
+    assert NextRequested in asked and IndexDrawn in asked
+    # A request: the later observer's joined hook, which calls the earlier one's first.
+    assert order.count("later") == 3
+    assert order.count("earlier") == len(order) - 3
+    assert earlier.told == []
+
+
+def _calls_per_batch(observers: Any) -> float:
+    """Python calls of the observers' code (executors/_observe) each batch of an epoch (its
+    request, its draw, its answer) makes through the seam with the observers `observers()`
+    gives: two epochs' calls, of 8 and 72 batches,
+    told apart, so that what an epoch's start and end cost drops out."""
+    counted = []
+    for batches in (8, 72):
+        calls = 0
+
+        def count(frame: Any, what: str, argument: Any) -> None:
+            nonlocal calls
+            calls += what == "call" and frame.f_code.co_filename.startswith(_OBSERVE)
+
+        watched = observed(step, observers())
+        gc.disable()  # no finalizer's calls among those counted
+        sys.setprofile(count)
+        try:
+            _epoch(watched, initial_state(_ONE_WORKER), batches)
+        finally:
+            sys.setprofile(None)
+            gc.enable()
+        counted.append(calls)
+    return (counted[1] - counted[0]) / 64
+
+
+def test_a_traced_batch_calls_the_flight_recorder_from_the_tracers_hooks() -> None:
+    def recorder() -> Observer:
+        return FlightRecorder(_ONE_WORKER).observer()
+
+    def tracer() -> Observer:
+        return Tracer(1, True, True, "test").observer()
+
+    seam = _calls_per_batch(lambda: [Observer(None)])  # the seam and the core, no hook
+    recorded = _calls_per_batch(lambda: [recorder()])
+    traced = _calls_per_batch(lambda: [tracer()])
+    both = _calls_per_batch(lambda: [recorder(), tracer()])
+    # The tracer's hooks for a batch's events call the recorder's themselves: joining the two
+    # costs no call of its own (the seam's joining call was three a batch).
+    assert both == recorded + traced - seam
+
+
+def _calls_per_answer(observer: Observer) -> list[int]:
+    """Python calls of the observers' code (executors/_observe) each answer of an epoch of 4
+    batches makes through the seam with `observer`: in `_ONE_WORKER`'s epoch each comes while
+    the consumer waits for it."""
+    watched, state = observed(step, [observer]), initial_state(_ONE_WORKER)
+    state, _ = watched(state, ResetRequested())
+    if state.phase is Phase.RESUMING:
+        state, _ = watched(state, WorkerResumed(0, state.life.epoch))
+    counted = []
+    for index in range(4):
+        state, _ = watched(state, NextRequested())
+        state, _ = watched(state, IndexDrawn.fast(index))
+        calls = 0
+
+        def count(frame: Any, what: str, argument: Any) -> None:
+            nonlocal calls
+            calls += what == "call" and frame.f_code.co_filename.startswith(_OBSERVE)
+
+        gc.disable()  # no finalizer's calls among those counted
+        sys.setprofile(count)
+        try:
+            state, commands = watched(state, TaskCompleted(state.rcvd_idx, 0, index))
+        finally:
+            sys.setprofile(None)
+            gc.enable()
+        assert [type(command) for command in commands][:1] == [Deliver]
+        counted.append(calls)
+    return counted
+
+
+def test_an_answer_handed_over_at_once_costs_the_tracer_one_call() -> None:
+    tracer = Tracer(1, True, True, "test")
+    seam = _calls_per_answer(Observer(None))
+    traced = _calls_per_answer(tracer.observer())
+    assert [ours - theirs for ours, theirs in zip(traced, seam, strict=True)] == [1] * 4
+    waits = tracer.trace().waits
+    assert [wait.task for wait in waits] == [0, 1, 2, 3]
+    batches = tracer.trace().batches
+    assert [batch.handed for batch in batches] == [wait.got for wait in waits]
+
+
+def test_a_traced_flight_recorder_records_each_event_once() -> None:
+    recorder, tracer = FlightRecorder(_ONE_WORKER), Tracer(1, True, True, "test")
+    _epoch(observed(step, [recorder.observer(), tracer.observer()]), initial_state(_ONE_WORKER), 5)
+    alone = FlightRecorder(_ONE_WORKER)
+    _epoch(observed(step, [alone.observer()]), initial_state(_ONE_WORKER), 5)
+    assert list(map(repr, recorder.ring)) == list(map(repr, alone.ring))
+    assert tracer.stats().batches == 5
 
 
 # --- the driver's marks, taken through the seam ----------------------------------------------

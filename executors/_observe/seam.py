@@ -12,6 +12,9 @@ The shell classifies an event once: each observer names a hook per event type it
 (`Observer.on`) and one for the rest (`Observer.transition`), and the seam keeps, per event
 type, the one call that tells every observer that wants it (`Routes`). A transition costs one
 lookup by type whatever the number of observers, and none of them looks at the type again.
+Where two observers want an event (the flight recorder and the tracer, on every batch of a
+traced loader), the later one may take the earlier one's hook into its own (`Observer.joined`):
+one call a transition, where a call joining the two would be a Python frame more, three a batch.
 The core's own lookup of its move by type (`statecore._step`) stays the core's: it is pure and
 knows nothing of the shell.
 """
@@ -51,6 +54,11 @@ class Observer:
     on: Mapping[type[Event], Hook | None] = attrs.field(factory=dict, eq=False)
     """Per event type (the exact type, as `type(event)` gives it), the hook told of its
     transitions instead of `transition`; None: not told of them."""
+    joined: Callable[[type[Event], Hook], Hook | None] | None = attrs.field(default=None, eq=False)
+    """`joined(kind, before)`: this observer's hook for events of type `kind` that first calls
+    `before` (the hook of the observer given before this one) itself, as the first thing it
+    does: one call for both, with no frame between them. None (or None answered for a type):
+    the seam joins the two hooks in a call of its own."""
 
     def hook(self, kind: type[Event]) -> Hook | None:
         """What tells this observer of a transition on an event of type `kind`, if anything."""
@@ -71,8 +79,13 @@ class Routes:
 
     def add(self, kind: type) -> Hook | None:
         """The call for events of type `kind`, made and kept."""
-        hooks = [hook for hook in (o.hook(kind) for o in self.observers) if hook is not None]
-        call = self.calls[kind] = _joined(hooks)
+        wanting = [(o, hook) for o in self.observers if (hook := o.hook(kind)) is not None]
+        call: Hook | None = None
+        if len(wanting) == 2 and wanting[1][0].joined is not None:
+            call = wanting[1][0].joined(kind, wanting[0][1])
+        if call is None:
+            call = _joined([hook for _, hook in wanting])
+        self.calls[kind] = call
         return call
 
 

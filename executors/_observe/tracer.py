@@ -537,84 +537,6 @@ class Tracer:
         """The incarnation running in each slot replaced so far."""
         incarnation_of, first_sent_of = tasks.incarnation, tasks.first_sent
 
-        # Every step of a traced loader runs one of these, in the main process, between the
-        # loader's own work; the seam picks it by the event's type. What is asked most comes
-        # first, and everything that can wait until the trace is read (which batches were
-        # ready while the loop waited) does.
-        def carried(
-            state: State, event: Event, transition: Transition, now: float | None = None
-        ) -> None:
-            """The commands of a transition: tasks sent, outcomes handed over, resumes; `now`:
-            the moment the caller read, None to read it here. An index drawn has no more to
-            it: this is that event's hook, a call less on every batch's send."""
-            nonlocal asked, restarted, packing
-            if now is None:
-                now = clock()
-            task: int | None
-            for command in transition[1]:
-                ckind = type(command)
-                if ckind is DrawIndex:
-                    continue
-                if ckind is SendTask:
-                    number = command.task  # type: ignore[attr-defined]
-                    task = number + offset
-                    if restarted and sent_again(now, task, command.worker):  # type: ignore[attr-defined]
-                        continue
-                    row = len(sent_at)
-                    row_of[task] = row + tasks.first
-                    keyed(task)
-                    worked(command.worker)  # type: ignore[attr-defined]
-                    sent_at.append(now)
-                    if row * _WIDTH >= len(moments):
-                        grow()
-                    index = command.index  # type: ignore[attr-defined]
-                    if packing and type(index) is list:
-                        # Eight bytes a number: 0.6 us for 64, where keeping the list kept
-                        # 65 objects alive (see the module's docstring).
-                        pack = formats.get(len(index))
-                        if pack is None:
-                            pack = formats[len(index)] = struct.Struct(f"{len(index)}q").pack
-                        try:
-                            packed_of[task] = pack(*index)
-                        except (struct.error, TypeError, OverflowError):
-                            packing = False
-                            index_of[task] = index
-                    else:
-                        index_of[task] = index
-                    if not number % LIMIT_CHECKED_EVERY:
-                        check()
-                elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
-                    if ckind is Deliver:
-                        task = command.task + offset  # type: ignore[attr-defined]
-                    elif ckind is RaiseError:
-                        task = getattr(command.failure, "task", None)  # type: ignore[attr-defined]
-                        if task is not None:
-                            task += offset
-                    else:
-                        task = None
-                        epoch = epochs_before + transition[0].life.epoch
-                        marks.append(Moment(now, "epoch end", None, f"epoch {epoch}"))
-                    if task is not None:
-                        handed = row_of.get(task)
-                        if handed is not None:
-                            moments[(handed - tasks.first) * _WIDTH + _HANDED] = now
-                    if asked is not None:
-                        asked_at(asked)
-                        got_at(now)
-                        waited_for(end if task is None else task)
-                        asked = None
-                    if task is None:
-                        check()
-                elif ckind is ResumeWorker:
-                    marks.append(Moment(now, "resume sent", command.worker))  # type: ignore[attr-defined]
-                elif ckind is ReplaceWorker:
-                    restarted = True
-                    worker = command.worker  # type: ignore[attr-defined]
-                    incarnation_now[worker] = command.incarnation  # type: ignore[attr-defined]
-                    self._replacing(now, driver, worker, command.incarnation)  # type: ignore[attr-defined]
-                elif ckind is StopWorker and self.retirements:
-                    self._stopped(now, driver, command.worker)  # type: ignore[attr-defined]
-
         def sent_again(now: float, task: int, worker: int) -> bool:
             """Whether `task` was sent before (to a worker lost since): its row then counts
             from now, and keeps when it was first sent. Otherwise its incarnation is noted,
@@ -631,32 +553,166 @@ class Tracer:
             incarnation_of[task] = incarnation
             return True
 
-        def answered(state: State, event: Event, transition: Transition) -> None:
-            now = clock()
-            task = event.task + offset  # type: ignore[attr-defined]
-            row = row_of.get(task)
-            if restarted and row is not None:
-                worker = event.worker  # type: ignore[attr-defined]
-                if event.incarnation < incarnation_now.get(worker, 0):  # type: ignore[attr-defined]
-                    row = None  # a lost incarnation's late answer, which the scheduler drops
-            if row is not None:
-                at = (row - tasks.first) * _WIDTH
-                moments[at + _ARRIVED] = now
-                timing = event.timing  # type: ignore[attr-defined]
-                if timing is not None:
-                    # At `at` itself: `_STARTED`.
-                    moments[at], moments[at + _FINISHED], cpu, slowest, ready = timing
-                    if cpu is not None:
-                        moments[at + _CPU] = cpu
-                    if slowest:
-                        sample, moments[at + _TOOK] = slowest[0]
-                        if sample is not WHOLE_BATCH:
-                            slowest_index[task] = sample
-                    if ready is not None:
-                        worker = event.worker  # type: ignore[attr-defined]
-                        marks.append(Moment(ready, "worker ready", worker))
-            if transition[1]:  # often none: a request mostly, an answer nobody waits for
-                carried(state, event, transition, now)
+        # Every step of a traced loader runs one of these, in the main process, between the
+        # loader's own work; the seam picks it by the event's type. What is asked most comes
+        # first, and everything that can wait until the trace is read (which batches were
+        # ready while the loop waited) does.
+        def batch_hooks(
+            before_draw: Hook | None = None,
+            before_answer: Hook | None = None,
+            before_request: Hook | None = None,
+        ) -> tuple[Callable[..., None], Hook, Hook]:
+            """The hooks of the three events every batch brings (its index drawn, its answer,
+            the consumer's request), each calling the hook given for its event first: another
+            observer's for the same event (`Observer.joined`), so that both run in one call, a
+            Python frame less a transition than the seam's own joining call."""
+
+            def carried(
+                state: State,
+                event: Event,
+                transition: Transition,
+                now: float | None = None,
+                before: Hook | None = before_draw,
+            ) -> None:
+                """The commands of a transition: tasks sent, outcomes handed over, resumes;
+                `now`: the moment the caller read, None to read it here; `before`: what to
+                call first (the hooks here pass None). An index drawn has no more to it: this
+                is that event's hook, a call less on every batch's send."""
+                nonlocal asked, restarted, packing
+                if before is not None:
+                    before(state, event, transition)
+                if now is None:
+                    now = clock()
+                task: int | None
+                for command in transition[1]:
+                    ckind = type(command)
+                    if ckind is DrawIndex:
+                        continue
+                    if ckind is SendTask:
+                        number = command.task  # type: ignore[attr-defined]
+                        task = number + offset
+                        if restarted and sent_again(now, task, command.worker):  # type: ignore[attr-defined]
+                            continue
+                        row = len(sent_at)
+                        row_of[task] = row + tasks.first
+                        keyed(task)
+                        worked(command.worker)  # type: ignore[attr-defined]
+                        sent_at.append(now)
+                        if row * _WIDTH >= len(moments):
+                            grow()
+                        index = command.index  # type: ignore[attr-defined]
+                        if packing and type(index) is list:
+                            # Eight bytes a number: 0.6 us for 64, where keeping the list kept
+                            # 65 objects alive (see the module's docstring).
+                            pack = formats.get(len(index))
+                            if pack is None:
+                                pack = formats[len(index)] = struct.Struct(f"{len(index)}q").pack
+                            try:
+                                packed_of[task] = pack(*index)
+                            except (struct.error, TypeError, OverflowError):
+                                packing = False
+                                index_of[task] = index
+                        else:
+                            index_of[task] = index
+                        if not number % LIMIT_CHECKED_EVERY:
+                            check()
+                    elif ckind is Deliver or ckind is RaiseError or ckind is EndEpoch:
+                        if ckind is Deliver:
+                            task = command.task + offset  # type: ignore[attr-defined]
+                        elif ckind is RaiseError:
+                            task = getattr(command.failure, "task", None)  # type: ignore[attr-defined]
+                            if task is not None:
+                                task += offset
+                        else:
+                            task = None
+                            epoch = epochs_before + transition[0].life.epoch
+                            marks.append(Moment(now, "epoch end", None, f"epoch {epoch}"))
+                        if task is not None:
+                            handed = row_of.get(task)
+                            if handed is not None:
+                                moments[(handed - tasks.first) * _WIDTH + _HANDED] = now
+                        if asked is not None:
+                            asked_at(asked)
+                            got_at(now)
+                            waited_for(end if task is None else task)
+                            asked = None
+                        if task is None:
+                            check()
+                    elif ckind is ResumeWorker:
+                        marks.append(Moment(now, "resume sent", command.worker))  # type: ignore[attr-defined]
+                    elif ckind is ReplaceWorker:
+                        restarted = True
+                        worker = command.worker  # type: ignore[attr-defined]
+                        incarnation_now[worker] = command.incarnation  # type: ignore[attr-defined]
+                        self._replacing(now, driver, worker, command.incarnation)  # type: ignore[attr-defined]
+                    elif ckind is StopWorker and self.retirements:
+                        self._stopped(now, driver, command.worker)  # type: ignore[attr-defined]
+
+            def answered(state: State, event: Event, transition: Transition) -> None:
+                nonlocal asked
+                if before_answer is not None:
+                    before_answer(state, event, transition)
+                now = clock()
+                task = event.task + offset  # type: ignore[attr-defined]
+                row = row_of.get(task)
+                if restarted and row is not None:
+                    worker = event.worker  # type: ignore[attr-defined]
+                    if event.incarnation < incarnation_now.get(worker, 0):  # type: ignore[attr-defined]
+                        row = None  # a lost incarnation's late answer, which the scheduler drops
+                if row is not None:
+                    at = (row - tasks.first) * _WIDTH
+                    moments[at + _ARRIVED] = now
+                    timing = event.timing  # type: ignore[attr-defined]
+                    if timing is not None:
+                        # At `at` itself: `_STARTED`.
+                        moments[at], moments[at + _FINISHED], cpu, slowest, ready = timing
+                        if cpu is not None:
+                            moments[at + _CPU] = cpu
+                        if slowest:
+                            sample, moments[at + _TOOK] = slowest[0]
+                            if sample is not WHOLE_BATCH:
+                                slowest_index[task] = sample
+                        if ready is not None:
+                            worker = event.worker  # type: ignore[attr-defined]
+                            marks.append(Moment(ready, "worker ready", worker))
+                commands = transition[1]
+                if not commands:  # an answer nobody waits for yet
+                    return
+                first = commands[0]
+                if (
+                    asked is not None
+                    and row is not None
+                    and type(first) is Deliver
+                    and first.task + offset == task
+                    and (
+                        len(commands) == 1
+                        or (len(commands) == 2 and type(commands[1]) is DrawIndex)
+                    )
+                ):
+                    # The answer the consumer waits for, handed over at once, and maybe the
+                    # next index asked for (a draw has no more to it): what `carried` would
+                    # do, without its call, its loop and a second lookup of the row.
+                    moments[at + _HANDED] = now
+                    asked_at(asked)
+                    got_at(now)
+                    waited_for(task)
+                    asked = None
+                    return
+                carried(state, event, transition, now, None)
+
+            def requested(state: State, event: Event, transition: Transition) -> None:
+                nonlocal asked
+                if before_request is not None:
+                    before_request(state, event, transition)
+                now = clock()
+                if asked is None:
+                    asked = now
+                if transition[1]:  # often none: a request mostly, an answer nobody waits for
+                    carried(state, event, transition, now, None)
+
+            return carried, answered, requested
+
+        carried, answered, requested = batch_hooks()
 
         def failed(state: State, event: Event, transition: Transition) -> None:
             task = event.task + offset  # type: ignore[attr-defined]
@@ -664,14 +720,6 @@ class Tracer:
             if task in row_of and not late:
                 tasks.failed.add(task)
             answered(state, event, transition)
-
-        def requested(state: State, event: Event, transition: Transition) -> None:
-            nonlocal asked
-            now = clock()
-            if asked is None:
-                asked = now
-            if transition[1]:  # often none: a request mostly, an answer nobody waits for
-                carried(state, event, transition, now)
 
         def reset(state: State, event: Event, transition: Transition) -> None:
             nonlocal asked
@@ -696,7 +744,19 @@ class Tracer:
             NextRequested: requested,
             ResetRequested: reset,
         }
-        return Observer(rare, owner=self, on=hooks)
+
+        def joined(kind: type[Event], before: Hook) -> Hook | None:
+            """The hook for `kind` that calls `before` first (`Observer.joined`): for the three
+            events of every batch."""
+            if kind is IndexDrawn:
+                return batch_hooks(before_draw=before)[0]
+            if kind is TaskCompleted:
+                return batch_hooks(before_answer=before)[1]
+            if kind is NextRequested:
+                return batch_hooks(before_request=before)[2]
+            return None
+
+        return Observer(rare, owner=self, on=hooks, joined=joined)
 
     @property
     def kept(self) -> int:
