@@ -174,8 +174,10 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
         assert 0 <= window.waited <= window.seconds
         assert 0 <= window.longest_gap <= window.seconds
         assert 0 <= window.busy <= 1
-        # Cores kept busy by this process and its worker processes: measured, whatever the value.
+        # Cores kept busy by this process and its worker processes, and the cores' worth of time
+        # they waited in the run queue: measured, whatever the values.
         assert window.cpu is not None and window.cpu >= 0
+        assert window.queued is not None and window.queued >= 0
     assert [w.batch for w in seen] == sorted({w.batch for w in seen})
 
 
@@ -370,12 +372,13 @@ class _LoopClock:
 
 
 def _cores(cpu: float | None) -> Decide:
-    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured)."""
+    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured),
+    and that it waited for none in the run queue (this machine's load is no part of a test)."""
 
     def decide(
         tuner: Tuner, window: LoadWindow, budget: WorkerBudget
     ) -> tuple[Tuner, TuningDecision]:
-        return decide_workers(tuner, attrs.evolve(window, cpu=cpu), budget)
+        return decide_workers(tuner, attrs.evolve(window, cpu=cpu, queued=None), budget)
 
     return decide
 
