@@ -398,7 +398,9 @@ class AutoTuner:
         if count >= self.window:
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
-            if elapsed >= self.window_seconds or (starving and self._may_change()):
+            # A judgement a short window could not make is made over `window_seconds`.
+            quick = starving and self._may_change() and not self.tuner.judging
+            if elapsed >= self.window_seconds or quick:
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _may_change(self) -> bool:

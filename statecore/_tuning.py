@@ -18,7 +18,9 @@ The rules, in the order `decide_workers` asks them:
    hold, and do not count it toward settling.
 3. Judging the last change. An add is kept only if batches came faster by `min_gain` (more
    past the CPU budget, where another worker competes with the others and with the training
-   loop for cores); otherwise it is undone and the count it reached becomes a ceiling. Not
+   loop for cores), or if the loop waited half as much as before and batches came no slower
+   (the add fed the loop and took no core from it, its gain within the noise); otherwise it
+   is undone and the count it reached becomes a ceiling. Not
    while the loop still starves (waits more than `starved_above`) and the cores are measured
    to have room (`cores_wanted`, what the loop and its workers asked for, busy on the cores or
    waiting in the run queue for them, is under `cpu_full` of them): a starved loop is not
@@ -213,6 +215,11 @@ class Tuning:
     pause_share: float = 0.5
     """A window whose longest gap between requests took more than this share of its time is a
     pause of the training loop, and tells nothing of loading."""
+    judge_seconds: float = 0.5
+    """An add is undone only on a window at least this long: a shorter one (a starving loop's
+    16 batches, tens of milliseconds) moves by more than the gain asked on a shared machine.
+    Where such a window says the add did not pay, the policy holds (`Tuner.judging`) and the
+    loader measures the next window over this long, which judges it."""
     cpu_full: float = 0.9
     """The CPU budget is spent once the loop and its workers ask for this share of the cores
     (`LoadWindow.cores_wanted`: busy on them, or waiting in the run queue for them): another
@@ -231,8 +238,13 @@ class Tuner:
     """The direction of the last change (HOLD before the first)."""
     judged: bool = True
     """The last change has been judged (kept, or undone)."""
+    judging: bool = False
+    """A short window said the last add did not pay: the next window, over at least
+    `Tuning.judge_seconds` (the loader reads this), judges it."""
     rate_before: float = 0.0
     """Batches per second in the window that led to the last change."""
+    wait_before: float = 0.0
+    """The loop's share of time waiting in the window that led to the last change."""
     ceiling: int | None = None
     """The most workers worth running: an add past it did not pay."""
     floor: int = 1
@@ -341,7 +353,12 @@ def decide_workers(
         else:
             adding = 1
         return _change(
-            attrs.evolve(tuner, rate_before=rate), TuningMove.ADD, window, tuning, why, adding
+            attrs.evolve(tuner, rate_before=rate, wait_before=wait),
+            TuningMove.ADD,
+            window,
+            tuning,
+            why,
+            adding,
         )
     busy = window.busy
     if (
@@ -411,7 +428,17 @@ def _judge(
         starved = window.wait_share > tuning.starved_above and _cores_have_room(
             window, budget, tuning
         )
-        if window.rate < tuner.rate_before * (1 + needed) and not starved:
+        # The loop waits half as much as before, and batches come no slower: the add fed the
+        # loop and took no core from it, though the gain (at most what the loop waited: a
+        # few percent for a training step that computes) is within a shared machine's noise.
+        fed = window.wait_share <= tuner.wait_before / 2 and window.rate >= tuner.rate_before
+        if window.rate < tuner.rate_before * (1 + needed) and not starved and not fed:
+            if window.seconds < tuning.judge_seconds and not tuner.judging:
+                return attrs.evolve(tuner, judging=True), _hold(
+                    f"the add looked as if it did not pay ({tuner.rate_before:.1f} -> "
+                    f"{window.rate:.1f} batches/s over {window.seconds * 1000:.0f} ms): judging "
+                    "it over a longer window"
+                )
             added = max(1, min(tuner.added, running - tuner.floor))
             tuner = attrs.evolve(tuner, ceiling=running - added)
             who = f"worker {running}" if added == 1 else f"workers {running - added + 1}-{running}"
@@ -438,7 +465,7 @@ def _judge(
             tuning,
             f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
         )
-    return attrs.evolve(tuner, judged=True), None
+    return attrs.evolve(tuner, judged=True, judging=False), None
 
 
 def _change(
@@ -458,6 +485,7 @@ def _change(
         last=move,
         # A locked tuner judges nothing more: an undo would be one more reversal.
         judged=locked,
+        judging=False,
         reversals=reversals,
         calm=0,
         loud=0,

@@ -225,6 +225,34 @@ def test_a_loop_that_does_not_starve_is_measured_over_half_a_second(
     assert seen and all(window.batches == 51 for window in seen)
 
 
+def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
+    """A policy that, on its first window, holds to judge an add over a longer window
+    (`Tuner.judging`), and judges it on the next."""
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        seen.append(window)
+        judging = len(seen) == 1
+        return attrs.evolve(tuner, judging=judging), TuningDecision(HOLD, "judging")
+
+    return decide
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_an_add_a_starving_window_could_not_judge_is_judged_over_half_a_second(
+    where: dict[str, Any],
+) -> None:
+    # The loop starves (9 ms waited of each 10): 16-batch windows, but the one after the
+    # policy asked for a longer judgement covers half a second (51 batches).
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_judging_after_the_first(seen), clock=clock)
+    list(loader)
+    assert [window.batches for window in seen[:3]] == [16, 51, 16]
+
+
 def test_stats_and_the_verdict_report_the_decisions() -> None:
     loader = _auto(Numbers(200), _scripted([ADD]), batch_size=2, executor="thread")
     list(loader)
