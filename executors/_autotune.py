@@ -7,9 +7,10 @@ and carries its decision out through the driver (`Driver.add`, `Driver.retire`):
 through the core's events, so every guarantee of the scheduler holds through them.
 
 Budgets: the slots (`slots_for`: eight per core the process may use, so that a loader whose
-samples wait on I/O may run more workers than cores), the CPU budget (the cores: no worker is
-added once this process and its worker processes keep nearly all of them busy, and past them an
-added worker must pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
+samples wait on I/O may run more workers than cores), the CPU budget (the cores: once this
+process and its worker processes ask for nearly all of them, busy on them or waiting in the run
+queue for them, an add is only tried and kept if it pays, and past them an added worker must
+pay more to be kept), and memory (`MEMORY_SHARE` of the memory available as
 the loader first starts, over the largest worker's measured footprint; worker processes only,
 since threads share one process).
 
@@ -322,7 +323,7 @@ class AutoTuner:
     def _restart(self) -> None:
         """Begin a new window with the next request."""
         self.began: float | None = None
-        self.cpu_began: dict[int, float] | None = None
+        self.cpu_began: dict[int, tuple[float, float | None]] | None = None
         self.last: float | None = None
         self.count = 0
         self.waited = 0.0
@@ -397,7 +398,9 @@ class AutoTuner:
         if count >= self.window:
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
-            if elapsed >= self.window_seconds or (starving and self._may_change()):
+            # A judgement a short window could not make is made over `window_seconds`.
+            quick = starving and self._may_change() and not self.tuner.judging
+            if elapsed >= self.window_seconds or quick:
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
     def _may_change(self) -> bool:
@@ -414,6 +417,7 @@ class AutoTuner:
     def _decide(self, driver: Any, state: State, running: int, now: float, executor: Any) -> None:
         assert self.began is not None
         seconds = now - self.began
+        cpu, queued = _cores_used(self.cpu_began, _cpu_seconds(executor), seconds)
         window = LoadWindow(
             batch=self.batch,
             batches=self.count,
@@ -422,7 +426,8 @@ class AutoTuner:
             longest_gap=self.longest_gap,
             busy=self.busy / self.samples if self.samples else 0.0,
             running=running,
-            cpu=_cores_used(self.cpu_began, _cpu_seconds(executor), seconds),
+            cpu=cpu,
+            queued=queued,
         )
         self.windows += 1
         self.starving = window.wait_share > STARVED
@@ -530,42 +535,94 @@ def _available_memory() -> int | None:
     return None
 
 
-def _cpu_seconds(executor: Any) -> dict[int, float] | None:
-    """CPU seconds used so far by this process (every thread: the training loop, worker
-    threads) and by each of the executor's worker processes, by pid; None where the workers run
-    elsewhere (Ray) and cannot be counted."""
+def _cpu_seconds(executor: Any) -> dict[int, tuple[float, float | None]] | None:
+    """By thread id for this process's threads (the training loop, worker threads), by pid for
+    the executor's worker processes: the CPU seconds used so far, and the seconds spent ready
+    to run but waiting for a core (the run queue's delay; None where the kernel does not say).
+    None where the workers run elsewhere (Ray) and cannot be counted. Two readings are compared
+    over the ids in both, so a thread or process that began or ended between them is left out
+    rather than taking its whole life's time with it.
+
+    Read from /proc/PID/schedstat (nanoseconds, one read a worker: a worker process loads in
+    its main thread) where the kernel keeps it, else from /proc/PID/stat (CPU time alone, in
+    clock ticks of 10 ms: coarse against a window of 20 ms)."""
     while hasattr(executor, "inner"):
         executor = executor.inner
     processes = getattr(executor, "processes", None)
     if processes is None and getattr(executor, "threads", None) is None:
         return None  # neither processes of this machine nor threads of this process
-    own = os.times()
-    used = {os.getpid(): own.user + own.system}
+    used: dict[int, tuple[float, float | None]] = dict(_own_threads())
+    if not used:
+        used[os.getpid()] = (time.process_time(), None)
     if isinstance(processes, dict):
-        ticks = os.sysconf("SC_CLK_TCK")
         for process in list(processes.values()):
             pid = getattr(process, "pid", None)
             if pid is None:
                 continue
-            try:
-                with open(f"/proc/{pid}/stat") as stat:
-                    # After the command's closing parenthesis: utime and stime are fields 14, 15.
-                    fields = stat.read().rsplit(")", 1)[1].split()
-                used[pid] = (int(fields[11]) + int(fields[12])) / ticks
-            except (OSError, ValueError, IndexError):
+            reading = _schedstat(f"/proc/{pid}/schedstat")
+            if reading is not None:
+                used[pid] = reading
                 continue
+            cpu = _stat_cpu(pid)
+            if cpu is not None:
+                used[pid] = (cpu, None)
     return used
 
 
-def _cores_used(
-    began: dict[int, float] | None, ended: dict[int, float] | None, seconds: float
-) -> float | None:
-    """Cores kept busy over `seconds` between two `_cpu_seconds` readings, counting the
-    processes in both."""
-    if began is None or ended is None or seconds <= 0:
+def _schedstat(path: str) -> tuple[float, float] | None:
+    """The seconds the thread `path` (a schedstat file: on-CPU ns, run-queue ns, time slices)
+    has run and has waited in the run queue so far; None where it cannot be read."""
+    try:
+        with open(path) as schedstat:
+            ran, waited = schedstat.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
         return None
-    used = sum(ended[pid] - began[pid] for pid in began.keys() & ended.keys())
-    return max(used, 0.0) / seconds
+
+
+def _own_threads() -> dict[int, tuple[float, float]]:
+    """`_schedstat` of every thread of this process (the training loop, and worker threads),
+    by thread id; empty where the kernel does not say."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    readings = {int(task): _schedstat(f"/proc/self/task/{task}/schedstat") for task in tasks}
+    return {task: reading for task, reading in readings.items() if reading is not None}
+
+
+def _stat_cpu(pid: int) -> float | None:
+    """The CPU seconds process `pid` has used so far, from /proc/PID/stat; None if unread."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # After the command's closing parenthesis: utime and stime are fields 14, 15.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cores_used(
+    began: dict[int, tuple[float, float | None]] | None,
+    ended: dict[int, tuple[float, float | None]] | None,
+    seconds: float,
+) -> tuple[float | None, float | None]:
+    """`LoadWindow`'s `cpu` and `queued` between two `_cpu_seconds` readings `seconds` apart,
+    counting the processes in both: the cores kept busy, and the cores' worth of time spent
+    waiting in the run queue (None where a reading lacks it)."""
+    if began is None or ended is None or seconds <= 0:
+        return None, None
+    both = began.keys() & ended.keys()
+    used = sum(ended[pid][0] - began[pid][0] for pid in both)
+    waited: float | None = 0.0
+    for pid in both:
+        before, after = began[pid][1], ended[pid][1]
+        if waited is None or before is None or after is None:
+            waited = None
+            break
+        waited += after - before
+    queued = None if waited is None else max(waited, 0.0) / seconds
+    return max(used, 0.0) / seconds, queued
 
 
 def _largest_footprint(executor: Any) -> int | None:

@@ -18,24 +18,28 @@ The rules, in the order `decide_workers` asks them:
    hold, and do not count it toward settling.
 3. Judging the last change. An add is kept only if batches came faster by `min_gain` (more
    past the CPU budget, where another worker competes with the others and with the training
-   loop for cores); otherwise it is undone and the count it reached becomes a ceiling. Not
+   loop for cores), or if the loop waited half as much as before and batches came no slower
+   (the add fed the loop and took no core from it, its gain within the noise); otherwise it
+   is undone and the count it reached becomes a ceiling. Not
    while the loop still starves (waits more than `starved_above`) and the cores are measured
-   to have room: a starved loop is not served by fewer workers, so a slower window is noise,
-   and the add is kept. A retire that left the training loop waiting is undone and the count
-   it left becomes a floor.
+   to have room (`cores_wanted`, what the loop and its workers asked for, busy on the cores or
+   waiting in the run queue for them, is under `cpu_full` of them): a starved loop is not
+   served by fewer workers, so a slower window is noise, and the add is kept. A retire that
+   left the training loop waiting is undone and the count it left becomes a floor.
 4. Settled. Once waiting stayed negligible for `calm_windows` windows, or the budget is
-   spent (the slots, the memory, or the CPU: the loop and its workers keep `cpu_full` of the
-   cores busy), the tuner holds; it wakes only if the loop waits more than `wake_above` (well above
-   the threshold of adding) for `wake_windows` windows in a row: a sudden slowdown. Waking
-   while the loop starves and the cores are measured to have room drops the ceiling: it was
-   set on noise, or the load changed.
+   spent (the slots, the memory, or a ceiling), the tuner holds; it wakes only if the loop
+   waits more than `wake_above` (well above the threshold of adding) for `wake_windows`
+   windows in a row: a sudden slowdown. Waking while the loop starves and the cores are
+   measured to have room drops the ceiling: it was set on noise, or the load changed.
 5. Adding, while the loop waits more than `add_above` of its time and the budget allows: one
    worker, or, while it starves (waits more than `starved_above`), as many as its waiting
    calls for (`_starved_add`: the loop used `1 - wait` of its time, so `running / (1 - wait)`
    workers would keep it fed if loading scales), within the room the cores have left (each
-   running worker measured to take `cpu / running` of them, the loop's share with it), the
-   budget and the ceiling; doubling where the cores are not measured. An add undone undoes all
-   it added.
+   running worker measured to ask for `cores_wanted / running` of them, the loop's share with
+   it), the budget and the ceiling; doubling where the cores are not measured. Where the
+   cores are asked for in full already, half as many again are tried (at least one), and
+   judged as any add by rule 3: more workers add loading there only where samples also wait
+   (on I/O, or behind a shared machine's other work). An add undone undoes all it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -122,6 +126,11 @@ class LoadWindow:
     cpu: float | None = None
     """Cores kept busy over the window by this process (the training loop, and worker threads)
     and its worker processes: CPU seconds over the window's seconds; None where not measured."""
+    queued: float | None = None
+    """Cores' worth of time the same threads spent ready to run but waiting for a core (the run
+    queue's delay, over the window's seconds); None where not measured. On a machine shared
+    with other work the loader's processes are given less than they ask for, and what they
+    were given (`cpu`) looks like room: what they asked for is `cpu + queued`."""
 
     @property
     def first(self) -> int:
@@ -137,6 +146,14 @@ class LoadWindow:
     def rate(self) -> float:
         """Batches per second over the window."""
         return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cores_wanted(self) -> float | None:
+        """Cores the loop and its workers kept busy or waited for over the window: the CPU they
+        asked for, whether the machine gave it or not; None where not measured."""
+        if self.cpu is None:
+            return None
+        return self.cpu + (self.queued or 0.0)
 
 
 @attrs.frozen
@@ -196,11 +213,17 @@ class Tuning:
     max_reversals: int = 2
     """Changes against the one before after which the tuner is locked where it stands."""
     pause_share: float = 0.5
-    cpu_full: float = 0.9
-    """The CPU budget is spent once the loop and its workers keep this share of the cores busy:
-    another worker would take a core from them, not add one."""
     """A window whose longest gap between requests took more than this share of its time is a
     pause of the training loop, and tells nothing of loading."""
+    judge_seconds: float = 0.5
+    """An add is undone only on a window at least this long: a shorter one (a starving loop's
+    16 batches, tens of milliseconds) moves by more than the gain asked on a shared machine.
+    Where such a window says the add did not pay, the policy holds (`Tuner.judging`) and the
+    loader measures the next window over this long, which judges it."""
+    cpu_full: float = 0.9
+    """The CPU budget is spent once the loop and its workers ask for this share of the cores
+    (`LoadWindow.cores_wanted`: busy on them, or waiting in the run queue for them): another
+    worker would take a core from them, not add one."""
 
 
 @attrs.frozen
@@ -208,15 +231,20 @@ class Tuner:
     """What the policy remembers between decisions. `Tuner()` before the first."""
 
     changed_at: int = 0
+    """The batch number of the last change."""
     added: int = 1
     """Workers the last add started (undoing it retires them all)."""
-    """The batch number of the last change."""
     last: TuningMove = TuningMove.HOLD
     """The direction of the last change (HOLD before the first)."""
     judged: bool = True
     """The last change has been judged (kept, or undone)."""
+    judging: bool = False
+    """A short window said the last add did not pay: the next window, over at least
+    `Tuning.judge_seconds` (the loader reads this), judges it."""
     rate_before: float = 0.0
     """Batches per second in the window that led to the last change."""
+    wait_before: float = 0.0
+    """The loop's share of time waiting in the window that led to the last change."""
     ceiling: int | None = None
     """The most workers worth running: an add past it did not pay."""
     floor: int = 1
@@ -293,8 +321,7 @@ def decide_workers(
                 f"settled at {running} worker(s); the training loop waited {wait:.0%}"
             )
         # A ceiling set while the cores had room was noise: a starved loop wakes past it.
-        cpu = window.cpu
-        spare = cpu is not None and cpu < tuning.cpu_full * budget.cpus
+        spare = _cores_have_room(window, budget, tuning)
         ceiling = None if spare and wait > tuning.starved_above else tuner.ceiling
         tuner = attrs.evolve(tuner, settled=False, loud=0, calm=0, ceiling=ceiling)
 
@@ -302,12 +329,6 @@ def decide_workers(
     tuner = attrs.evolve(tuner, calm=calm)
     if wait > tuning.add_above:
         spent = budget.spent_by(running)
-        cpu = window.cpu
-        if spent is None and cpu is not None and cpu >= tuning.cpu_full * budget.cpus:
-            spent = (
-                f"the CPU budget is spent (the loop and its workers kept {cpu:.1f} of "
-                f"{budget.cpus} cores busy)"
-            )
         ceiling = tuner.ceiling
         if spent is None and ceiling is not None and running >= ceiling:
             spent = f"adding past {ceiling} worker(s) did not pay earlier"
@@ -318,14 +339,25 @@ def decide_workers(
         left = budget.limit - running
         if ceiling is not None:
             left = min(left, ceiling - running)
-        starving = wait > tuning.starved_above
-        adding = _starved_add(running, left, wait, cpu, budget, tuning) if starving else 1
+        wanted = window.cores_wanted
+        why = f"the training loop waited {wait:.0%} of its time on loading"
+        if wanted is not None and wanted >= tuning.cpu_full * budget.cpus:
+            # The cores are asked for in full: another worker adds loading only where samples
+            # also wait (on I/O, or behind the machine's other work, whose share more workers
+            # take). Try half as many again, judged as every add: kept only if batches come
+            # faster, else undone and the count before it a ceiling.
+            adding = max(1, min(running // 2, left))
+            why += f", and {_cpu_spent(window, budget)}: trying {adding} more"
+        elif wait > tuning.starved_above:
+            adding = _starved_add(running, left, wait, wanted, budget, tuning)
+        else:
+            adding = 1
         return _change(
-            attrs.evolve(tuner, rate_before=rate),
+            attrs.evolve(tuner, rate_before=rate, wait_before=wait),
             TuningMove.ADD,
             window,
             tuning,
-            f"the training loop waited {wait:.0%} of its time on loading",
+            why,
             adding,
         )
     busy = window.busy
@@ -349,13 +381,29 @@ def decide_workers(
     return tuner, _hold(f"the training loop waited {wait:.0%}: nothing to change")
 
 
+def _cores_have_room(window: LoadWindow, budget: WorkerBudget, tuning: Tuning) -> bool:
+    """Whether the loop and its workers asked for less than `cpu_full` of the cores (False
+    where not measured): what they asked for, not what they were given, since on a shared
+    machine what they were given says how busy the others are."""
+    wanted = window.cores_wanted
+    return wanted is not None and wanted < tuning.cpu_full * budget.cpus
+
+
+def _cpu_spent(window: LoadWindow, budget: WorkerBudget) -> str:
+    """The CPU budget spent, in words."""
+    kept = f"the loop and its workers kept {window.cpu or 0.0:.1f} of {budget.cpus} cores busy"
+    if window.queued:
+        kept += f" and waited for {window.queued:.1f} more in the run queue"
+    return f"the CPU budget is spent ({kept})"
+
+
 def _starved_add(
     running: int, left: int, wait: float, cpu: float | None, budget: WorkerBudget, tuning: Tuning
 ) -> int:
     """Workers to add for a loop that starves: as many as its waiting calls for, within the
-    room the cores have left and the `left` the budget and ceiling allow; where the cores are
-    not measured, as many as run (doubling), since nothing says the next ones would get a
-    core. At least one."""
+    room the cores have left (`cpu`: the cores the loop and its workers asked for) and the
+    `left` the budget and ceiling allow; where the cores are not measured, as many as run
+    (doubling), since nothing says the next ones would get a core. At least one."""
     if cpu is None:
         return max(1, min(running, left))
     # The loop was busy `1 - wait` of its time: loading `1 / (1 - wait)` times as fast feeds it.
@@ -375,15 +423,22 @@ def _judge(
     running = window.running
     if tuner.last is TuningMove.ADD and running > tuner.floor:
         needed = tuning.min_gain_past_cpus if running > budget.cpus else tuning.min_gain
-        cpu = window.cpu
         # A starved loop with cores to spare is not served better by fewer workers: a slower
         # window then is noise (a shared machine), not an add that did not pay.
-        starved = (
-            window.wait_share > tuning.starved_above
-            and cpu is not None
-            and cpu < tuning.cpu_full * budget.cpus
+        starved = window.wait_share > tuning.starved_above and _cores_have_room(
+            window, budget, tuning
         )
-        if window.rate < tuner.rate_before * (1 + needed) and not starved:
+        # The loop waits half as much as before, and batches come no slower: the add fed the
+        # loop and took no core from it, though the gain (at most what the loop waited: a
+        # few percent for a training step that computes) is within a shared machine's noise.
+        fed = window.wait_share <= tuner.wait_before / 2 and window.rate >= tuner.rate_before
+        if window.rate < tuner.rate_before * (1 + needed) and not starved and not fed:
+            if window.seconds < tuning.judge_seconds and not tuner.judging:
+                return attrs.evolve(tuner, judging=True), _hold(
+                    f"the add looked as if it did not pay ({tuner.rate_before:.1f} -> "
+                    f"{window.rate:.1f} batches/s over {window.seconds * 1000:.0f} ms): judging "
+                    "it over a longer window"
+                )
             added = max(1, min(tuner.added, running - tuner.floor))
             tuner = attrs.evolve(tuner, ceiling=running - added)
             who = f"worker {running}" if added == 1 else f"workers {running - added + 1}-{running}"
@@ -410,7 +465,7 @@ def _judge(
             tuning,
             f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
         )
-    return attrs.evolve(tuner, judged=True), None
+    return attrs.evolve(tuner, judged=True, judging=False), None
 
 
 def _change(
@@ -430,6 +485,7 @@ def _change(
         last=move,
         # A locked tuner judges nothing more: an undo would be one more reversal.
         judged=locked,
+        judging=False,
         reversals=reversals,
         calm=0,
         loud=0,

@@ -174,8 +174,10 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
         assert 0 <= window.waited <= window.seconds
         assert 0 <= window.longest_gap <= window.seconds
         assert 0 <= window.busy <= 1
-        # Cores kept busy by this process and its worker processes: measured, whatever the value.
+        # Cores kept busy by this process and its worker processes, and the cores' worth of time
+        # they waited in the run queue: measured, whatever the values.
         assert window.cpu is not None and window.cpu >= 0
+        assert window.queued is not None and window.queued >= 0
     assert [w.batch for w in seen] == sorted({w.batch for w in seen})
 
 
@@ -221,6 +223,34 @@ def test_a_loop_that_does_not_starve_is_measured_over_half_a_second(
     loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
     list(loader)
     assert seen and all(window.batches == 51 for window in seen)
+
+
+def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
+    """A policy that, on its first window, holds to judge an add over a longer window
+    (`Tuner.judging`), and judges it on the next."""
+
+    def decide(
+        tuner: Tuner, window: LoadWindow, budget: WorkerBudget
+    ) -> tuple[Tuner, TuningDecision]:
+        seen.append(window)
+        judging = len(seen) == 1
+        return attrs.evolve(tuner, judging=judging), TuningDecision(HOLD, "judging")
+
+    return decide
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_an_add_a_starving_window_could_not_judge_is_judged_over_half_a_second(
+    where: dict[str, Any],
+) -> None:
+    # The loop starves (9 ms waited of each 10): 16-batch windows, but the one after the
+    # policy asked for a longer judgement covers half a second (51 batches).
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_judging_after_the_first(seen), clock=clock)
+    list(loader)
+    assert [window.batches for window in seen[:3]] == [16, 51, 16]
 
 
 def test_stats_and_the_verdict_report_the_decisions() -> None:
@@ -370,12 +400,13 @@ class _LoopClock:
 
 
 def _cores(cpu: float | None) -> Decide:
-    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured)."""
+    """The real policy, told the cores the loader kept busy were `cpu` (None: not measured),
+    and that it waited for none in the run queue (this machine's load is no part of a test)."""
 
     def decide(
         tuner: Tuner, window: LoadWindow, budget: WorkerBudget
     ) -> tuple[Tuner, TuningDecision]:
-        return decide_workers(tuner, attrs.evolve(window, cpu=cpu), budget)
+        return decide_workers(tuner, attrs.evolve(window, cpu=cpu, queued=None), budget)
 
     return decide
 

@@ -158,16 +158,45 @@ def test_the_slot_count_caps_the_count() -> None:
     assert any("every one of the 4 worker slots runs" in d.why for d in result.decisions[-4:])
 
 
-def test_no_worker_is_added_once_the_loop_and_its_workers_fill_the_cores() -> None:
-    busy = attrs.evolve(Workload(load=0.4, step=0.1).window(2, BATCHES), cpu=1.9)
-    tuner, decision = decide_workers(Tuner(), busy, WorkerBudget(8, cpus=2))
-    assert decision.move is TuningMove.HOLD
+def test_once_the_loop_and_its_workers_fill_the_cores_an_add_is_only_tried() -> None:
+    # The cores full, no jump for a starving loop: half as many workers again (one of two),
+    # kept only if batches come faster (see the next test).
+    busy = attrs.evolve(Workload(load=0.4, step=0.01).window(2, BATCHES), cpu=1.9)
+    _, decision = decide_workers(Tuner(), busy, WorkerBudget(8, cpus=2))
+    assert (decision.move, decision.workers) == (TuningMove.ADD, 1)
     assert "the CPU budget is spent (the loop and its workers kept 1.9 of 2 cores busy)" in (
         decision.why
     )
-    assert tuner.settled
     idle = attrs.evolve(busy, cpu=0.5)  # samples that wait on I/O: cores to spare
-    assert decide_workers(Tuner(), idle, WorkerBudget(8, cpus=2))[1].move is TuningMove.ADD
+    assert decide_workers(Tuner(), idle, WorkerBudget(8, cpus=2))[1].workers > 1
+
+
+def test_a_tried_add_past_full_cores_that_did_not_pay_is_undone_and_the_tuner_settles() -> None:
+    full = Workload(load=0.4, step=0.01, cpus=2, cpu_per_worker=0.95)
+    result = run(steady(full), WorkerBudget(slots=16, cpus=2), windows=10)
+    assert [(d.move, d.workers) for d in result.changes] == [
+        (TuningMove.ADD, 1),
+        (TuningMove.RETIRE, 1),
+    ]
+    assert result.final == 2
+    assert result.tuner.settled and result.tuner.ceiling == 2
+
+
+def test_tried_adds_past_full_cores_that_do_pay_are_kept_and_the_next_tried() -> None:
+    # The cores asked for in full, yet batches come faster with each worker (samples that
+    # also wait, or a shared machine's larger share): half as many again each time, to 16.
+    shared = Workload(load=0.4, step=0.001, cpu_per_worker=0.95)
+    result = run(steady(shared), WorkerBudget(slots=16, cpus=2), windows=12)
+    assert [(d.move, d.workers) for d in result.changes] == [
+        (TuningMove.ADD, 1),
+        (TuningMove.ADD, 1),
+        (TuningMove.ADD, 2),
+        (TuningMove.ADD, 3),
+        (TuningMove.ADD, 4),
+        (TuningMove.ADD, 3),
+    ]
+    assert all("trying" in d.why for d in result.changes)
+    assert result.final == 16
 
 
 def test_a_worker_over_the_memory_budget_is_retired() -> None:
