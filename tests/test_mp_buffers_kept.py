@@ -12,6 +12,7 @@ with (`statecore-buffer-<pid of the worker that made it>-<number>`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from _wire import NUMEL, Filled
 
 import statecore
 from statecore.executors._mp import BufferReceiver, BufferSender, leases
+from statecore.executors._mp import executor as executor_module
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="buffers need memfd")
 
@@ -36,8 +38,8 @@ ITEMS = 16 * BATCH
 
 
 def loader(**options: Any) -> statecore.DataLoader[torch.Tensor]:
-    options = {"multiprocessing_context": "fork", **options}
-    return statecore.DataLoader(Filled(ITEMS), batch_size=BATCH, num_workers=2, **options)
+    options = {"multiprocessing_context": "fork", "num_workers": 2, **options}
+    return statecore.DataLoader(Filled(ITEMS), batch_size=BATCH, **options)
 
 
 def right(number: int, batch: torch.Tensor) -> bool:
@@ -142,6 +144,67 @@ def test_a_buffer_a_batch_still_uses_is_not_handed_to_the_next_workers() -> None
     # The next loader's workers overwrite every buffer they adopted; the batch is untouched.
     check(loader())
     assert right(ITEMS // BATCH - 1, last)
+
+
+def held_by(pid: int) -> set[int]:
+    """The buffers (their inode numbers) process `pid` maps or holds a descriptor of."""
+    found = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(BUFFER):
+                found.add(int(fields[4]))
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{entry}").startswith(BUFFER):
+                found.add(os.stat(f"/proc/{pid}/fd/{entry}").st_ino)
+    return found
+
+
+def kept_here() -> set[int]:
+    return {os.fstat(buffer.fd).st_ino for buffer in leases.KEPT.buffers}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_worker_holds_none_of_the_kept_buffers_it_did_not_adopt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check(loader())
+    gc.collect()
+    assert len(leases.KEPT) >= 2
+    monkeypatch.setattr(executor_module, "BUFFERS_PER_WORKER", 1)  # each worker adopts one
+    iterator = iter(loader(num_workers=1))
+    batch = next(iterator)
+    left = kept_here()
+    assert left, "the worker adopted every kept buffer: nothing left to check"
+    (worker,) = [p.pid for p in iterator._driver.executor.processes.values()]  # type: ignore[attr-defined]
+    assert not held_by(worker) & left, "the worker still holds kept buffers it did not adopt"
+    del batch
+    check([right_batch(0), *iterator])
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_process_forked_while_buffers_are_kept_holds_none_of_them() -> None:
+    check(loader())
+    gc.collect()
+    left = kept_here()
+    assert left
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits
+        try:
+            os.close(reader)
+            os.write(writer, b"0" if held_by(os.getpid()) & left else b"1")
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        answer = os.read(reader, 1)
+    finally:
+        os.close(reader)
+        os.waitpid(child, 0)
+    assert answer == b"1", "a forked child holds the kept buffers on"
+    assert kept_here() == left  # and this process keeps them still
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -45,7 +45,8 @@ batch of 64 images). What is kept is bounded (`KEPT_BUFFERS` buffers and `KEPT_B
 beyond that a buffer is unmapped as before) and released once no worker has taken any for
 `KEPT_IDLE` seconds. Only under torch's default sharing strategy (the descriptor each buffer
 holds here is what a forked worker inherits and maps) and only for fork workers (spawn and
-forkserver workers inherit no descriptor): elsewhere nothing is kept.
+forkserver workers inherit no descriptor): elsewhere nothing is kept. Any process forked while
+buffers are kept unmaps its copies of those it did not adopt at once (`Kept.forget_in_child`).
 """
 
 from __future__ import annotations
@@ -191,6 +192,19 @@ class Kept:
                 self.timer = None
         del released  # outside the lock: the mappings' finalizers run here
 
+    def forget_in_child(self) -> None:
+        """In a process just forked from this one: unmap its copies of the kept buffers and close
+        its descriptors of them. A fork copies every mapping and descriptor, so a child (a worker
+        that adopted some of them, or any process forked meanwhile, torch's workers too) would
+        otherwise hold all the kept memory for as long as it lives, after this process let it
+        go. What a worker adopts was taken out before the fork, and stays. The parent's lock may
+        have been held by another of its threads as it forked: the child takes a fresh one
+        rather than wait for it."""
+        self.lock = threading.Lock()
+        self.timer = None  # the parent's timer thread is not the child's
+        released, self.buffers = self.buffers, []
+        del released  # the mappings' finalizers unmap them here, in the child alone
+
     def _rearm(self) -> None:
         """Release everything `KEPT_IDLE` seconds from now, unless a worker takes some first.
         With the lock held."""
@@ -213,6 +227,8 @@ class Kept:
 
 KEPT = Kept()
 """This process's kept buffers."""
+
+os.register_at_fork(after_in_child=KEPT.forget_in_child)
 
 
 class BufferReceiver:
