@@ -33,7 +33,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -407,9 +407,10 @@ class Driver:
 
     def finish(self) -> Command | None:
         """Wait for the call's outcome for as long as the scheduler says the consumer waits."""
-        while self.ledger.handed is None and (self.state.waiting or self.state.life.resetting):
-            self.wait()
-        return self.ledger.handed
+        handed = self.ledger.handed
+        while handed is None and (self.state.waiting or self.state.life.resetting):
+            handed = self.wait()  # `carry_out`'s answer: `self.ledger.handed`
+        return handed
 
     def wait(self) -> Command | None:
         """Poll the executor once, tell the scheduler, carry out what follows.
@@ -630,7 +631,7 @@ class Driver:
             command = todo[0]
             kind = type(command)
             if kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                held = Ledger.fast(command, self.ledger.void)
+                held = _tuple_new(Ledger, (command, self.ledger.void))  # `Ledger(...)`, frameless
                 # No call between these two: the outcome is the driver's, not a frame's.
                 self.ledger = held
                 todo.popleft()
@@ -775,10 +776,13 @@ class _Noted:
         return Observer(None, on=on, owner=self)
 
 
-@attrs.frozen
-class Ledger:
+class Ledger(NamedTuple):
     """What the scheduler handed over that the consumer did not get yet. A value: the driver
-    replaces it, never changes it."""
+    replaces it, never changes it.
+
+    A named tuple rather than an attrs class, as the core's `State` is: `carry_out` builds one
+    for every batch, and `tuple.__new__` builds it with no Python frame (an attrs class takes
+    `__init__`'s, or a fast constructor's and two slot stores)."""
 
     handed: Command | None = None
     """The outcome of the call under way, from the moment it is taken off the commands until
@@ -786,19 +790,8 @@ class Ledger:
     void: tuple[tuple[int, int], ...] = ()
     """(task, worker) handed over in a call that raised the executor's failure instead."""
 
-    @classmethod
-    def fast(cls, handed: Command | None, void: tuple[tuple[int, int], ...]) -> Ledger:
-        """`Ledger(handed, void)`, for `carry_out`'s hot path (one per batch): the same value,
-        built without attrs' frozen `__init__`."""
-        ledger: Ledger = _new(cls)
-        _set_handed(ledger, handed)
-        _set_void(ledger, void)
-        return ledger
 
-
-_new = object.__new__
-_set_handed = Ledger.__dict__["handed"].__set__
-_set_void = Ledger.__dict__["void"].__set__
+_tuple_new = tuple.__new__
 _NO_LEDGER = Ledger()
 
 
@@ -958,7 +951,7 @@ class DriverState:
 
     state: State
     todo: tuple[Command, ...] = ()
-    ledger: Ledger = Ledger()
+    ledger: Ledger = _NO_LEDGER
     worker_marks: WorkerMarks | None = None
     confirm_owed: bool = False
 

@@ -239,17 +239,23 @@ def _why_not(state: State, event: Event) -> str:
 Guard = Callable[[State, Event], "str | None"]
 
 
+_AWAITED = "a batch is already awaited"
+_NOT_RETURNED = (
+    "iter() has not returned: its workers are still resuming or its first indices are still "
+    "being drawn; carry out every command it gave first"
+)
+
+
 def _no_batch_awaited(state: State, event: Event) -> str | None:
-    return "a batch is already awaited" if state.waiting else None
+    return _AWAITED if state.waiting else None
 
 
-def _iter_returned(state: State, event: Event) -> str | None:
-    if state.life.resetting:
-        return (
-            "iter() has not returned: its workers are still resuming or its first indices are "
-            "still being drawn; carry out every command it gave first"
-        )
-    return None
+def _ready_for_a_request(state: State, event: Event) -> str | None:
+    """No batch awaited, and iter() returned. One guard, not `_no_batch_awaited` and another:
+    a request comes with every batch, and each guard asked is a call (0.08 us)."""
+    if state.waiting:
+        return _AWAITED
+    return _NOT_RETURNED if state.life.resetting else None
 
 
 def _index_asked(state: State, event: Event) -> str | None:
@@ -468,7 +474,7 @@ GUARDS: Mapping[type[Event], tuple[Guard, ...]] = {
         _turn_names_a_worker,
         _dry_workers_exist,
     ),
-    NextRequested: (_no_batch_awaited, _iter_returned),
+    NextRequested: (_ready_for_a_request,),
     IndexDrawn: _DRAW_GUARDS,
     SamplerExhausted: _DRAW_GUARDS,
     SamplerFailed: _DRAW_GUARDS,
@@ -565,7 +571,9 @@ def _settle(
             else:
                 assert type(slot) is Failed
                 out += (RaiseError(TaskFailure(task, slot.worker, slot.error)),)
-            loads = _add(loads, slot.worker, -1)
+            counts = [*loads]  # `_add(loads, slot.worker, -1)`, less a call on every batch
+            counts[slot.worker] -= 1
+            loads = tuple(counts)
             rcvd_idx, window = _resolve(rcvd_idx, window, i)
             waiting = False
     if RETIRING in life.workers:
