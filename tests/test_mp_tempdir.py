@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -104,12 +107,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """An empty directory with a short path: the sockets made in it must fit a unix socket's
+    108 bytes, which pytest's own temporary paths (under pytest-xdist, longer still) need not."""
+    made = Path(tempfile.mkdtemp(prefix="sc-tmp-"))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 @pytest.mark.parametrize(
     "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.exhaustive)]
 )
-def test_workers_leave_nothing_in_the_temporary_directory(tmp_path: Path, method: str) -> None:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_workers_leave_nothing_in_the_temporary_directory(
+    tmp_path: Path, short_tmp: Path, method: str
+) -> None:
+    tmp = short_tmp
     script = tmp_path / "tempdirs.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
