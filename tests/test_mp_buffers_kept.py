@@ -61,26 +61,27 @@ def right_batch(number: int) -> torch.Tensor:
     return expected[:, None].expand(BATCH, NUMEL).contiguous()
 
 
-def makers(pid: int) -> set[int]:
-    """The pids of the workers that made the buffers process `pid` maps."""
+def buffer_mappings(pid: int) -> set[tuple[int, int]]:
+    """The buffers process `pid` maps: per buffer, the pid of the worker that made it and its
+    inode number."""
     found = set()
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[5].startswith(BUFFER):
-                found.add(int(fields[5][len(BUFFER) :].split("-")[0]))
+                maker = int(fields[5][len(BUFFER) :].split("-")[0])
+                found.add((maker, int(fields[4])))
     return found
+
+
+def makers(pid: int) -> set[int]:
+    """The pids of the workers that made the buffers process `pid` maps."""
+    return {maker for maker, _ in buffer_mappings(pid)}
 
 
 def mapped_here() -> int:
     """How many distinct buffers this process maps."""
-    found = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(BUFFER):
-                found.add(int(fields[4]))
-    return len(found)
+    return len({inode for _, inode in buffer_mappings(os.getpid())})
 
 
 def buffer_fds_here() -> int:
@@ -148,12 +149,7 @@ def test_a_buffer_a_batch_still_uses_is_not_handed_to_the_next_workers() -> None
 
 def held_by(pid: int) -> set[int]:
     """The buffers (their inode numbers) process `pid` maps or holds a descriptor of."""
-    found = set()
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(BUFFER):
-                found.add(int(fields[4]))
+    found = {inode for _, inode in buffer_mappings(pid)}
     for entry in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
             if os.readlink(f"/proc/{pid}/fd/{entry}").startswith(BUFFER):
