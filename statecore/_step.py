@@ -582,7 +582,7 @@ def _settle(
             loads = tuple(counts)
             rcvd_idx, window = _resolve(rcvd_idx, window, i)
             waiting = False
-    if RETIRING in life.workers:
+    if life.retiring:
         # The rule "retired": a retiring worker that holds no task any more is stopped.
         workers = life.workers
         for w, status in enumerate(workers):
@@ -1125,7 +1125,7 @@ def _steady_index(state: State, event: Event) -> Transition:
         or life.resetting
         or life.joining
         or (life.resumed is not None and life.resumed.also)
-        or RETIRING in life.workers
+        or life.retiring
     ):
         return _general_step(state, event)
     index = event.index  # type: ignore[attr-defined]
@@ -1162,7 +1162,7 @@ def _steady_answer(state: State, event: Event) -> Transition:
         and life.workers[worker] is ACTIVE
         and not life.resetting
         and not life.joining
-        and RETIRING not in life.workers
+        and not life.retiring
     ):
         return _general_step(state, event)
     slots = [*window]
@@ -1178,7 +1178,7 @@ def _steady_next(state: State, event: Event) -> Transition:
         or life.resetting
         or life.joining
         or ACTIVE not in life.workers
-        or RETIRING in life.workers
+        or life.retiring
     ):
         return _general_step(state, event)
     return _steady_finish(config, life, rcvd_idx, window, loads, cursor, drawing_for, True)

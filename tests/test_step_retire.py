@@ -4,6 +4,9 @@ spending no restart."""
 
 from __future__ import annotations
 
+import pickle
+
+import attrs
 import pytest
 from _drive import feed, only, start
 
@@ -258,3 +261,15 @@ def test_a_worker_still_retiring_at_a_new_epoch_is_stopped_then() -> None:
     assert commands[0] == StopWorker(1)
     assert [c.worker for c in only(commands, ResumeWorker)] == [0, 2]
     assert state.life.workers[1] is STOPPED
+
+
+def test_whether_a_worker_is_retiring_follows_the_workers_and_is_not_part_of_the_value() -> None:
+    life = start(Config(num_workers=3, prefetch_factor=1))[0].life
+    assert not life.retiring
+    retiring = attrs.evolve(life, workers=(WorkerStatus.ACTIVE, RETIRING, WorkerStatus.ACTIVE))
+    assert retiring.retiring
+    assert pickle.loads(pickle.dumps(retiring)).retiring
+    assert not attrs.evolve(retiring, workers=(WorkerStatus.ACTIVE, STOPPED, STOPPED)).retiring
+    assert "retiring" not in repr(retiring)
+    assert retiring == attrs.evolve(retiring)
+    assert hash(retiring) == hash(attrs.evolve(retiring))

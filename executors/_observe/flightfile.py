@@ -225,6 +225,8 @@ def _differences(replayed: State, live: State) -> str:
             continue
         if attrs.has(type(ours)) and type(ours) is type(theirs):
             for field in attrs.fields(type(ours)):
+                if not field.init:
+                    continue  # derived from the others (`Lifecycle.retiring`): they differ too
                 mine, other = getattr(ours, field.name), getattr(theirs, field.name)
                 if mine != other:
                     parts.append(f"{name}.{field.name} {mine!r} (live {other!r})")
@@ -277,6 +279,8 @@ def encode(value: object) -> Any:
     if _CLASSES.get(name) is type(value):
         encoded: dict[str, Any] = {"type": name}
         for field in attrs.fields(type(value)):  # type: ignore[arg-type]
+            if not field.init:
+                continue  # derived as the value is built (`Lifecycle.retiring`): not written
             item = getattr(value, field.name)
             if field.default is not attrs.NOTHING and item is field.default:
                 continue
@@ -546,8 +550,13 @@ def _instance(data: object, classes: list[type], where: str, hint: Any) -> Any:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    """The fields of one of the core's classes, with their declared types: read once."""
-    return typing.get_type_hints(cls)
+    """The fields of one of the core's classes that its constructor takes, with their declared
+    types: read once. A field derived as the value is built (`Lifecycle.retiring`) is not one."""
+    hints = typing.get_type_hints(cls)
+    if attrs.has(cls):
+        taken = {field.name for field in attrs.fields(cls) if field.init}
+        hints = {name: hint for name, hint in hints.items() if name in taken}
+    return hints
 
 
 @functools.cache
