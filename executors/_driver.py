@@ -229,7 +229,11 @@ class Driver:
                     # Left by an interrupt: carried out before anything new is asked.
                     self.carry_out()
                 if self.ledger.handed is None:
-                    self.request(_NEXT)
+                    # `request(_NEXT)`, less a frame on every batch.
+                    self.state, commands = self.step(self.state, _NEXT)
+                    self.todo.extend(commands)
+                    del commands
+                    self.carry_out()
                     self.finish()
             ledger = self.ledger
             outcome = ledger.handed
