@@ -106,14 +106,22 @@ class _BothWays:
         monkeypatch.setattr(core, "_general_step", handed_on)
 
 
-def _explore_both_ways(scenarios: Iterable[Scenario], monkeypatch: pytest.MonkeyPatch) -> None:
+def _explore_both_ways(
+    scenarios: Iterable[Scenario], monkeypatch: pytest.MonkeyPatch, *, mostly_steady: bool
+) -> None:
     both = _BothWays()
     both.count_hand_ons(monkeypatch)
     reports = [explore(scenario, both) for scenario in scenarios]
     assert [report.describe() for report in reports if not report.ok] == []
-    # Not vacuous: most of a batch's steps in RUNNING were made whole by the steady handlers.
+    # Not vacuous: the steady handlers made steps whole, and over the representative scenarios
+    # most of a batch's steps in RUNNING (a part of the default bounds may be mostly lazy draws
+    # or retirements, which hand on).
     for kind in core._STEADY:
-        assert both.routed[kind] > 2 * both.handed_on[kind], (kind, both.routed, both.handed_on)
+        assert both.routed[kind] > (2 * both.handed_on[kind] if mostly_steady else 0), (
+            kind,
+            both.routed,
+            both.handed_on,
+        )
     # And the events the shell could send in each state reached, refused ones included.
     for state in {state for report in reports for state in report.states}:
         assert isinstance(state, State)
@@ -126,15 +134,21 @@ def _explore_both_ways(scenarios: Iterable[Scenario], monkeypatch: pytest.Monkey
 def test_the_steady_handlers_step_every_explored_state_as_the_general_route_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _explore_both_ways(representative_scenarios(), monkeypatch)
+    _explore_both_ways(representative_scenarios(), monkeypatch, mostly_steady=True)
+
+
+# The default bounds in eight interleaved parts, so that the exhaustive tier's processes share
+# them (all of them in one process take some 5 minutes here).
+_PARTS = 8
 
 
 @pytest.mark.exhaustive
 @pytest.mark.timeout(1800)
+@pytest.mark.parametrize("part", range(_PARTS))
 def test_the_steady_handlers_step_every_state_of_the_default_bounds_as_the_general_route_does(
-    monkeypatch: pytest.MonkeyPatch,
+    part: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _explore_both_ways(default_scenarios(), monkeypatch)
+    _explore_both_ways(list(default_scenarios())[part::_PARTS], monkeypatch, mostly_steady=False)
 
 
 def test_a_steady_epochs_batches_never_take_the_general_route(
