@@ -4,8 +4,9 @@ When a thread executor shuts down, the free storages of its pool stay with the p
 (`storages.SHELF`), and the next executor's pool (the next epoch's, or a later loader's) takes
 them before it makes new ones, so that its first batches go into pages already faulted in. What
 the tests check: the next workers do take them and their batches are right; a storage a batch
-still uses is never kept, so never written over; what is kept stays within its bounds, goes
-once unused for `KEPT_IDLE`, and a process forked meanwhile holds none of it.
+still uses is kept but never written over, and taken once let go; what is kept stays within
+its bounds, goes once unused for `KEPT_IDLE`, and a process forked meanwhile holds none of
+it.
 """
 
 from __future__ import annotations
@@ -98,15 +99,31 @@ def test_the_next_epoch_of_a_loader_without_persistent_workers_takes_them_too() 
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_a_storage_a_batch_still_uses_is_not_kept_nor_written_over() -> None:
+def test_a_storage_a_batch_still_uses_is_kept_but_never_written_over() -> None:
     iterator = iter(loader())
     for batch in iterator:  # each batch let go of as the next comes, but the last
         last = batch
     del batch
-    assert kept_addresses(), "nothing was kept of the storages no batch uses"
-    assert last.untyped_storage().data_ptr() not in kept_addresses()
+    held = last.untyped_storage().data_ptr()
+    assert held in kept_addresses()
     check(loader())  # writes into every storage it took
     assert torch.equal(last, right_batch(ITEMS // BATCH - 1))
+    assert held in kept_addresses()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_consumer_s_last_batch_lends_its_storage_to_the_next_epoch_once_let_go() -> None:
+    made = loader(persistent_workers=False)
+    for batch in made:  # as in a training loop, `batch` holds the last one after the epoch
+        held = batch.untyped_storage().data_ptr()
+    # It is let go of when the next epoch's first batch takes its name.
+    iterator = iter(made)
+    batch = next(iterator)
+    taken = {batch.untyped_storage().data_ptr()}
+    for batch in iterator:
+        taken.add(batch.untyped_storage().data_ptr())
+    assert held in taken
+    assert pool_of(iterator).made == 0
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -163,11 +180,23 @@ def test_a_pool_takes_a_kept_storage_of_exactly_its_size_before_making_one() -> 
     address = first.claim(storages.MIN_BYTES).data_ptr()
     other = torch.empty(0, dtype=torch.uint8).set_(first.claim(2 * storages.MIN_BYTES))
     first.clear()
-    assert len(shelf) == 1  # the other one is still in use
+    assert len(shelf) == 2  # the other one, still in use, too
     second = StoragePool(spare=2, most=4, shelf=shelf)
     assert second.claim(2 * storages.MIN_BYTES).data_ptr() != other.data_ptr()
     assert second.claim(storages.MIN_BYTES).data_ptr() == address
-    assert (second.adopted, second.made, len(shelf)) == (1, 1, 0)
+    assert (second.adopted, second.made, len(shelf)) == (1, 1, 1)
+    shelf.release()
+
+
+def test_the_free_storages_are_kept_before_those_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storages, "KEPT_STORAGES", 1)
+    shelf = Shelf()
+    pool = StoragePool(spare=2, most=4, shelf=shelf)
+    used = torch.empty(0, dtype=torch.uint8).set_(pool.claim(storages.MIN_BYTES))
+    free = pool.claim(storages.MIN_BYTES).data_ptr()
+    pool.clear()
+    assert [storage.data_ptr() for storage in shelf.storages] == [free]
+    assert used.data_ptr() != free
     shelf.release()
 
 

@@ -16,16 +16,19 @@ the next claim, and a storage the consumer keeps while the pool is full is forgo
 pool, so that a consumer keeping many batches makes it hold no more than `most`, and one that
 lets go of them gets their memory back to the system when the pool next trims.
 
-Storages that outlive their executor: when the executor shuts down, the free storages of its
-pool are not let go but *kept* by this process (`SHELF`), and the next executor's pool (the
-next epoch's, when workers do not persist, or a later loader's) takes from them before making
-a new one: its first batches are collated into pages that were faulted in already. A new
-20 MB storage costs its first batches some 5,000 page faults, and a pool cycles about five of
-them (a batch being made by each worker, those made ahead, the one in the consumer's hand).
-What is kept is bounded (`KEPT_STORAGES` storages and `KEPT_BYTES` bytes; beyond that a
-storage is let go as before) and let go once no pool has taken any for `KEPT_IDLE` seconds;
-a process forked meanwhile lets go of its copies at once. Worker processes keep their shared
-buffers the same way, within the same bounds (`_mp.leases`).
+Storages that outlive their executor: when the executor shuts down, the storages of its pool
+are not let go but *kept* by this process (`SHELF`), and the next executor's pool (the next
+epoch's, when workers do not persist, or a later loader's) takes from them before making a
+new one: its first batches are collated into pages that were faulted in already. One that a
+batch still uses (a training loop holds its last batch until the next epoch's first replaces
+it) is kept too, and handed on only once nothing uses it any more. A new 20 MB storage costs
+its first batches some 5,000 page faults, and a pool cycles about five of them (a batch being
+made by each worker, those made ahead, the one in the consumer's hand). What is kept is
+bounded (`KEPT_STORAGES` storages and `KEPT_BYTES` bytes, the free ones first; beyond that a
+storage is let go as before) and let go once no pool has taken any for `KEPT_IDLE` seconds,
+so memory a consumer lets go of after the workers stopped may stay that long; a process
+forked meanwhile lets go of its copies at once. Worker processes keep their shared buffers
+the same way, within the same bounds (`_mp.leases`), though only those no batch uses.
 """
 
 from __future__ import annotations
@@ -87,27 +90,35 @@ class Shelf:
         self.timer: threading.Timer | None = None
 
     def keep(self, storages: list[torch.UntypedStorage]) -> None:
-        """Keep those of `storages` that nothing else uses, as far as the bounds allow; the
-        rest are let go of as they would have been."""
+        """Keep `storages` as far as the bounds allow, the free ones first; the rest are let
+        go of as they would have been. One a batch still uses (the consumer's last, say, which
+        a training loop holds until the next epoch's first batch replaces it) is kept too, and
+        handed on only once nothing else uses it (`take`)."""
         with self.lock:
+            held = sum(kept.nbytes() for kept in self.storages)
+            in_use = []
             for storage in storages:
-                held = sum(kept.nbytes() for kept in self.storages)
-                if (
-                    _unused(storage)
-                    and len(self.storages) < KEPT_STORAGES
-                    and held + storage.nbytes() <= KEPT_BYTES
-                ):
+                if not _unused(storage):
+                    in_use.append(storage)
+                elif len(self.storages) < KEPT_STORAGES and held + storage.nbytes() <= KEPT_BYTES:
                     self.storages.append(storage)
+                    held += storage.nbytes()
+            for storage in in_use:
+                if len(self.storages) < KEPT_STORAGES and held + storage.nbytes() <= KEPT_BYTES:
+                    self.storages.insert(0, storage)  # the last one `take` looks at
+                    held += storage.nbytes()
             self._rearm()
 
     def take(self, nbytes: int) -> torch.UntypedStorage | None:
-        """A kept storage of exactly `nbytes` bytes, the most recently kept; None if none is."""
+        """A kept storage of exactly `nbytes` bytes that nothing else uses, the most recently
+        kept; None if none is."""
         with self.lock:
             for position in range(len(self.storages) - 1, -1, -1):
-                if self.storages[position].nbytes() == nbytes:
-                    taken = self.storages.pop(position)
+                storage = self.storages[position]
+                if storage.nbytes() == nbytes and _unused(storage):
+                    del self.storages[position]
                     self._rearm()
-                    return taken
+                    return storage
             return None
 
     def __len__(self) -> int:
