@@ -232,10 +232,13 @@ def _child(name: str, batches: int, side: Side) -> int:
     dataset = workload.dataset_for_run()
     gc.collect()
     # The warm-up's workers left their buffers for the next ones (the mp executor keeps them,
-    # docs/architecture.md): in the baseline, the run's own buffers would not count.
+    # and the thread executor its storages, docs/architecture.md): in the baseline, the run's
+    # own buffers would not count.
     from statecore.executors._mp.leases import KEPT
+    from statecore.executors._thread.storages import SHELF
 
     KEPT.release()
+    SHELF.release()
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1

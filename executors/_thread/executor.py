@@ -116,7 +116,7 @@ from statecore.executors._thread.reseed import (
     first_warning_for,
     install_reseed_watch,
 )
-from statecore.executors._thread.storages import StoragePool
+from statecore.executors._thread.storages import SHELF, StoragePool
 from statecore.executors._worker import WorkerRuntime, WorkerSetup
 
 __all__ = ["ThreadExecutor", "ThreadReseedWarning"]
@@ -225,8 +225,9 @@ class ThreadExecutor(Confirming):
         self.stopped: set[int] = set()
         self.closed = False
         workers = launch.num_workers
-        self.storages = StoragePool(spare=workers + 1, most=4 * workers + 4)
-        """Where torch's collate takes the batches' storages from (see `storages`)."""
+        self.storages = StoragePool(spare=workers + 1, most=4 * workers + 4, shelf=SHELF)
+        """Where torch's collate takes the batches' storages from (see `storages`); at
+        shutdown its free ones are kept for the next executor's pool (`storages.SHELF`)."""
         self.reseeded: tuple[int, str, str] | None = None
         """(worker, seeding function, where) of the first reseeding seen; set by a worker."""
         self.reseed_warned = False
