@@ -5,7 +5,7 @@ main process (`leases.KEPT`), and the next forked workers (the next epoch's, or 
 loader's) start with them, so their first batches go into pages already faulted in. What the
 tests check: the next workers do adopt them and their batches are right; a buffer a batch still
 uses is never handed on; what is kept stays within its bounds, goes once unused for
-`KEPT_IDLE`, and is never kept where it cannot be handed on (page-locked buffers, spawned
+`idle` seconds, and is never kept where it cannot be handed on (page-locked buffers, spawned
 workers). Which buffers a process holds is read from /proc, by the name each buffer was made
 with (`statecore-buffer-<pid of the worker that made it>-<number>`).
 """
@@ -158,7 +158,7 @@ def held_by(pid: int) -> set[int]:
 
 
 def kept_here() -> set[int]:
-    return {os.fstat(buffer.fd).st_ino for buffer in leases.KEPT.buffers}
+    return {os.fstat(buffer.fd).st_ino for buffer in leases.KEPT.items}
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -205,14 +205,14 @@ def test_a_process_forked_while_buffers_are_kept_holds_none_of_them() -> None:
 
 @pytest.mark.timeout(TIMEOUT)
 def test_what_is_kept_stays_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(leases, "KEPT_BUFFERS", 2)
+    monkeypatch.setattr(leases.KEPT, "most", 2)
     check(loader())
     gc.collect()
     assert len(leases.KEPT) == 2
     # The buffers beyond the bound are unmapped, their descriptors closed.
     assert mapped_here() == 2 and buffer_fds_here() == 2
-    monkeypatch.setattr(leases, "KEPT_BUFFERS", 32)
-    monkeypatch.setattr(leases, "KEPT_BYTES", 4 * NUMEL * BATCH)  # one buffer's worth
+    monkeypatch.setattr(leases.KEPT, "most", 32)
+    monkeypatch.setattr(leases.KEPT, "most_bytes", 4 * NUMEL * BATCH)  # one buffer's worth
     leases.KEPT.release()
     check(loader())
     gc.collect()
@@ -223,7 +223,7 @@ def test_what_is_kept_stays_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -
 def test_kept_buffers_are_released_once_no_worker_took_any_for_the_idle_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(leases, "KEPT_IDLE", 0.2)
+    monkeypatch.setattr(leases.KEPT, "idle", 0.2)
     check(loader())
     gc.collect()
     assert wait_until(lambda: len(leases.KEPT) == 0, WITHIN)

@@ -5,7 +5,7 @@ When a thread executor shuts down, the free storages of its pool stay with the p
 them before it makes new ones, so that its first batches go into pages already faulted in. What
 the tests check: the next workers do take them and their batches are right; a storage a batch
 still uses is kept but never written over, and taken once let go; what is kept stays within
-its bounds, goes once unused for `KEPT_IDLE`, and a process forked meanwhile holds none of
+its bounds, goes once unused for `idle` seconds, and a process forked meanwhile holds none of
 it.
 """
 
@@ -72,7 +72,7 @@ def pool_of(iterator: Any) -> StoragePool:
 
 def kept_addresses() -> set[int]:
     with SHELF.lock:
-        return {storage.data_ptr() for storage in SHELF.storages}
+        return {storage.data_ptr() for storage in SHELF.items}
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -127,12 +127,12 @@ def test_the_consumer_s_last_batch_lends_its_storage_to_the_next_epoch_once_let_
 
 @pytest.mark.timeout(TIMEOUT)
 def test_what_is_kept_stays_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storages, "KEPT_STORAGES", 2)
+    monkeypatch.setattr(storages.SHELF, "most", 2)
     check(loader())
     assert len(SHELF) == 2
     SHELF.release()
-    monkeypatch.setattr(storages, "KEPT_STORAGES", 32)
-    monkeypatch.setattr(storages, "KEPT_BYTES", BATCH_BYTES)  # one storage's worth
+    monkeypatch.setattr(storages.SHELF, "most", 32)
+    monkeypatch.setattr(storages.SHELF, "most_bytes", BATCH_BYTES)  # one storage's worth
     check(loader())
     assert len(SHELF) == 1 and SHELF.held() == BATCH_BYTES
 
@@ -141,7 +141,7 @@ def test_what_is_kept_stays_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -
 def test_kept_storages_are_let_go_once_no_pool_took_any_for_the_idle_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(storages, "KEPT_IDLE", 0.2)
+    monkeypatch.setattr(storages.SHELF, "idle", 0.2)
     check(loader())
     assert wait_until(lambda: len(SHELF) == 0, WITHIN)
     assert wait_until(lambda: "statecore-kept-storages" not in thread_names(), WITHIN)
@@ -187,14 +187,14 @@ def test_a_pool_takes_a_kept_storage_of_exactly_its_size_before_making_one() -> 
     shelf.release()
 
 
-def test_the_free_storages_are_kept_before_those_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storages, "KEPT_STORAGES", 1)
+def test_the_free_storages_are_kept_before_those_in_use() -> None:
     shelf = Shelf()
+    shelf.most = 1
     pool = StoragePool(spare=2, most=4, shelf=shelf)
     used = torch.empty(0, dtype=torch.uint8).set_(pool.claim(storages.MIN_BYTES))
     free = pool.claim(storages.MIN_BYTES).data_ptr()
     pool.clear()
-    assert [storage.data_ptr() for storage in shelf.storages] == [free]
+    assert [storage.data_ptr() for storage in shelf.items] == [free]
     assert used.data_ptr() != free
     shelf.release()
 

@@ -41,9 +41,10 @@ workers that nothing uses any more (no lease on them, not page-locked) are not u
 (a loader without persistent workers starts fresh ones every epoch) or of a later one, adopts
 them: its first batches are collated into pages that were faulted in already, rather than
 into fresh memory (a page's first write costs the kernel a fault, about 9,400 of them for a
-batch of 64 images). What is kept is bounded (`KEPT_BUFFERS` buffers and `KEPT_BYTES` bytes;
-beyond that a buffer is unmapped as before) and released once no worker has taken any for
-`KEPT_IDLE` seconds. Only under torch's default sharing strategy (the descriptor each buffer
+batch of 64 images). What is kept is bounded (32 buffers and 1 GiB, `_keeping`'s
+bounds: a batch of 64 images of 224x224 takes a buffer of 38.5 MB, and two workers cycle six
+of them; beyond that a buffer is unmapped as before) and released once no worker has taken
+any for 30 seconds. Only under torch's default sharing strategy (the descriptor each buffer
 holds here is what a forked worker inherits and maps) and only for fork workers (spawn and
 forkserver workers inherit no descriptor): elsewhere nothing is kept. Any process forked while
 buffers are kept unmaps its copies of those it did not adopt at once (`Kept.forget_in_child`).
@@ -64,6 +65,7 @@ from typing import Any
 
 import torch
 
+from statecore.executors._keeping import Keeping
 from statecore.executors._mp.descriptors import (
     explain_exhaustion,
     sharing_strategy,
@@ -73,21 +75,11 @@ from statecore.executors._mp.wire import RECEIVING, BufferClosed, BufferOpened
 
 __all__ = [
     "KEPT",
-    "KEPT_BUFFERS",
-    "KEPT_BYTES",
-    "KEPT_IDLE",
     "Adopted",
     "BufferReceiver",
     "HostRegister",
     "Kept",
 ]
-
-# What this process keeps of the buffers of workers that are gone, for the next ones (see the
-# docstring): at most this many buffers and bytes, for at most this many seconds unused. A
-# batch of 64 images of 224x224 takes a buffer of 38.5 MB, and two workers cycle six of them.
-KEPT_BUFFERS = 32
-KEPT_BYTES = 1 << 30
-KEPT_IDLE = 30.0
 
 HostRegister = Callable[[int, int], Callable[[], None] | None]
 """Page-locks `length` bytes at `address` for a device's copies; returns what undoes it, or
@@ -149,80 +141,29 @@ class _Keeping:
         """Closed with the mapping, by its finalizer (`_map`): valid while `memory` lives."""
 
 
-class Kept:
+class Kept(Keeping[_Keeping]):
     """The buffers of workers that are gone, kept by this process for the next ones (see the
-    docstring). One per process (`KEPT`); every method may be called from any thread."""
+    docstring): a forked child unmaps its copies and closes its descriptors of them, so that it
+    does not hold the kept memory (`Keeping.forget_in_child`). One per process (`KEPT`)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.buffers: list[_Keeping] = []
-        self.timer: threading.Timer | None = None
+        super().__init__(lambda kept: len(kept.memory), "statecore-kept-buffers")
 
     def keep(self, buffers: list[_Keeping]) -> None:
         """Keep `buffers`, as far as the bounds allow; the rest are unmapped as they go."""
         with self.lock:
             for buffer in buffers:
-                held = sum(len(kept.memory) for kept in self.buffers)
-                if len(self.buffers) < KEPT_BUFFERS and held + len(buffer.memory) <= KEPT_BYTES:
-                    self.buffers.append(buffer)
+                if self._fits(buffer, self._held()):
+                    self.items.append(buffer)
             self._rearm()
 
     def take(self, most: int) -> list[_Keeping]:
         """Up to `most` kept buffers, largest first, for a worker about to start."""
         with self.lock:
-            self.buffers.sort(key=lambda kept: len(kept.memory), reverse=True)
-            taken, self.buffers = self.buffers[:most], self.buffers[most:]
+            self.items.sort(key=lambda kept: len(kept.memory), reverse=True)
+            taken, self.items = self.items[:most], self.items[most:]
             self._rearm()
             return taken
-
-    def __len__(self) -> int:
-        with self.lock:
-            return len(self.buffers)
-
-    def nbytes(self) -> int:
-        with self.lock:
-            return sum(len(kept.memory) for kept in self.buffers)
-
-    def release(self) -> None:
-        """Let go of every kept buffer now: each is unmapped, its descriptor closed."""
-        with self.lock:
-            released, self.buffers = self.buffers, []
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-        del released  # outside the lock: the mappings' finalizers run here
-
-    def forget_in_child(self) -> None:
-        """In a process just forked from this one: unmap its copies of the kept buffers and close
-        its descriptors of them. A fork copies every mapping and descriptor, so a child (a worker
-        that adopted some of them, or any process forked meanwhile, torch's workers too) would
-        otherwise hold all the kept memory for as long as it lives, after this process let it
-        go. What a worker adopts was taken out before the fork, and stays. The parent's lock may
-        have been held by another of its threads as it forked: the child takes a fresh one
-        rather than wait for it."""
-        self.lock = threading.Lock()
-        self.timer = None  # the parent's timer thread is not the child's
-        released, self.buffers = self.buffers, []
-        del released  # the mappings' finalizers unmap them here, in the child alone
-
-    def _rearm(self) -> None:
-        """Release everything `KEPT_IDLE` seconds from now, unless a worker takes some first.
-        With the lock held."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.buffers:
-            self.timer = threading.Timer(KEPT_IDLE, self._expire)
-            self.timer.name = "statecore-kept-buffers"
-            self.timer.daemon = True
-            self.timer.start()
-
-    def _expire(self) -> None:
-        with self.lock:
-            if threading.current_thread() is not self.timer:
-                return  # re-armed meanwhile: the newer timer decides
-            released, self.buffers, self.timer = self.buffers, [], None
-        del released
 
 
 KEPT = Kept()

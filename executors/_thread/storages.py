@@ -24,8 +24,8 @@ batch still uses (a training loop holds its last batch until the next epoch's fi
 it) is kept too, and handed on only once nothing uses it any more. A new 20 MB storage costs
 its first batches some 5,000 page faults, and a pool cycles about five of them (a batch being
 made by each worker, those made ahead, the one in the consumer's hand). What is kept is
-bounded (`KEPT_STORAGES` storages and `KEPT_BYTES` bytes, the free ones first; beyond that a
-storage is let go as before) and let go once no pool has taken any for `KEPT_IDLE` seconds,
+bounded (32 storages and 1 GiB, `_keeping`'s bounds, the free ones first; beyond that a
+storage is let go as before) and let go once no pool has taken any for 30 seconds,
 so memory a consumer lets go of after the workers stopped may stay that long; a process
 forked meanwhile lets go of its copies at once. Worker processes keep their shared buffers
 the same way, within the same bounds (`_mp.leases`), though only those no batch uses.
@@ -39,11 +39,10 @@ from collections.abc import Callable
 
 import torch
 
+from statecore.executors._keeping import Keeping
+
 __all__ = [
     "AVAILABLE",
-    "KEPT_BYTES",
-    "KEPT_IDLE",
-    "KEPT_STORAGES",
     "MIN_BYTES",
     "SHELF",
     "Shelf",
@@ -59,14 +58,6 @@ AVAILABLE = _use_count is not None
 """Whether this torch says how many references a storage has; without it, no pool."""
 
 
-# What this process keeps of the storages of executors that are gone, for the next ones (see
-# the docstring): at most this many storages and bytes, for at most this many seconds unused;
-# the bounds worker processes' kept buffers have (`_mp.leases`).
-KEPT_STORAGES = 32
-KEPT_BYTES = 1 << 30
-KEPT_IDLE = 30.0
-
-
 def _new(nbytes: int) -> torch.UntypedStorage:
     return torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
 
@@ -78,16 +69,12 @@ def _unused(storage: torch.UntypedStorage) -> bool:
     return _use_count(storage._cdata) == 1
 
 
-class Shelf:
+class Shelf(Keeping[torch.UntypedStorage]):
     """The free storages of executors that have shut down, kept by this process for the next
-    ones (see the docstring). One per process (`SHELF`); every method may be called from any
-    thread."""
+    ones (see the docstring). One per process (`SHELF`)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.storages: list[torch.UntypedStorage] = []
-        """Least recently kept first."""
-        self.timer: threading.Timer | None = None
+        super().__init__(lambda storage: storage.nbytes(), "statecore-kept-storages")
 
     def keep(self, storages: list[torch.UntypedStorage]) -> None:
         """Keep `storages` as far as the bounds allow, the free ones first; the rest are let
@@ -95,17 +82,17 @@ class Shelf:
         a training loop holds until the next epoch's first batch replaces it) is kept too, and
         handed on only once nothing else uses it (`take`)."""
         with self.lock:
-            held = sum(kept.nbytes() for kept in self.storages)
+            held = self._held()
             in_use = []
             for storage in storages:
                 if not _unused(storage):
                     in_use.append(storage)
-                elif len(self.storages) < KEPT_STORAGES and held + storage.nbytes() <= KEPT_BYTES:
-                    self.storages.append(storage)
+                elif self._fits(storage, held):
+                    self.items.append(storage)
                     held += storage.nbytes()
             for storage in in_use:
-                if len(self.storages) < KEPT_STORAGES and held + storage.nbytes() <= KEPT_BYTES:
-                    self.storages.insert(0, storage)  # the last one `take` looks at
+                if self._fits(storage, held):
+                    self.items.insert(0, storage)  # the last one `take` looks at
                     held += storage.nbytes()
             self._rearm()
 
@@ -113,60 +100,13 @@ class Shelf:
         """A kept storage of exactly `nbytes` bytes that nothing else uses, the most recently
         kept; None if none is."""
         with self.lock:
-            for position in range(len(self.storages) - 1, -1, -1):
-                storage = self.storages[position]
+            for position in range(len(self.items) - 1, -1, -1):
+                storage = self.items[position]
                 if storage.nbytes() == nbytes and _unused(storage):
-                    del self.storages[position]
+                    del self.items[position]
                     self._rearm()
                     return storage
             return None
-
-    def __len__(self) -> int:
-        with self.lock:
-            return len(self.storages)
-
-    def held(self) -> int:
-        """Bytes of the storages kept."""
-        with self.lock:
-            return sum(storage.nbytes() for storage in self.storages)
-
-    def release(self) -> None:
-        """Let go of every kept storage now."""
-        with self.lock:
-            released, self.storages = self.storages, []
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-        del released  # outside the lock: the memory goes back here
-
-    def forget_in_child(self) -> None:
-        """In a process just forked from this one: let go of its copies of the kept storages,
-        which it would otherwise hold (copy-on-write) for as long as it lives. The parent's lock
-        may have been held by another of its threads as it forked: the child takes a fresh
-        one."""
-        self.lock = threading.Lock()
-        self.timer = None  # the parent's timer thread is not the child's
-        released, self.storages = self.storages, []
-        del released
-
-    def _rearm(self) -> None:
-        """Let go of everything `KEPT_IDLE` seconds from now, unless a pool takes some first.
-        With the lock held."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.storages:
-            self.timer = threading.Timer(KEPT_IDLE, self._expire)
-            self.timer.name = "statecore-kept-storages"
-            self.timer.daemon = True
-            self.timer.start()
-
-    def _expire(self) -> None:
-        with self.lock:
-            if threading.current_thread() is not self.timer:
-                return  # re-armed meanwhile: the newer timer decides
-            released, self.storages, self.timer = self.storages, [], None
-        del released
 
 
 SHELF = Shelf()
