@@ -312,10 +312,10 @@ class AutoTuner:
         self.memory: int | None = None
         self.measured_memory_at: float | None = None
         self.windows = 0
-        self.changed_at = -COOLDOWN
+        self.changed_at = 0
+        """The batch of the last change, or of the start of the epoch (see `begin_epoch`)."""
         self.starving = False
         """The loop waited over `STARVED` of the last window."""
-        """The batch of the last change."""
         self.seeding = "per-batch"
         """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
         self._restart()
@@ -332,7 +332,13 @@ class AutoTuner:
         self.samples = 0
 
     def begin_epoch(self) -> None:
-        """An epoch begins: its first batch (the workers' start-up) is not measured."""
+        """An epoch begins: its first batch (the workers' start-up) is not measured, nor the
+        cool-down's batches after it. While the first batch waits for the workers to start,
+        they load the batches after it too, and those come at once: a window begun with them
+        counted 553 batches a second on cpu-spin, whose two workers make 500 at most, and 215
+        on mixed (167 at most), a rate no add could beat, so a good add was undone against
+        it (mixed, 2 to 4 workers, retired back to 2 on a loaded machine)."""
+        self.changed_at = self.batch
         self._restart()
 
     @property
@@ -373,8 +379,9 @@ class AutoTuner:
             or _RETIRING in workers
             or self.batch <= self.changed_at + COOLDOWN
         ):
-            # The epoch's first batch (start-up), a change not in effect yet, or its cool-down
-            # (a window begun in it would only be held): the window begins after them.
+            # The epoch's first batch (start-up) and the batches loaded meanwhile, a change not
+            # in effect yet, or its cool-down (a window begun in it would only be held): the
+            # window begins after them.
             self._restart()
             self.last = now
             return
