@@ -213,6 +213,18 @@ def test_a_cpu_bound_loader_given_the_whole_machine_settles_without_trying_a_wor
     assert tuner.settled and tuner.changes == 0
 
 
+def test_the_cores_given_to_a_loader_whose_processes_queue_for_one_another_are_in_full() -> None:
+    # The lowest of cpu-spin's recorded half-second windows at two workers: busy on 1.78 of
+    # the 2 cores, waiting for 0.21 more (the main process waking for each batch while both
+    # workers compute). The machine is the loader's all the same: nothing is tried.
+    lowest = recorded(
+        batch=731, running=2, rate=429.3, wait=0.99, cpu=1.78, queued=0.21, batches=216
+    )
+    tuner, decision = decide_workers(Tuner(), lowest, TWO_CORES)
+    assert decision.move is TuningMove.HOLD and tuner.settled
+    assert "kept 1.8 of 2 cores busy" in decision.why
+
+
 def test_the_cores_given_in_full_settle_only_where_the_run_queue_is_measured() -> None:
     # Without schedstat the CPU time is read in 10 ms clock ticks, too coarse over 16 batches
     # to say the machine is full: the worker is tried, as before.
