@@ -312,8 +312,9 @@ class AutoTuner:
         self.memory: int | None = None
         self.measured_memory_at: float | None = None
         self.windows = 0
-        self.changed_at = 0
-        """The batch of the last change, or of the start of the epoch (see `begin_epoch`)."""
+        self.measure_after = 0
+        """Windows begin after this batch (counted over the loader's life): the last change's
+        cool-down, or the batches in flight as the epoch's first was handed over (`handed`)."""
         self.starving = False
         """The loop waited over `STARVED` of the last window."""
         self.seeding = "per-batch"
@@ -333,12 +334,7 @@ class AutoTuner:
 
     def begin_epoch(self) -> None:
         """An epoch begins: its first batch (the workers' start-up) is not measured, nor the
-        cool-down's batches after it. While the first batch waits for the workers to start,
-        they load the batches after it too, and those come at once: a window begun with them
-        counted 553 batches a second on cpu-spin, whose two workers make 500 at most, and 215
-        on mixed (167 at most), a rate no add could beat, so a good add was undone against
-        it (mixed, 2 to 4 workers, retired back to 2 on a loaded machine)."""
-        self.changed_at = self.batch
+        batches in flight as it is handed over (see `handed`)."""
         self._restart()
 
     @property
@@ -373,15 +369,20 @@ class AutoTuner:
         self.batch += 1
         state: State = driver.state
         workers = state.life.workers
-        if (
-            self.last is None
-            or _STARTING in workers
-            or _RETIRING in workers
-            or self.batch <= self.changed_at + COOLDOWN
-        ):
-            # The epoch's first batch (start-up) and the batches loaded meanwhile, a change not
-            # in effect yet, or its cool-down (a window begun in it would only be held): the
-            # window begins after them.
+        if self.last is None:
+            # The epoch's first batch, which waited for the workers to start. They loaded the
+            # batches after it meanwhile, and those come at once: a window begun with them
+            # counted 553 batches a second on cpu-spin, whose two workers make 510 at most, and
+            # 215 on mixed (167 at most), a rate no add could beat, so a good add was undone
+            # against it (mixed, 2 to 4 workers, retired back to 2 on a loaded machine). The
+            # window begins after the tasks in flight now.
+            self.measure_after = self.batch + len(state.window)
+            self._restart()
+            self.last = now
+            return
+        if _STARTING in workers or _RETIRING in workers or self.batch <= self.measure_after:
+            # A change not in effect yet, its cool-down (a window begun in it would only be
+            # held), or the batches in flight as the epoch began: the window begins after them.
             self._restart()
             self.last = now
             return
@@ -482,7 +483,7 @@ class AutoTuner:
                 return
         self.tuner = tuner
         self.workers = running
-        self.changed_at = self.batch
+        self.measure_after = self.batch + COOLDOWN
         self.records.append(
             TuningRecord(
                 self.batch,
@@ -515,7 +516,7 @@ class AutoTuner:
             return False
         self.prefetcher = prefetcher
         self.latest = decision.why
-        self.changed_at = self.batch
+        self.measure_after = self.batch + COOLDOWN
         self.records.append(
             TuningRecord(
                 self.batch,
