@@ -197,15 +197,16 @@ def test_a_worker_that_cut_the_waiting_but_slowed_the_loop_is_undone() -> None:
     assert tuner.ceiling == 2
 
 
-# cpu-spin on the whole machine (other sessions quiet, 2026-11-27 late night): two workers, the
-# loop starving, the loader's processes busy on 1.81 of the 2 cores and waiting for 0.24 more.
+# cpu-spin given the machine (other sessions nearly idle, load average 2, 2026-11-27 late night):
+# two workers, the loop starving, the loader's processes busy on 1.81 of the 2 cores and waiting
+# for 0.24 more (for one another).
 CPU_SPIN_QUIET = recorded(batch=17, running=2, rate=553.2, wait=0.98, cpu=1.81, queued=0.24)
 
 
 def test_a_cpu_bound_loader_given_the_whole_machine_settles_without_trying_a_worker() -> None:
     # Given the cores, not only asking for them: a third worker cannot compute faster, and
-    # its try (a start, a cool-down, half a second of judging, a retire) cost cpu-spin 15% of
-    # an epoch against two fixed workers on the quiet machine. Settled at once.
+    # its try costs a start, a cool-down, half a second at three workers and a retire, in every
+    # run (b17 add->3, b250 retire->2 in the quiet sweep). Settled at once.
     tuner, decision = decide_workers(Tuner(), CPU_SPIN_QUIET, TWO_CORES)
     assert decision.move is TuningMove.HOLD
     assert "kept 1.8 of 2 cores busy" in decision.why
