@@ -312,11 +312,10 @@ class AutoTuner:
         self.memory: int | None = None
         self.measured_memory_at: float | None = None
         self.windows = 0
-        self.measure_after = 0
-        """Windows begin after this batch (counted over the loader's life): the last change's
-        cool-down, or the batches in flight as the epoch's first was handed over (`handed`)."""
+        self.changed_at = -COOLDOWN
         self.starving = False
         """The loop waited over `STARVED` of the last window."""
+        """The batch of the last change."""
         self.seeding = "per-batch"
         """The loader's seeding, for the count to pin (see `AutoTuning.seeding`)."""
         self._restart()
@@ -333,8 +332,7 @@ class AutoTuner:
         self.samples = 0
 
     def begin_epoch(self) -> None:
-        """An epoch begins: its first batch (the workers' start-up) is not measured, nor the
-        batches in flight as it is handed over (see `handed`)."""
+        """An epoch begins: its first batch (the workers' start-up) is not measured."""
         self._restart()
 
     @property
@@ -369,20 +367,14 @@ class AutoTuner:
         self.batch += 1
         state: State = driver.state
         workers = state.life.workers
-        if self.last is None:
-            # The epoch's first batch, which waited for the workers to start. They loaded the
-            # batches after it meanwhile, and those come at once: a window begun with them
-            # counted 553 batches a second on cpu-spin, whose two workers make 510 at most, and
-            # 215 on mixed (167 at most), a rate no add could beat, so a good add was undone
-            # against it (mixed, 2 to 4 workers, retired back to 2 on a loaded machine). The
-            # window begins after the tasks in flight now.
-            self.measure_after = self.batch + len(state.window)
-            self._restart()
-            self.last = now
-            return
-        if _STARTING in workers or _RETIRING in workers or self.batch <= self.measure_after:
-            # A change not in effect yet, its cool-down (a window begun in it would only be
-            # held), or the batches in flight as the epoch began: the window begins after them.
+        if (
+            self.last is None
+            or _STARTING in workers
+            or _RETIRING in workers
+            or self.batch <= self.changed_at + COOLDOWN
+        ):
+            # The epoch's first batch (start-up), a change not in effect yet, or its cool-down
+            # (a window begun in it would only be held): the window begins after them.
             self._restart()
             self.last = now
             return
@@ -483,7 +475,7 @@ class AutoTuner:
                 return
         self.tuner = tuner
         self.workers = running
-        self.measure_after = self.batch + COOLDOWN
+        self.changed_at = self.batch
         self.records.append(
             TuningRecord(
                 self.batch,
@@ -516,7 +508,7 @@ class AutoTuner:
             return False
         self.prefetcher = prefetcher
         self.latest = decision.why
-        self.measure_after = self.batch + COOLDOWN
+        self.changed_at = self.batch
         self.records.append(
             TuningRecord(
                 self.batch,
