@@ -18,9 +18,10 @@ The rules, in the order `decide_workers` asks them:
    hold, and do not count it toward settling.
 3. Judging the last change. An add is kept only if batches came faster by `min_gain` (more
    past the CPU budget, where another worker competes with the others and with the training
-   loop for cores), or if the loop waited half as much as before and batches came no slower
-   (the add fed the loop and took no core from it, its gain within the noise); otherwise it
-   is undone and the count it reached becomes a ceiling. Not
+   loop for cores: where measured, once they ask for `cpu_full` of the cores, not merely once
+   there are more workers than cores), or if the loop waited half as much as before and
+   batches came no slower (the add fed the loop and took no core from it, its gain within the
+   noise); otherwise it is undone and the count it reached becomes a ceiling. Not
    while the loop still starves (waits more than `starved_above`) and the cores are measured
    to have room (`cores_wanted`, what the loop and its workers asked for, busy on the cores or
    waiting in the run queue for them, is under `cpu_full` of them): a starved loop is not
@@ -39,7 +40,10 @@ The rules, in the order `decide_workers` asks them:
    it), the budget and the ceiling; doubling where the cores are not measured. Where the
    cores are asked for in full already, half as many again are tried (at least one), and
    judged as any add by rule 3: more workers add loading there only where samples also wait
-   (on I/O, or behind a shared machine's other work). An add undone undoes all it added.
+   (on I/O, or behind a shared machine's other work). Where they are given in full as well
+   (busy on `cpu_given` of them, measured with the run queue), the machine is the loader's and
+   nothing is tried: the CPU budget is spent, and the tuner settles. An add undone undoes all
+   it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -206,7 +210,8 @@ class Tuning:
     min_gain: float = 0.04
     """An add is kept only if batches came faster by this share."""
     min_gain_past_cpus: float = 0.08
-    """The same, for a worker past the CPU budget."""
+    """The same, for a worker past the CPU budget: where the cores are measured, once the loop
+    and its workers ask for `cpu_full` of them; where not, once more workers run than cores."""
     starved_above: float = 0.5
     """While the loop waits more than this share, adding doubles the count, and an add is not
     undone unless the cores are measured full: waiting that much is not noise."""
@@ -224,6 +229,13 @@ class Tuning:
     """The CPU budget is spent once the loop and its workers ask for this share of the cores
     (`LoadWindow.cores_wanted`: busy on them, or waiting in the run queue for them): another
     worker would take a core from them, not add one."""
+    cpu_given: float = 0.85
+    """The CPU budget is spent, and no worker tried, once the loop and its workers asked for
+    `cpu_full` of the cores and were given this share of them (busy on them, measured with the
+    run queue): the machine is the loader's. Under `cpu_full`, since the loader's processes
+    wait for one another in the run queue (the main process wakes for each batch while every
+    worker computes): cpu-spin's two workers and loop were busy on 1.78 to 1.89 of 2 cores
+    over half-second windows of a lightly loaded machine."""
 
 
 @attrs.frozen
@@ -342,6 +354,15 @@ def decide_workers(
         wanted = window.cores_wanted
         why = f"the training loop waited {wait:.0%} of its time on loading"
         if wanted is not None and wanted >= tuning.cpu_full * budget.cpus:
+            if _cores_given_in_full(window, budget, tuning):
+                # The cores are not only asked for but given: the machine is the loader's and
+                # it computes on all of it. Another worker would take a core's slices from
+                # the others, and its try would cost a start, a cool-down and a half-second
+                # judgement at a count that cannot be faster.
+                return attrs.evolve(tuner, settled=True), _hold(
+                    f"the training loop waited {wait:.0%}, and {_cpu_given(window, budget)}: "
+                    f"settled at {running} worker(s)"
+                )
             # The cores are asked for in full: another worker adds loading only where samples
             # also wait (on I/O, or behind the machine's other work, whose share more workers
             # take). Try half as many again, judged as every add: kept only if batches come
@@ -389,6 +410,26 @@ def _cores_have_room(window: LoadWindow, budget: WorkerBudget, tuning: Tuning) -
     return wanted is not None and wanted < tuning.cpu_full * budget.cpus
 
 
+def _cores_given_in_full(window: LoadWindow, budget: WorkerBudget, tuning: Tuning) -> bool:
+    """Whether the loop and its workers were given the cores (`cpu_given` of them), not only
+    asked for them: busy on them, measured in nanoseconds with the run queue (`queued` not None).
+    Where the run queue is not measured the CPU time is read in clock ticks of 10 ms, too
+    coarse over a starving loop's window of tens of milliseconds to say the machine is full."""
+    return (
+        window.queued is not None
+        and window.cpu is not None
+        and window.cpu >= tuning.cpu_given * budget.cpus
+    )
+
+
+def _cpu_given(window: LoadWindow, budget: WorkerBudget) -> str:
+    """The cores given in full, in words."""
+    return (
+        f"the CPU budget is spent (the loop and its workers kept {window.cpu or 0.0:.1f} of "
+        f"{budget.cpus} cores busy: another worker would take a core from them)"
+    )
+
+
 def _cpu_spent(window: LoadWindow, budget: WorkerBudget) -> str:
     """The CPU budget spent, in words."""
     kept = f"the loop and its workers kept {window.cpu or 0.0:.1f} of {budget.cpus} cores busy"
@@ -422,7 +463,17 @@ def _judge(
     """Keep the last change, or undo it (None: kept)."""
     running = window.running
     if tuner.last is TuningMove.ADD and running > tuner.floor:
-        needed = tuning.min_gain_past_cpus if running > budget.cpus else tuning.min_gain
+        # Past the cores: the loop and its workers ask for them in full, where measured (a
+        # worker that sleeps on I/O or a busy training loop's third worker takes no core from
+        # the others, and the gain a loop waiting 15% can have is 18% at most); else more
+        # workers than cores.
+        wanted = window.cores_wanted
+        past = (
+            running > budget.cpus
+            if wanted is None
+            else not _cores_have_room(window, budget, tuning)
+        )
+        needed = tuning.min_gain_past_cpus if past else tuning.min_gain
         # A starved loop with cores to spare is not served better by fewer workers: a slower
         # window then is noise (a shared machine), not an add that did not pay.
         starved = window.wait_share > tuning.starved_above and _cores_have_room(

@@ -216,13 +216,40 @@ def test_a_loop_that_does_not_starve_is_measured_over_half_a_second(
     where: dict[str, Any],
 ) -> None:
     # Each batch takes 10 ms, 1 of them waited: windows cover half a second, 51 batches (the
-    # first begins at its first request).
+    # first begins after the batches loaded during start-up).
     seen: list[LoadWindow] = []
     loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
     clock = _LoopClock(step=0.009, wait=0.001)
     loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
     list(loader)
     assert seen and all(window.batches == 51 for window in seen)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_loop_that_does_not_starve_is_measured_after_the_batches_loaded_during_start_up(
+    where: dict[str, Any],
+) -> None:
+    # While the first batch waits for the workers to start, they load the batches after it (two
+    # workers, two tasks each: at least three more in flight), and those come at once. Counted,
+    # they make the half second that judges the next add look faster than the workers are.
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.009, wait=0.001)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    list(loader)
+    assert seen and seen[0].first >= 1 + 3
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_starving_loop_is_measured_from_its_second_batch(where: dict[str, Any]) -> None:
+    # A loop that starves is decided on its waiting: its jump is not delayed by the batches
+    # loaded during start-up.
+    seen: list[LoadWindow] = []
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    clock = _LoopClock(step=0.001, wait=0.009)
+    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    list(loader)
+    assert seen and seen[0].first == 1
 
 
 def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
