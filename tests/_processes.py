@@ -235,3 +235,23 @@ def faulted(marker: Path, how: str) -> list[tuple[int, int]]:
         for path in marker.parent.iterdir()
         if path.name.startswith(prefix)
     ]
+
+
+def true_in_a_fork(question: Callable[[], bool]) -> bool:
+    """`question()` asked in a child forked from this process (what a fork inherits, or lets
+    go of as it starts), its answer sent back through a pipe."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits
+        try:
+            os.close(reader)
+            os.write(writer, b"1" if question() else b"0")
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        answer = os.read(reader, 1)
+    finally:
+        os.close(reader)
+        os.waitpid(child, 0)
+    return answer == b"1"
