@@ -62,6 +62,18 @@ def _auto(dataset: Any, decide: Decide, **options: Any) -> statecore.DataLoader[
     return loader
 
 
+def _on_a_loop_clock(
+    where: dict[str, Any], decide: Decide, step: float, wait: float, **tuner: Any
+) -> statecore.DataLoader[Any]:
+    """An auto loader of 200 batches whose tuner reads `_LoopClock(step, wait)`: each batch
+    takes `step + wait` seconds of its clock, `wait` of them waited."""
+    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
+    loader._autotuner = AutoTuner(
+        16, cpus=2, decide=decide, clock=_LoopClock(step=step, wait=wait), **tuner
+    )
+    return loader
+
+
 def _torchs(dataset: Any, **options: Any) -> list[torch.Tensor]:
     return list(torch.utils.data.DataLoader(dataset, num_workers=0, **options))
 
@@ -203,9 +215,7 @@ def test_a_starving_loop_is_measured_over_sixteen_batches_from_the_first_window(
     # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the loop starves from the
     # start, so no window waits for half a second, the first neither.
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
     assert [window.batches for window in seen] == [16] * len(seen)
     assert len(seen) > 3
@@ -218,9 +228,7 @@ def test_a_loop_that_does_not_starve_is_measured_over_half_a_second(
     # Each batch takes 10 ms, 1 of them waited: windows cover half a second, 51 batches (the
     # first begins after the batches loaded during start-up).
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.009, wait=0.001)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.009, wait=0.001)
     list(loader)
     assert seen and all(window.batches == 51 for window in seen)
 
@@ -233,9 +241,7 @@ def test_a_loop_that_does_not_starve_is_measured_after_the_batches_loaded_during
     # workers, two tasks each: at least three more in flight), and those come at once. Counted,
     # they make the half second that judges the next add look faster than the workers are.
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.009, wait=0.001)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.009, wait=0.001)
     list(loader)
     assert seen and seen[0].first >= 1 + 3
 
@@ -245,9 +251,7 @@ def test_a_starving_loop_is_measured_from_its_second_batch(where: dict[str, Any]
     # A loop that starves is decided on its waiting: its jump is not delayed by the batches
     # loaded during start-up.
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([], seen), clock=clock)
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
     assert seen and seen[0].first == 1
 
@@ -273,9 +277,7 @@ def test_an_add_a_starving_window_could_not_judge_is_judged_over_half_a_second(
     # The loop starves (9 ms waited of each 10): 16-batch windows, but the one after the
     # policy asked for a longer judgement covers half a second (51 batches).
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_judging_after_the_first(seen), clock=clock)
+    loader = _on_a_loop_clock(where, _judging_after_the_first(seen), step=0.001, wait=0.009)
     list(loader)
     assert [window.batches for window in seen[:3]] == [16, 51, 16]
 
@@ -464,9 +466,7 @@ def test_the_real_policy_goes_to_its_slots_for_a_starving_loop_with_cores_to_spa
 ) -> None:
     # The same starving loop, the loader using a tenth of a core: it calls for ten times the
     # workers, and the cores have room for them: one add, up to the slots.
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_cores(0.1), clock=clock, window_seconds=0)
+    loader = _on_a_loop_clock(where, _cores(0.1), step=0.001, wait=0.009, window_seconds=0)
     got = list(loader)
     _equal(got, _torchs(Numbers(400), batch_size=2))
     tuning = loader.stats().tuning
@@ -496,9 +496,7 @@ def test_a_settled_tuner_measures_a_starving_loop_over_half_a_second(
     # do quickly, so windows are half a second (51 batches) again after the first 16 batches,
     # not 16 batches each with /proc read for every worker.
     seen: list[LoadWindow] = []
-    loader = statecore.DataLoader(Numbers(400), batch_size=2, num_workers="auto", **where)
-    clock = _LoopClock(step=0.001, wait=0.009)
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_settling(seen), clock=clock)
+    loader = _on_a_loop_clock(where, _settling(seen), step=0.001, wait=0.009)
     list(loader)
     assert [window.batches for window in seen] == [16] + [51] * (len(seen) - 1)
     assert len(seen) >= 3
