@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,16 @@ from statecore.executors._remote import RemoteError
 from statecore.executors._seeding import SeededTask, Seeder
 from statecore.executors._timing import CPU_SAMPLED_EVERY, FAST_TASK, TaskTiming, TimedFetch
 
-__all__ = ["WorkerRuntime", "WorkerSetup", "capture", "prepare_dataset"]
+__all__ = ["DATAPIPE_GRAPH", "WorkerRuntime", "WorkerSetup", "capture", "prepare_dataset"]
+
+DATAPIPE_GRAPH = threading.RLock()
+"""Held while a datapipe's graph is walked or a datapipe copied, in any thread.
+
+torch walks a datapipe's graph (to reseed or shard it) by pickling it with a hook set on the
+datapipe classes themselves, for every thread of the process. A second walk meanwhile fails
+("Attempt to override existing reduce_ex_hook"), and a datapipe deep-copied meanwhile comes
+out as the hook's stub, the string "STUB", with no error. Worker threads prepare their
+datapipes side by side, and the consumer copies one for each worker it adds."""
 
 
 def _distributed_settings() -> tuple[int, int]:
@@ -147,7 +157,8 @@ def _shard_datapipe(setup: WorkerSetup, worker_id: int, dataset: Any) -> None:
         # Distributed ranks first, then the workers of each rank: torch's order, so that every
         # rank gets an even share.
         world_size, rank = setup.distributed
-        apply_sharding(dataset, setup.num_workers * world_size, worker_id * world_size + rank)
+        with DATAPIPE_GRAPH:
+            apply_sharding(dataset, setup.num_workers * world_size, worker_id * world_size + rank)
 
 
 class WorkerRuntime:
@@ -578,4 +589,5 @@ def _reseed_datapipe(dataset: Any, seed: int) -> Any:
 
     rng = torch.Generator()
     rng.manual_seed(seed)
-    return apply_random_seed(dataset, rng)
+    with DATAPIPE_GRAPH:
+        return apply_random_seed(dataset, rng)

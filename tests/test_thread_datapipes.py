@@ -9,14 +9,22 @@ inside its graph.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import IterDataPipe
+from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.datapipes.iter import IterableWrapper
 from torch.utils.data.graph_settings import apply_sharding
 
 import statecore
+from statecore.executors import _worker as worker_module
+from statecore.executors._thread import copies as copies_module
+from statecore.executors._thread.copies import own_copy
+from statecore.executors._worker import WorkerSetup, prepare_dataset
 
 # IterDataPipe is deprecated in some torch versions; its warnings are not what is tested here.
 pytestmark = [
@@ -72,3 +80,112 @@ def test_a_datapipe_loaded_in_process_is_sharded_as_one_instance_as_torch() -> N
     expected = epochs(torch.utils.data.DataLoader, sharded_by_hand(), 1)
     assert all_items(expected) == list(range(23))
     assert epochs(statecore.DataLoader, sharded_by_hand(), 1) == expected
+
+
+class _WatchedGraphLock:
+    """The datapipe-graph lock, telling the test when a second thread has to wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waited_or_done = threading.Event()
+
+    def __enter__(self) -> _WatchedGraphLock:
+        if not self._lock.acquire(blocking=False):
+            self.waited_or_done.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _HeldInsideAWalk(IterDataPipe):  # type: ignore[type-arg]
+    """A datapipe whose walk, in the thread named "walker", stops midway until `gate` is set:
+    torch's class-wide pickling hooks are in place for as long as it stops."""
+
+    def __init__(self, gate: threading.Event, inside: threading.Event) -> None:
+        self.source = IterableWrapper(range(5))
+        self.gate = gate
+        self.inside = inside
+
+    def __iter__(self) -> Any:
+        yield from self.source
+
+    def __getstate__(self) -> Any:
+        if threading.current_thread().name == "walker":
+            self.inside.set()
+            assert self.gate.wait(60), "the other thread neither waited nor finished"
+        return super().__getstate__()
+
+
+def _while_a_walk_is_held(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Any]) -> Any:
+    """`meanwhile()`'s result, called while another thread reseeds a datapipe (a walk of its
+    graph) and is held inside that walk until `meanwhile` has either finished or waited."""
+    lock = _WatchedGraphLock()
+    monkeypatch.setattr(worker_module, "DATAPIPE_GRAPH", lock)
+    monkeypatch.setattr(copies_module, "DATAPIPE_GRAPH", lock)
+    inside = threading.Event()
+    walked = _HeldInsideAWalk(lock.waited_or_done, inside)
+    setup = WorkerSetup(
+        dataset=walked,
+        dataset_kind=_DatasetKind.Iterable,
+        auto_collation=False,
+        collate_fn=None,
+        drop_last=False,
+        base_seed=0,
+        num_workers=2,
+        shared_seed=11,
+    )
+    walker = threading.Thread(target=prepare_dataset, args=(setup, 0, walked), name="walker")
+    walker.start()
+    try:
+        assert inside.wait(60)
+        outcome: list[Any] = []
+
+        def other() -> None:
+            try:
+                outcome.append(meanwhile())
+            except Exception as error:
+                outcome.append(error)
+            finally:
+                lock.waited_or_done.set()
+
+        second = threading.Thread(target=other)
+        second.start()
+        second.join(60)
+    finally:
+        lock.waited_or_done.set()
+        walker.join(60)
+    return outcome[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_datapipe_copied_for_a_worker_during_another_workers_walk_is_a_true_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without the lock, torch's hook turns the copy into the string "STUB", silently.
+    copied = _while_a_walk_is_held(monkeypatch, lambda: own_copy(shuffled_and_sharded()))
+    assert isinstance(copied, IterDataPipe)
+    assert sorted(copied) == list(range(23))
+
+
+@pytest.mark.timeout(120)
+def test_two_worker_threads_reseed_their_datapipes_at_once_without_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without the lock, the second walk raises "Attempt to override existing reduce_ex_hook".
+    setup = WorkerSetup(
+        dataset=None,
+        dataset_kind=_DatasetKind.Iterable,
+        auto_collation=False,
+        collate_fn=None,
+        drop_last=False,
+        base_seed=0,
+        num_workers=2,
+        shared_seed=11,
+    )
+    prepared = _while_a_walk_is_held(
+        monkeypatch, lambda: prepare_dataset(setup, 1, IterableWrapper(range(23)).sharding_filter())
+    )
+    assert isinstance(prepared, IterDataPipe)
+    assert sorted(prepared) == list(range(1, 23, 2))

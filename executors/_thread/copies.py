@@ -16,7 +16,7 @@ import attrs
 import torch
 from torch.utils.data import Dataset, IterDataPipe, MapDataPipe
 
-from statecore.executors._worker import WorkerSetup
+from statecore.executors._worker import DATAPIPE_GRAPH, WorkerSetup
 
 __all__ = ["own_copy", "rebound"]
 
@@ -25,7 +25,8 @@ def own_copy(dataset: Any) -> Any:
     """What one worker loads from. Raises if a datapipe cannot be copied (sharing one breaks
     it); warns and shares anything else that cannot."""
     if isinstance(dataset, IterDataPipe | MapDataPipe):
-        return copy.deepcopy(dataset)
+        with DATAPIPE_GRAPH:
+            return copy.deepcopy(dataset)
     if isinstance(dataset, torch.Tensor) or not (
         isinstance(dataset, Dataset) or hasattr(dataset, "__dict__")
     ):
