@@ -22,6 +22,8 @@ from torch.utils.data.graph_settings import apply_sharding
 
 import statecore
 from statecore.executors import _worker as worker_module
+from statecore.executors._mp import wire as wire_module
+from statecore.executors._mp.wire import Shipment, unpack_setup
 from statecore.executors._thread import copies as copies_module
 from statecore.executors._thread.copies import own_copy
 from statecore.executors._worker import WorkerSetup, prepare_dataset
@@ -118,16 +120,10 @@ class _HeldInsideAWalk(IterDataPipe):  # type: ignore[type-arg]
         return super().__getstate__()
 
 
-def _while_a_walk_is_held(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Any]) -> Any:
-    """`meanwhile()`'s result, called while another thread reseeds a datapipe (a walk of its
-    graph) and is held inside that walk until `meanwhile` has either finished or waited."""
-    lock = _WatchedGraphLock()
-    monkeypatch.setattr(worker_module, "DATAPIPE_GRAPH", lock)
-    monkeypatch.setattr(copies_module, "DATAPIPE_GRAPH", lock)
-    inside = threading.Event()
-    walked = _HeldInsideAWalk(lock.waited_or_done, inside)
-    setup = WorkerSetup(
-        dataset=walked,
+def _setup(dataset: Any) -> WorkerSetup:
+    """What two workers of an iterable dataset are given, with a datapipe seed."""
+    return WorkerSetup(
+        dataset=dataset,
         dataset_kind=_DatasetKind.Iterable,
         auto_collation=False,
         collate_fn=None,
@@ -136,6 +132,18 @@ def _while_a_walk_is_held(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[
         num_workers=2,
         shared_seed=11,
     )
+
+
+def _while_a_walk_is_held(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Any]) -> Any:
+    """`meanwhile()`'s result, called while another thread reseeds a datapipe (a walk of its
+    graph) and is held inside that walk until `meanwhile` has either finished or waited."""
+    lock = _WatchedGraphLock()
+    monkeypatch.setattr(worker_module, "DATAPIPE_GRAPH", lock)
+    monkeypatch.setattr(copies_module, "DATAPIPE_GRAPH", lock)
+    monkeypatch.setattr(wire_module, "DATAPIPE_GRAPH", lock)
+    inside = threading.Event()
+    walked = _HeldInsideAWalk(lock.waited_or_done, inside)
+    setup = _setup(walked)
     walker = threading.Thread(target=prepare_dataset, args=(setup, 0, walked), name="walker")
     walker.start()
     try:
@@ -174,18 +182,24 @@ def test_two_worker_threads_reseed_their_datapipes_at_once_without_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Without the lock, the second walk raises "Attempt to override existing reduce_ex_hook".
-    setup = WorkerSetup(
-        dataset=None,
-        dataset_kind=_DatasetKind.Iterable,
-        auto_collation=False,
-        collate_fn=None,
-        drop_last=False,
-        base_seed=0,
-        num_workers=2,
-        shared_seed=11,
-    )
+    setup = _setup(None)
     prepared = _while_a_walk_is_held(
         monkeypatch, lambda: prepare_dataset(setup, 1, IterableWrapper(range(23)).sharding_filter())
     )
     assert isinstance(prepared, IterDataPipe)
     assert sorted(prepared) == list(range(1, 23, 2))
+
+
+@pytest.mark.timeout(120)
+def test_a_datapipe_packed_for_worker_processes_during_a_threads_walk_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread executor's workers may walk their datapipes while a process executor packs its
+    # setup for spawned workers; without the lock the datapipe is packed as torch's stub.
+    def packed_and_unpacked() -> Any:
+        shipment = Shipment.pack(_setup(shuffled_and_sharded()))
+        return unpack_setup(*shipment.for_worker()).dataset
+
+    unpacked = _while_a_walk_is_held(monkeypatch, packed_and_unpacked)
+    assert isinstance(unpacked, IterDataPipe)
+    assert sorted(unpacked) == list(range(23))

@@ -43,7 +43,7 @@ import torch.multiprocessing  # registers torch's reductions with the stdlib pic
 
 from statecore import Event, ResumeWorker, SendTask, TaskCompleted, TaskFailed
 from statecore.executors._remote import RemoteError
-from statecore.executors._worker import WorkerSetup
+from statecore.executors._worker import DATAPIPE_GRAPH, WorkerSetup
 
 if TYPE_CHECKING:
     from statecore.executors._mp.pool import Batch, BufferSender
@@ -295,6 +295,13 @@ class Shipment:
 
     @classmethod
     def pack(cls, setup: WorkerSetup) -> Shipment:
+        # A datapipe pickled while another thread walks a datapipe's graph is pickled as
+        # torch's stub (see DATAPIPE_GRAPH): a thread executor's workers may be walking theirs.
+        with DATAPIPE_GRAPH:
+            return cls._pack(setup)
+
+    @classmethod
+    def _pack(cls, setup: WorkerSetup) -> Shipment:
         handing = frozenset(multiprocess.reduction.ForkingPickler._extra_reducers)
         handing -= _NAMING_REDUCTIONS
         stream = io.BytesIO()
