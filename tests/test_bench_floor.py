@@ -14,7 +14,9 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
+from statecore.executors._thread.storages import new_storage
 from statecore.tools import floor as floors
 from statecore.tools.floor import handover_floor, threads_floor
 from statecore.tools.loader_bench import (
@@ -39,6 +41,37 @@ def test_the_floor_makes_the_steady_stretchs_batches_and_counts_their_bytes() ->
     batch_bytes = workload.batch_size * 1_250_000 * 4
     assert run.work == 5 * batch_bytes  # every batch but the first, as the loaders are timed
     assert run.seconds > 0
+
+
+def made_storages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the storages the floors make with the thread executor's `new_storage`,
+    from now on."""
+    sizes: list[int] = []
+
+    def recorded(nbytes: int) -> torch.UntypedStorage:
+        sizes.append(nbytes)
+        return new_storage(nbytes)
+
+    monkeypatch.setattr(floors, "new_storage", recorded)
+    return sizes
+
+
+@pytest.mark.timeout(60)
+def test_the_floors_batches_are_made_as_the_thread_executor_makes_its_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes = made_storages(monkeypatch)
+    threads_floor(large_batches(6))
+    assert sizes == [4 * 1_250_000 * 4] * 2  # one batch tensor a thread
+
+
+@pytest.mark.timeout(60)
+def test_the_floor_with_a_hand_over_makes_its_pool_as_the_thread_executor_makes_its_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes = made_storages(monkeypatch)
+    handover_floor(large_batches(6))
+    assert sizes == [4 * 1_250_000 * 4] * (2 * floors.PREFETCH + 1)
 
 
 def test_the_floor_refuses_a_workload_not_measured_in_bytes() -> None:

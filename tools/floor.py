@@ -12,7 +12,10 @@ samples, and stacks them into one batch tensor of its own, used again for each b
 thread executor's collate takes storages the consumer has let go of); it reads the batch's
 last value, as the benchmark's consumer does. The clock runs from when every thread is ready
 (one untimed batch each, to fault their pages in) to when the last has finished, over the
-batches of the loaders' steady stretch.
+batches of the loaders' steady stretch. Its batch tensors are made as the thread executor makes
+its batches' storages (`new_storage`: huge pages advised, where the system allows them), so
+that the loader has no memory the floor lacks: written into huge pages, a batch is copied some
+15 to 20% faster here.
 
 The floor with a hand-over (`handover_floor`) is the same work with the least a loader of
 threads adds to it: the threads take batch numbers from a queue, collate into a free batch
@@ -28,6 +31,7 @@ the thread loader's share of it is what statecore costs beyond that.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from statecore.executors._thread.storages import new_storage
 from statecore.tools.workloads import Measurement, Unit, Workload
 
 __all__ = ["PREFETCH", "handover_floor", "threads_floor"]
@@ -52,6 +57,16 @@ def _batches(workload: Workload) -> list[range]:
     return [range(number * size, number * size + size) for number in range(workload.batches)]
 
 
+def _batch_of(samples: list[torch.Tensor]) -> torch.Tensor:
+    """`samples` stacked into a new batch tensor whose storage is made as the thread
+    executor's are (`new_storage`)."""
+    first = samples[0]
+    shape = (len(samples), *first.shape)
+    storage = new_storage(math.prod(shape) * first.element_size())
+    batch = torch.empty(0, dtype=first.dtype).set_(storage).view(shape)
+    return torch.stack(samples, out=batch)
+
+
 def threads_floor(workload: Workload) -> Measurement:
     """One run of `workload`'s floor: its batches made and collated by `workload.workers`
     threads with no loader; the work is the batches' bytes (`Unit.GB_PER_S`)."""
@@ -67,8 +82,7 @@ def threads_floor(workload: Workload) -> Measurement:
 
     def work(thread: int) -> None:
         try:
-            first = [dataset[index] for index in batches[0]]
-            batch = torch.stack(first)
+            batch = _batch_of([dataset[index] for index in batches[0]])
             ready.wait()
             made = 0.0
             for indices in timed[thread::threads]:
@@ -116,16 +130,15 @@ def handover_floor(workload: Workload) -> Measurement:
     # As many tensors as can be out at once (the tasks out and the one in this thread's hand),
     # written once before the clock.
     free = [
-        torch.stack([dataset[index] for index in batches[0]]) for _ in range(threads * PREFETCH + 1)
+        _batch_of([dataset[index] for index in batches[0]]) for _ in range(threads * PREFETCH + 1)
     ]
-    first = free[0]
     lock = threading.Lock()
 
     def claim() -> torch.Tensor:
         with lock:
             if free:
                 return free.pop()
-        return torch.empty_like(first)
+        return _batch_of([dataset[index] for index in batches[0]])
 
     def work() -> None:
         while (number := tasks.get()) != _STOP:

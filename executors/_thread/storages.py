@@ -60,6 +60,7 @@ __all__ = [
     "SHELF",
     "Shelf",
     "StoragePool",
+    "new_storage",
 ]
 
 MIN_BYTES = 64 << 10
@@ -107,7 +108,10 @@ def _advise_huge_pages(storage: torch.UntypedStorage) -> None:
         _advise(first, end - first, _MADV_HUGEPAGE)
 
 
-def _new(nbytes: int) -> torch.UntypedStorage:
+def new_storage(nbytes: int) -> torch.UntypedStorage:
+    """A new CPU storage of `nbytes` bytes, as the pool makes one: a large one advised as huge
+    pages (see the docstring). The benchmark's floors make their batches with it too, so that
+    the loader has no memory the floors lack (`tools/floor.py`)."""
     storage: torch.UntypedStorage = torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
     if nbytes >= HUGE_BYTES:
         # Before anything writes it: pages already faulted in stay small.
@@ -194,7 +198,7 @@ class StoragePool:
     def claim(self, nbytes: int) -> torch.UntypedStorage:
         """A CPU storage of `nbytes` bytes that nothing else uses: the pool's, or a new one."""
         if not AVAILABLE or nbytes < MIN_BYTES:
-            return _new(nbytes)
+            return new_storage(nbytes)
         with self.lock:
             found = None
             for position, storage in enumerate(self.storages):
@@ -207,7 +211,7 @@ class StoragePool:
                 self.adopted += found is not None
             if found is None:
                 self.made += 1
-            storage = _new(nbytes) if found is None else found
+            storage = new_storage(nbytes) if found is None else found
             self.storages.append(storage)
             return storage
 
