@@ -14,8 +14,8 @@ last value, as the benchmark's consumer does. The clock runs from when every thr
 (one untimed batch each, to fault their pages in) to when the last has finished, over the
 batches of the loaders' steady stretch. Its batch tensors are made as the thread executor makes
 its batches' storages (`new_storage`: huge pages advised, where the system allows them), so
-that the loader has no memory the floor lacks: written into huge pages, a batch is copied some
-15 to 20% faster here.
+that the loader has no memory the floor lacks (docs/performance.md, "The bench against the
+probe").
 
 The floor with a hand-over (`handover_floor`) is the same work with the least a loader of
 threads adds to it: the threads take batch numbers from a queue, collate into a free batch
