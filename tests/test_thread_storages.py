@@ -8,6 +8,7 @@ batch's size, and keeps a bounded number of them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +183,27 @@ def test_a_pool_needs_room_for_one_and_no_more_spare_than_room() -> None:
         StoragePool(spare=3, most=2)
     with pytest.raises(ValueError, match="most >= 1"):
         StoragePool(spare=0, most=0)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(end, 16) for end in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping of this process holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="no transparent huge pages here (Linux only)",
+)
+def test_a_new_large_storage_is_advised_as_huge_pages() -> None:
+    pool = StoragePool(spare=2, most=4)
+    storage = pool.claim(5 * storages.HUGE_BYTES)
+    whole_page = -(-storage.data_ptr() // (2 << 20)) * (2 << 20)
+    assert "hg" in _vm_flags(whole_page)

@@ -12,32 +12,68 @@ samples, and stacks them into one batch tensor of its own, used again for each b
 thread executor's collate takes storages the consumer has let go of); it reads the batch's
 last value, as the benchmark's consumer does. The clock runs from when every thread is ready
 (one untimed batch each, to fault their pages in) to when the last has finished, over the
-batches of the loaders' steady stretch.
+batches of the loaders' steady stretch. Its batch tensors are made as the thread executor makes
+its batches' storages (`new_storage`: huge pages advised, where the system allows them), so
+that the loader has no memory the floor lacks (docs/performance.md, "The bench against the
+probe").
+
+The floor with a hand-over (`handover_floor`) is the same work with the least a loader of
+threads adds to it: the threads take batch numbers from a queue, collate into a free batch
+tensor of a pool they share, and put the batch on a queue; this thread takes the batches in
+their order, reads the last value, and gives the tensor back; as many tasks are out at a time
+as the loaders' prefetch allows (`PREFETCH` a thread). Its pool is made and written once
+before the clock, as the floor's batches are, so that what it measures is the hand-over
+itself: the queues, the wait for the next batch in order, the batch written into a tensor
+last written several batches ago, and this thread's steps. No loader of threads can do less;
+the thread loader's share of it is what statecore costs beyond that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import queue
 import threading
 import time
 from typing import Any
 
 import torch
 
+from statecore.executors._thread.storages import new_storage
 from statecore.tools.workloads import Measurement, Unit, Workload
 
-__all__ = ["threads_floor"]
+__all__ = ["PREFETCH", "handover_floor", "threads_floor"]
+
+PREFETCH = 2
+"""Tasks out a thread in the floor with a hand-over: the loaders' default `prefetch_factor`."""
+
+
+def _batches(workload: Workload) -> list[range]:
+    """The indices of each batch of one epoch of `workload`, in order; refuses a workload not
+    measured in bytes."""
+    if workload.unit is not Unit.GB_PER_S:
+        raise ValueError(f"{workload.name}: a floor is measured in GB/s, not {workload.unit.value}")
+    size = workload.batch_size
+    return [range(number * size, number * size + size) for number in range(workload.batches)]
+
+
+def _batch_of(samples: list[torch.Tensor]) -> torch.Tensor:
+    """`samples` stacked into a new batch tensor whose storage is made as the thread
+    executor's are (`new_storage`)."""
+    first = samples[0]
+    shape = (len(samples), *first.shape)
+    storage = new_storage(math.prod(shape) * first.element_size())
+    batch = torch.empty(0, dtype=first.dtype).set_(storage).view(shape)
+    return torch.stack(samples, out=batch)
 
 
 def threads_floor(workload: Workload) -> Measurement:
     """One run of `workload`'s floor: its batches made and collated by `workload.workers`
     threads with no loader; the work is the batches' bytes (`Unit.GB_PER_S`)."""
-    if workload.unit is not Unit.GB_PER_S:
-        raise ValueError(f"{workload.name}: a floor is measured in GB/s, not {workload.unit.value}")
+    batches = _batches(workload)
     dataset: Any = workload.dataset_for_run()
-    size, threads = workload.batch_size, workload.workers
+    threads = workload.workers
     # The steady stretch: every batch but the first, as `workloads.measure` times it.
-    batches = [range(number * size, number * size + size) for number in range(workload.batches)]
     timed = batches[1:]
     ready = threading.Barrier(threads + 1)
     finished = threading.Barrier(threads + 1)
@@ -46,8 +82,7 @@ def threads_floor(workload: Workload) -> Measurement:
 
     def work(thread: int) -> None:
         try:
-            first = [dataset[index] for index in batches[0]]
-            batch = torch.stack(first)
+            batch = _batch_of([dataset[index] for index in batches[0]])
             ready.wait()
             made = 0.0
             for indices in timed[thread::threads]:
@@ -77,3 +112,80 @@ def threads_floor(workload: Workload) -> Measurement:
     if failures:
         raise failures[0]
     return Measurement(seconds, sum(done))
+
+
+_STOP = -1
+
+
+def handover_floor(workload: Workload) -> Measurement:
+    """One run of `workload`'s floor with a hand-over (see the docstring): its batches made by
+    `workload.workers` threads and taken in order by this one, through queues and a shared
+    pool of batch tensors, with no loader; the work is the bytes of the batches of the steady
+    stretch, timed from the first batch taken to the last (`Unit.GB_PER_S`)."""
+    batches = _batches(workload)
+    dataset: Any = workload.dataset_for_run()
+    threads = workload.workers
+    tasks: queue.SimpleQueue[int] = queue.SimpleQueue()
+    made: queue.SimpleQueue[tuple[int, torch.Tensor | BaseException]] = queue.SimpleQueue()
+    # As many tensors as can be out at once (the tasks out and the one in this thread's hand),
+    # written once before the clock.
+    free = [
+        _batch_of([dataset[index] for index in batches[0]]) for _ in range(threads * PREFETCH + 1)
+    ]
+    lock = threading.Lock()
+
+    def claim() -> torch.Tensor:
+        with lock:
+            if free:
+                return free.pop()
+        return _batch_of([dataset[index] for index in batches[0]])
+
+    def work() -> None:
+        while (number := tasks.get()) != _STOP:
+            try:
+                batch = claim()
+                torch.stack([dataset[index] for index in batches[number]], out=batch)
+                made.put((number, batch))
+            except BaseException as error:
+                made.put((number, error))
+                return
+
+    workers = [
+        threading.Thread(target=work, name=f"handover-floor-{thread}", daemon=True)
+        for thread in range(threads)
+    ]
+    for worker in workers:
+        worker.start()
+    sent = 0
+    for _ in range(min(len(batches), threads * PREFETCH)):
+        tasks.put(sent)
+        sent += 1
+    waiting: dict[int, torch.Tensor] = {}
+    work_done = 0.0
+    started = 0.0
+    try:
+        for number in range(len(batches)):
+            while number not in waiting:
+                arrived, batch_or_error = made.get()
+                if isinstance(batch_or_error, BaseException):
+                    raise batch_or_error
+                waiting[arrived] = batch_or_error
+            batch = waiting.pop(number)
+            if number == 0:
+                started = time.perf_counter()
+            else:
+                batch.reshape(-1)[-1].item()
+                work_done += float(batch.nbytes)
+            if sent < len(batches):
+                tasks.put(sent)
+                sent += 1
+            with lock:
+                free.append(batch)
+            del batch
+        seconds = time.perf_counter() - started
+    finally:
+        for _ in workers:
+            tasks.put(_STOP)
+        for worker in workers:
+            worker.join()
+    return Measurement(seconds, work_done)

@@ -61,6 +61,7 @@ __all__ = [
     "bench",
     "memcpy_bandwidth",
     "measure_floor",
+    "measure_handover",
     "measure_memory",
     "measure_side",
     "missing_dependencies",
@@ -172,6 +173,9 @@ class WorkloadResult:
     """statecore's runs with `num_workers="auto"`, when asked for (`bench --auto`)."""
     floor: tuple[Measurement, ...] = ()
     """The floor's runs, one a round, for a workload that times it (`Workload.floor`)."""
+    handover: tuple[Measurement, ...] = ()
+    """The runs of the floor with a hand-over (`tools.floor.handover_floor`), one a round,
+    where the floor is timed."""
 
     @property
     def ok(self) -> bool:
@@ -215,6 +219,15 @@ class WorkloadResult:
     def floor_shares(self, side: Side) -> tuple[float, ...]:
         """Per round, `side`'s throughput over the floor's (`tools.floor`); none without it."""
         return pair_ratios(self.floor, self.runs(side)) if self.floor else ()
+
+    def handover_shares(self, side: Side | None = None) -> tuple[float, ...]:
+        """Per round, `side`'s throughput over the floor with a hand-over's; with no side, the
+        floor with a hand-over's over the floor's. None where it was not timed."""
+        if not self.handover:
+            return ()
+        if side is None:
+            return pair_ratios(self.floor, self.handover)
+        return pair_ratios(self.handover, self.runs(side))
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -268,6 +281,11 @@ class WorkloadResult:
                 if self.floor
                 else {}
             ),
+            **(
+                {"handover": {"runs": [_measurement_json(run) for run in self.handover]}}
+                if self.handover
+                else {}
+            ),
             # Ray's and auto's figures only where they ran: a report without them reads as it
             # always did.
             **{
@@ -307,7 +325,16 @@ class WorkloadResult:
             ray=runs(Side.RAY),
             auto=runs(Side.AUTO),
             floor=tuple(_measurement(run) for run in data.get("floor", {}).get("runs", [])),
+            handover=tuple(_measurement(run) for run in data.get("handover", {}).get("runs", [])),
         )
+
+
+def _shares(shares: Sequence[float]) -> str:
+    """Per-round shares as the median percentage, with the lowest and highest."""
+    return (
+        f"{100.0 * statistics.median(shares):.0f}% "
+        f"({100.0 * min(shares):.0f}-{100.0 * max(shares):.0f})"
+    )
 
 
 def memcpy_bandwidth(megabytes: int = 20, repeats: int = 15) -> float:
@@ -460,16 +487,15 @@ class BenchReport:
 
     def floor_lines(self) -> list[str]:
         """For each workload that timed its floor: the floor, and the threads' (and the default
-        executor's) figure as a share of it, the median of the per-round shares."""
+        executor's) figure as a share of it, the median of the per-round shares; then the floor
+        with a hand-over, its share of the floor, and the threads' share of it."""
         lines = []
         for result in self.results:
             if not (result.ok and result.floor):
                 continue
             floors = [result.unit.figure(run.throughput) for run in result.floor]
             shares = ", ".join(
-                f"{side.value} {100.0 * statistics.median(result.floor_shares(side)):.0f}%"
-                f" ({100.0 * min(result.floor_shares(side)):.0f}-"
-                f"{100.0 * max(result.floor_shares(side)):.0f})"
+                f"{side.value} {_shares(result.floor_shares(side))}"
                 for side in (Side.THREADS, Side.STATECORE)
                 if result.runs(side)
             )
@@ -478,6 +504,17 @@ class BenchReport:
                 f"loader) {_number(statistics.median(floors))} {result.unit.value} "
                 f"({_number(min(floors))}-{_number(max(floors))}); share of it, median of "
                 f"rounds (min-max): {shares}; goal for threads: at least 90%"
+            )
+            if not result.handover:
+                continue
+            handed = [result.unit.figure(run.throughput) for run in result.handover]
+            lines.append(
+                f"{result.name}: floor with a hand-over (the same threads hand each batch to "
+                "the main thread in order, through queues and a pool of batch tensors; no "
+                f"loader) {_number(statistics.median(handed))} {result.unit.value} "
+                f"({_number(min(handed))}-{_number(max(handed))}), "
+                f"{_shares(result.handover_shares())} of the floor; threads "
+                f"{_shares(result.handover_shares(Side.THREADS))} of it"
             )
         return lines
 
@@ -630,6 +667,13 @@ def measure_floor(workload: Workload) -> Measurement:
     return threads_floor(workload)
 
 
+def measure_handover(workload: Workload) -> Measurement:
+    """One run of `workload`'s floor with a hand-over (see `tools.floor`)."""
+    from statecore.tools.floor import handover_floor
+
+    return handover_floor(workload)
+
+
 def measure_side(workload: Workload, side: Side) -> Measurement:
     """One timed run of `side`'s loader on `workload` (see `workloads.measure`)."""
     return measure(workload, side.loader_class(), side.options())
@@ -658,9 +702,10 @@ def _outlived(seconds: float = 2.0) -> int:
     return count
 
 
-def _failure(side: Side, failure: BaseException) -> str:
+def _failure(what: str, failure: BaseException) -> str:
+    """What failed: `what` (a loader, or a floor) raised `failure`."""
     message = str(failure).strip().splitlines()
-    return f"{side.value} raised {type(failure).__name__}: {message[0] if message else ''}"
+    return f"{what} raised {type(failure).__name__}: {message[0] if message else ''}"
 
 
 def _run_rounds(
@@ -671,17 +716,20 @@ def _run_rounds(
     say: Callable[[str], None],
     ran: Callable[[], None] = lambda: None,
     floor: MeasureFloor = measure_floor,
+    handover: MeasureFloor = measure_handover,
 ) -> WorkloadResult:
     """The warm-up and `rounds` rounds of one workload, then its memory if it measures it;
     a run that raises ends the workload. `ran` hears of each run as it ends. A workload that
-    times its floor (`Workload.floor`) runs it once a round too, first in odd rounds and last
-    in even ones."""
+    times its floor (`Workload.floor`) runs it and the floor with a hand-over once a round too,
+    on either side of the threads' run (`_with_floors`), and in the warm-up."""
     sides = workload.sides
     runs: dict[Side, list[Measurement]] = {side: [] for side in Side}
-    floors: list[Measurement] = []
+    references: dict[str, list[Measurement]] = {_FLOOR: [], _HANDOVER: []}
+    measure_reference = {_FLOOR: floor, _HANDOVER: handover}
     first: list[Side] = []
     error = None
     side = Side.TORCH
+    running = side.value  # what a failure is reported of
     try:
         if workload.warmup:
             small = attrs.evolve(
@@ -689,26 +737,29 @@ def _run_rounds(
                 batches=min(workload.batches, WARMUP_BATCHES),
                 num_workers=min(workload.num_workers, 1),
             )
-            for side in sides:
-                measure(small, side)
+            for step in _with_floors(0, sides, workload.floor):
+                running = step.value if isinstance(step, Side) else step
+                if isinstance(step, Side):
+                    measure(small, step)
+                else:
+                    measure_reference[step](small)
                 ran()
         for number in range(rounds):
             order = round_order(number, sides)
-            floor_first = number % 2 == 1
-            if workload.floor and floor_first:
-                floors.append(floor(workload))
-                ran()
-            for side in order:
+            for step in _with_floors(number, order, workload.floor):
+                running = step.value if isinstance(step, Side) else step
+                if not isinstance(step, Side):
+                    references[step].append(measure_reference[step](workload))
+                    ran()
+                    continue
+                side = step
                 runs[side].append(measure(workload, side))
                 ran()
                 if stray := _outlived():
                     say(f"warning: {stray} worker process(es) outlived a {side.value} run")
-            if workload.floor and not floor_first:
-                floors.append(floor(workload))
-                ran()
             first.append(order[0])
     except Exception as failure:  # reported in the table; the other workloads still run
-        error = _failure(side, failure)
+        error = _failure(running, failure)
     memory: list[Peak] = []
     memory_error = None
     if peak is not None and workload.memory and error is None:
@@ -717,7 +768,7 @@ def _run_rounds(
                 memory.append(peak(workload, side))
                 ran()
         except Exception as failure:  # the timings stand; the memory row says what failed
-            memory, memory_error = [], _failure(side, failure)
+            memory, memory_error = [], _failure(side.value, failure)
     complete = len(first)  # only whole rounds are kept: a ratio needs every side's run
     return WorkloadResult(
         name=workload.name,
@@ -736,8 +787,31 @@ def _run_rounds(
         memory_error=memory_error,
         ray=tuple(runs[Side.RAY][:complete]),
         auto=tuple(runs[Side.AUTO][:complete]),
-        floor=tuple(floors[:complete]),
+        floor=tuple(references[_FLOOR][:complete]),
+        handover=tuple(references[_HANDOVER][:complete]),
     )
+
+
+_FLOOR = "floor"
+_HANDOVER = "the floor with a hand-over"
+
+
+def _with_floors(number: int, order: Sequence[Side], floors: bool) -> tuple[Side | str, ...]:
+    """Round `number`'s runs: the loaders in `order` and, if `floors`, the floor and the floor
+    with a hand-over on either side of the threads' run (at the end without one), the floor
+    before it in even rounds and after it in odd ones.
+
+    Next to the threads' run, because the threads' figure is a share of them: the machine's
+    bandwidth moves from run to run (on a quiet machine the floor spread from 9.7 to 17.3 GB/s
+    over one bench), and a floor timed two process loaders away from the threads' run measured
+    another moment."""
+    if not floors:
+        return tuple(order)
+    before, after = (_FLOOR, _HANDOVER) if number % 2 == 0 else (_HANDOVER, _FLOOR)
+    if Side.THREADS not in order:
+        return (*order, before, after)
+    at = order.index(Side.THREADS)
+    return (*order[:at], before, Side.THREADS, after, *order[at + 1 :])
 
 
 def _peaked(sides: Iterable[Side]) -> tuple[Side, ...]:
@@ -750,9 +824,9 @@ def _peaked(sides: Iterable[Side]) -> tuple[Side, ...]:
 def _planned_runs(workload: Workload, rounds: int, memory: bool) -> int:
     """The runs `_run_rounds` makes of `workload` if none raises: warm-up, rounds, memory."""
     sides = len(workload.sides)
-    warmup = sides if workload.warmup else 0
     peaks = len(_peaked(workload.sides)) if memory and workload.memory else 0
-    floors = 1 if workload.floor else 0
+    floors = 2 if workload.floor else 0
+    warmup = sides + floors if workload.warmup else 0
     return warmup + max(rounds, 0) * (sides + floors) + peaks
 
 
@@ -765,17 +839,20 @@ def run_benchmark(
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[str, int, int], None] | None = None,
     floor: MeasureFloor = measure_floor,
+    handover: MeasureFloor = measure_handover,
 ) -> BenchReport:
     """Run every workload in `rounds` rounds (or the workload's own `rounds`); the report.
 
     A round is one run of each loader the workload compares (`Workload.sides`), in an order
     that rotates from round to round (`round_order`). Before the first round each loader
-    makes one untimed run of a small epoch with at most one worker, unless the workload says
-    not to, so that imports and one-time set-up in this process (a fork server, say) are not
-    charged to the first round. A run that raises ends its workload, whose result then
-    carries the error; the other workloads still run. `measure` does one run; `peak`, if
-    given, measures each loader's memory on the workloads that ask for it (`Workload.memory`),
-    after their rounds; `progress` hears what is going on, in lines of text.
+    makes one untimed run of a small epoch with at most one worker (and so do the floors,
+    where timed), unless the workload says not to, so that imports and one-time set-up in this
+    process (a fork server, say) are not charged to the first round. A run that raises ends
+    its workload, whose result then carries the error; the other workloads still run.
+    `measure` does one run; `peak`, if given, measures each loader's memory on the workloads
+    that ask for it (`Workload.memory`), after their rounds; `floor` and `handover` time the
+    floors (`tools.floor`) of the workloads that time them; `progress` hears what is going
+    on, in lines of text.
 
     `on_run` hears `(workload name, runs done, runs planned in all)`, every run counted
     (warm-up, timed and memory runs alike): before each workload's first run, and after each
@@ -806,7 +883,7 @@ def run_benchmark(
             current, before = workload.name, done
             heard(current, done, total)
             began = time.perf_counter()
-            result = _run_rounds(workload, count, measure, peak, say, ran, floor)
+            result = _run_rounds(workload, count, measure, peak, say, ran, floor, handover)
             took = time.perf_counter() - began
             if done < before + runs:  # a run raised: the rest of the workload's runs are off
                 done = before + runs
