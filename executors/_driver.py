@@ -18,7 +18,7 @@ function's start, after each call, a loop's jump back). Whichever of the consume
 cuts short tells the scheduler once (`Interrupted`), on its way out, and the scheduler keeps
 everything owed. A command it cut short is carried out again on the next call (a draw from the
 sampler is abandoned instead, as the scheduler was told). An outcome the scheduler gave is
-never held by a frame alone: it is the driver's (`Ledger.handed`) from the moment it is taken
+never held by a frame alone: it is the driver's (`Driver.handed`) from the moment it is taken
 off the commands until the store just before the consumer's call returns it, with no call in
 between, so an interrupt before that leaves it for the next request. Either way the next
 `next()` goes on with the epoch and the next `iter()` starts a new one, as in torch. One window
@@ -116,6 +116,8 @@ __all__ = [
 
 _NEXT = NextRequested()
 _MARKED = (TaskCompleted, TaskFailed, WorkerExhausted)
+_CARRIED = frozenset((SendTask, ResumeWorker, StopWorker, ReplaceWorker, Shutdown))
+"""The commands `carry_out` carries out by a call (see `Driver._carrier`)."""
 _SAMPLER_EXHAUSTED = SamplerExhausted()
 _CLOSE = CloseRequested()
 _INTERRUPTED = Interrupted()
@@ -184,7 +186,14 @@ class Driver:
         # The driver's state between calls; `snapshot` takes it as one value.
         self.todo: deque[Command] = deque()
         """Commands still to carry out: those an interrupt left for the next call."""
-        self.ledger = Ledger()
+        # What the scheduler handed over that the consumer did not get: two frozen values that
+        # `snapshot` takes as one `Ledger`. Apart here, since a batch reads them several times
+        # and a named tuple's field is read through a descriptor call.
+        self.handed: Command | None = None
+        """The outcome of the call under way, from the moment it is taken off the commands until
+        it is handed over; between calls, one that an interrupt kept for the next request."""
+        self.void: tuple[tuple[int, int], ...] = ()
+        """(task, worker) handed over in a call that raised the executor's failure instead."""
         self.worker_marks = WorkerMarks() if marking else None
         """None where the answers carry no marks (a map-style dataset without a state)."""
         self.confirm_owed = False
@@ -210,7 +219,8 @@ class Driver:
         """
         self.seeds = seeds
         try:
-            self.ledger = _NO_LEDGER  # an outcome of the epoch being left behind, and the void
+            # An outcome of the epoch being left behind, and the void: no call between the stores.
+            self.handed, self.void = None, ()
             if self.worker_marks is not None:
                 dry = () if resume is None else resume.dry
                 self.worker_marks = self.worker_marks.begin(marks or {}, dry)
@@ -224,30 +234,29 @@ class Driver:
         """The next batch; StopIteration at the end of the epoch; the worker's error in its turn."""
         self.watch = None  # a worker is stuck if this call waits `worker_timeout` for its task
         try:
-            if self.ledger.handed is None:
+            if self.handed is None:
                 if self.todo:
                     # Left by an interrupt: carried out before anything new is asked.
                     self.carry_out()
-                if self.ledger.handed is None:
+                if self.handed is None:
                     # `request(_NEXT)`, less a frame on every batch.
                     self.state, commands = self.step(self.state, _NEXT)
                     self.todo.extend(commands)
                     del commands
                     self.carry_out()
                     self.finish()
-            ledger = self.ledger
-            outcome = ledger.handed
+            outcome = self.handed
             if type(outcome) is Deliver:
                 # Handed over here rather than in `hand_over`: a return through one frame
                 # more is one more place an interrupt could drop the batch at.
-                if self.worker_marks is None and not ledger.void:  # the common case
+                if self.worker_marks is None:  # the common case
                     payload = outcome.payload
-                    self.ledger = _NO_LEDGER  # no call from here on: the batch is handed
+                    self.handed = None  # no call from here on: the batch is handed
                     return payload
-                emptied, worker_marks = self._handing(outcome)
+                worker_marks = self._handing(outcome)
                 payload = outcome.payload
                 self.worker_marks = worker_marks  # no call from here on, as above
-                self.ledger = emptied
+                self.handed = None
                 return payload
             del outcome  # see `hand_over`
             return self._go_on(True)
@@ -269,15 +278,13 @@ class Driver:
             raise
 
     def _go_on(self, in_next: bool) -> Any:
-        ledger = self.ledger
-        outcome = ledger.handed
+        outcome = self.handed
         if outcome is None:
             outcome = self.finish()
-            ledger = self.ledger
-        if type(outcome) is Deliver and self.worker_marks is None and not ledger.void:
+        if type(outcome) is Deliver and self.worker_marks is None:
             # The common case, without `hand_over`'s call.
             payload = outcome.payload
-            self.ledger = _NO_LEDGER  # no call from here on: the batch is the consumer's now
+            self.handed = None  # no call from here on: the batch is the consumer's now
             return payload
         if outcome is None:
             if not in_next:
@@ -292,16 +299,16 @@ class Driver:
         """Stop the workers and release everything. Idempotent; a close an interrupt cut
         short finishes stopping the workers when called again."""
         try:
-            before = self.ledger.handed
+            before = self.handed
             if self.state.phase is not Phase.CLOSED:
                 self.request(_CLOSE)
             elif self.todo:
                 self.carry_out()
-            outcome = self.ledger.handed
+            outcome = self.handed
             if outcome is not before:
                 # What the close itself was answered. A cancellation is the waiting
                 # consumer's, not the closer's; an executor that failed to stop its workers is
-                # the closer's to hear. An outcome an earlier call left stays the ledger's (a
+                # the closer's to hear. An outcome an earlier call left stays the driver's (a
                 # checkpoint counts it as not received).
                 raises = type(outcome) is RaiseError and type(outcome.failure) is not Cancelled
                 del outcome  # see `hand_over`
@@ -309,7 +316,7 @@ class Driver:
                     if raises:
                         self.hand_over()
                 finally:
-                    self.ledger = Ledger(before, self.ledger.void)
+                    self.handed = before
         except BaseException as error:
             self._told_if_interrupted(error)
             raise
@@ -328,8 +335,7 @@ class Driver:
         not counted: an interrupt kept it for the next request, or the executor failed and
         its error took the batch's place.
         """
-        ledger = self.ledger
-        unreceived = [*ledger.void, *_tasks_of((ledger.handed, *self.todo))]
+        unreceived = [*self.void, *_tasks_of((self.handed, *self.todo))]
         return progress(self.state, unreceived)
 
     @property
@@ -356,14 +362,18 @@ class Driver:
     def snapshot(self) -> DriverState:
         """The driver's state between calls, the scheduler's with it, as one value."""
         return DriverState(
-            self.state, tuple(self.todo), self.ledger, self.worker_marks, self.confirm_owed
+            self.state,
+            tuple(self.todo),
+            Ledger(self.handed, self.void),
+            self.worker_marks,
+            self.confirm_owed,
         )
 
     def restore(self, snapshot: DriverState) -> None:
         """Put back a state `snapshot` took (of this driver, or of one over a like executor)."""
         self.state = snapshot.state
         self.todo = deque(snapshot.todo)
-        self.ledger = snapshot.ledger
+        self.handed, self.void = snapshot.ledger
         self.worker_marks = snapshot.worker_marks
         self.confirm_owed = snapshot.confirm_owed
 
@@ -411,9 +421,9 @@ class Driver:
 
     def finish(self) -> Command | None:
         """Wait for the call's outcome for as long as the scheduler says the consumer waits."""
-        handed = self.ledger.handed
+        handed = self.handed
         while handed is None and (self.state.waiting or self.state.life.resetting):
-            handed = self.wait()  # `carry_out`'s answer: `self.ledger.handed`
+            handed = self.wait()  # `carry_out`'s answer: `self.handed`
         return handed
 
     def wait(self) -> Command | None:
@@ -469,10 +479,10 @@ class Driver:
         return self.carry_out()
 
     def hand_over(self) -> Any:
-        """What the consumer gets for the outcome the ledger holds: the batch, StopIteration,
+        """What the consumer gets for the outcome the driver holds: the batch, StopIteration,
         or the error.
 
-        Everything that calls anything comes first; the last stores (the ledger emptied, the
+        Everything that calls anything comes first; the last stores (the outcome let go, the
         task's mark made its worker's) come with no call between them and the return or
         raise, so an interrupt leaves the outcome for the next request or hands it over, never
         half of each.
@@ -482,18 +492,17 @@ class Driver:
         with its workers then lives on until the garbage collector runs. So this frame, and
         each caller's, lets go of the outcome before the exception leaves it.
         """
-        ledger = self.ledger
-        outcome = ledger.handed
-        emptied, worker_marks = self._handing(outcome)
+        outcome = self.handed
+        worker_marks = self._handing(outcome)
         kind = type(outcome)
         if kind is Deliver:
             payload = outcome.payload  # type: ignore[union-attr]
             self.worker_marks = worker_marks
-            self.ledger = emptied
+            self.handed = None
             return payload
         if kind is EndEpoch:
             self.worker_marks = worker_marks
-            self.ledger = emptied
+            self.handed = None
             raise StopIteration
         error = failure_exception(outcome.failure)  # type: ignore[union-attr]
         if type(error) is LoaderTimeoutError:
@@ -503,26 +512,24 @@ class Driver:
             for observer in self.observers:
                 observer.raising(error, self.state, key=failure, as_note=True)
             del failure
-        del outcome, ledger
+        del outcome
         try:
             self.worker_marks = worker_marks
-            self.ledger = emptied
+            self.handed = None
             raise error
         finally:
             del error
 
-    def _handing(self, outcome: Command | None) -> tuple[Ledger, WorkerMarks | None]:
-        """The ledger and the workers' marks once `outcome` is handed over, for the caller to
-        store with no call between the stores and the hand-over."""
-        void = self.ledger.void
-        emptied = Ledger(None, void) if void else _NO_LEDGER
+    def _handing(self, outcome: Command | None) -> WorkerMarks | None:
+        """The workers' marks once `outcome` is handed over, for the caller to store with no call
+        between the store and the hand-over."""
         worker_marks = self.worker_marks
         if worker_marks is not None:
             handed = handed_task(outcome)
             if handed is not None:
                 # The consumer gets the batch or error of the task: its mark is now its worker's.
                 worker_marks = worker_marks.receive(handed[0])
-        return emptied, worker_marks
+        return worker_marks
 
     def _recorded(self, error: InternalError) -> InternalError:
         """`error`, naming the flight recorder's file of the events that led to it."""
@@ -627,17 +634,16 @@ class Driver:
                 )
 
     def carry_out(self) -> Command | None:
-        """Carry out every pending command; return what the consumer gets, which the ledger
-        holds (`Ledger.handed`) until it is handed over."""
+        """Carry out every pending command; return what the consumer gets, which the driver
+        holds (`handed`) until it is handed over."""
         todo, executor = self.todo, self.executor
         while todo:
             # Taken off only once carried out: an interrupt leaves it to be done again.
             command = todo[0]
             kind = type(command)
             if kind is Deliver or kind is RaiseError or kind is EndEpoch:
-                held = _tuple_new(Ledger, (command, self.ledger.void))  # `Ledger(...)`, frameless
                 # No call between these two: the outcome is the driver's, not a frame's.
-                self.ledger = held
+                self.handed = command
                 todo.popleft()
                 continue
             elif kind is DrawIndex:
@@ -645,31 +651,34 @@ class Driver:
                 self._draw()
                 continue
             else:
-                call: Callable[[Any], None]
-                argument: Any
+                argument: Any = command
                 if kind is SendTask:
                     seeds = self.seeds
-                    call = executor.dispatch
-                    argument = command if seeds is None else seeds.task(command, self.state.life)  # type: ignore[arg-type]
-                elif kind is ResumeWorker:
-                    call, argument = executor.resume, command
-                elif kind is StopWorker:
-                    call, argument = executor.stop_worker, command.worker  # type: ignore[attr-defined]
-                elif kind is ReplaceWorker:
-                    call, argument = self._replace, command
-                elif kind is Shutdown:
-                    call, argument = self._shut_down, None
-                else:  # pragma: no cover - the core emits no other command
+                    if seeds is not None:
+                        argument = seeds.task(command, self.state.life)  # type: ignore[arg-type]
+                elif kind not in _CARRIED:  # pragma: no cover - the core emits no other command
                     raise InternalError(f"the driver cannot carry out {command!r}")
                 try:
-                    call(argument)
+                    # Each executor method is called in place: `executor.dispatch` taken as a
+                    # value would make a bound method for every task (see `_carrier`).
+                    if kind is SendTask:
+                        executor.dispatch(argument)
+                    elif kind is ResumeWorker:
+                        executor.resume(argument)
+                    elif kind is StopWorker:
+                        executor.stop_worker(argument.worker)
+                    elif kind is ReplaceWorker:
+                        self._replace(argument)
+                    else:
+                        self._shut_down(None)
                     todo.popleft()
                 except BaseException as error:
                     if is_interrupt(error):
                         # Done, and to be taken off, if the interrupt landed as the call
                         # returned rather than inside it: done again, a task sent twice would
                         # be answered twice.
-                        if not _cut_short(error, call) and todo and todo[0] is command:
+                        carrier = self._carrier(kind)
+                        if not _cut_short(error, carrier) and todo and todo[0] is command:
                             todo.popleft()
                         raise
                     if not isinstance(error, Exception):  # pragma: no cover - is_interrupt's
@@ -679,12 +688,24 @@ class Driver:
                         raise
                     # What the scheduler answers replaces the rest of this run, and the
                     # outcome already picked up in it.
-                    ledger = self.ledger
-                    void = (*ledger.void, *_tasks_of((ledger.handed, *todo)))
-                    self.ledger = Ledger(None, void)
+                    void = (*self.void, *_tasks_of((self.handed, *todo)))
+                    self.handed, self.void = None, void
                     todo.clear()
                     self._feed(ExecutorFailed(error))
-        return self.ledger.handed
+        return self.handed
+
+    def _carrier(self, kind: type[Command]) -> Callable[..., None]:
+        """What `carry_out` calls to carry out a command of type `kind` (not `Deliver`,
+        `RaiseError`, `EndEpoch` or `DrawIndex`)."""
+        executor = self.executor
+        carriers: dict[type[Command], Callable[..., None]] = {
+            SendTask: executor.dispatch,
+            ResumeWorker: executor.resume,
+            StopWorker: executor.stop_worker,
+            ReplaceWorker: self._replace,
+            Shutdown: self._shut_down,
+        }
+        return carriers[kind]
 
     def _shut_down(self, _: None) -> None:
         # Once begun, a shutdown finishes: an interrupt is raised after it (and the command,
@@ -717,7 +738,7 @@ class Driver:
                 raise  # `carry_out` tells the scheduler, which abandons the draw
             self._feed(SamplerFailed(error))
         else:
-            self.state, commands = self.step(self.state, IndexDrawn.fast(index))
+            self.state, commands = self.step(self.state, _index_drawn(index))
             self.todo.extend(commands)
 
 
@@ -781,12 +802,9 @@ class _Noted:
 
 
 class Ledger(NamedTuple):
-    """What the scheduler handed over that the consumer did not get yet. A value: the driver
-    replaces it, never changes it.
-
-    A named tuple rather than an attrs class, as the core's `State` is: `carry_out` builds one
-    for every batch, and `tuple.__new__` builds it with no Python frame (an attrs class takes
-    `__init__`'s, or a fast constructor's and two slot stores)."""
+    """What the scheduler handed over that the consumer did not get yet, as `Driver.snapshot`
+    takes it (the driver holds the two fields as `handed` and `void`, each a value it replaces,
+    never changes)."""
 
     handed: Command | None = None
     """The outcome of the call under way, from the moment it is taken off the commands until
@@ -795,8 +813,9 @@ class Ledger(NamedTuple):
     """(task, worker) handed over in a call that raised the executor's failure instead."""
 
 
-_tuple_new = tuple.__new__
 _NO_LEDGER = Ledger()
+# Bound once: a class method looked up on its class is bound anew at each call (one a batch).
+_index_drawn = IndexDrawn.fast
 
 
 @attrs.frozen

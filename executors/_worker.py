@@ -109,6 +109,9 @@ class WorkerSetup:
         return self.dataset_kind == _DatasetKind.Iterable
 
 
+# Bound once: a class method looked up on its class is bound anew at each call (one a batch).
+_completed = TaskCompleted.fast
+
 _TIMING_SLOT = {
     TaskCompleted: TaskCompleted.__dict__["timing"].__set__,
     TaskFailed: TaskFailed.__dict__["timing"].__set__,
@@ -447,7 +450,8 @@ class WorkerRuntime:
         if self.exhausted:
             return WorkerExhausted(task, worker)
         if not self.iterable:
-            if type(command) is SeededTask and self.seeder is not None:
+            # The seeder first: None unless batches are seeded, it spares most tasks `type()`.
+            if self.seeder is not None and type(command) is SeededTask:
                 return self._answer_seeded(command)
             if self.stateful_map:
                 return self._answer_stateful_map(command)
@@ -456,7 +460,7 @@ class WorkerRuntime:
                 data = self.fetch(command.index)
             except Exception as error:
                 return TaskFailed(task, worker, self._capture(error, command.index))
-            return TaskCompleted.fast(task, worker, data)
+            return _completed(task, worker, data)
         try:
             if self.skip:
                 self._fast_forward(command.index)
@@ -483,7 +487,7 @@ class WorkerRuntime:
             return TaskFailed(
                 task, worker, self._capture(error, command.index, where), self._counted()
             )
-        return TaskCompleted.fast(task, worker, data, mark)
+        return _completed(task, worker, data, mark)
 
     def _answer_seeded(self, command: SeededTask) -> Event:
         """A map-style task loaded under its batch's own seed (seeding per batch): the one
@@ -503,7 +507,7 @@ class WorkerRuntime:
             data = self.fetch(command.index)
         except Exception as error:
             return TaskFailed(command.task, self.worker_id, self._capture(error, command.index))
-        return TaskCompleted.fast(command.task, self.worker_id, data)
+        return _completed(command.task, self.worker_id, data)
 
     def _answer_stateful_map(self, command: SendTask) -> Event:
         """A map-style task whose answer carries the dataset's state after it (its mark)."""
@@ -532,7 +536,7 @@ class WorkerRuntime:
             )
             where = "in the dataset's state_dict, for a checkpoint"
             return TaskFailed(task, worker, self._capture(error, index, where))
-        return TaskCompleted.fast(task, worker, data, mark)
+        return _completed(task, worker, data, mark)
 
     def _map_mark(self) -> Mark:
         snapshot = {"dataset": self.dataset.state_dict()}

@@ -301,9 +301,9 @@ def _driver_waits_only_in_next() -> dict[str, object]:
     def finish(self: Driver) -> Command | None:
         # Waits while a batch is awaited, but not while iter() is still resetting: iter()
         # returns before every persistent worker resumed.
-        while self.ledger.handed is None and self.state.waiting:
+        while self.handed is None and self.state.waiting:
             self.wait()
-        return self.ledger.handed
+        return self.handed
 
     return {"Driver.finish": finish}
 

@@ -148,6 +148,11 @@ RETIRING = WorkerStatus.RETIRING
 
 _tuple_new = tuple.__new__
 _DRAW = (DRAW_INDEX,)
+# The fast constructors of the values a batch's steps build, bound once: a class method looked up
+# on its class at each call is bound anew each time (a method object made and dropped).
+_send_task = SendTask.fast
+_ready = Ready.fast
+_deliver = Deliver.fast
 
 
 class Transition(NamedTuple):
@@ -168,10 +173,11 @@ def step(state: State, event: Event) -> Transition:
         handler, guards = _ROUTES[state.life.phase][type(event)]
     except KeyError:
         handler, guards = _illegal, ()  # raises below, so the KeyError is not its context
-    for guard in guards:
-        reason = guard(state, event)
-        if reason is not None:
-            raise _refuse(state, event, reason)
+    if guards:  # a batch's three steps have none: a loop over none still builds an iterator
+        for guard in guards:
+            reason = guard(state, event)
+            if reason is not None:
+                raise _refuse(state, event, reason)
     return handler(state, event)
 
 
@@ -573,7 +579,7 @@ def _settle(
             slot = window[i]
             task = rcvd_idx + i
             if type(slot) is Ready:
-                out += (Deliver.fast(task, slot.worker, slot.payload),)
+                out += (_deliver(task, slot.worker, slot.payload),)
             else:
                 assert type(slot) is Failed
                 out += (RaiseError(TaskFailure(task, slot.worker, slot.error)),)
@@ -837,7 +843,7 @@ def _on_index(state: State, event: IndexDrawn) -> Transition:
     cursor = (w + 1) % config.num_workers
     # A replacement still starting is sent its tasks once it has started (`_on_started`).
     if status is ACTIVE or _policy.in_force.sent_at_once(status):
-        out: tuple[Command, ...] = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),)
+        out: tuple[Command, ...] = (_send_task(w, rcvd_idx + len(window) - 1, index),)
     else:
         out = ()
     return _settle(config, life, rcvd_idx, window, tuple(counts), cursor, None, waiting, out)
@@ -869,7 +875,7 @@ def _on_answer(state: State, event: TaskCompleted | TaskFailed) -> Transition:
             return _drop_stale(state, task, worker, event.incarnation)
         i = claimed
     if type(event) is TaskCompleted:
-        arrived: Slot = Ready.fast(worker, event.payload)
+        arrived: Slot = _ready(worker, event.payload)
     else:
         arrived = Failed(worker, event.error)  # type: ignore[union-attr]
     slots = [*window]
@@ -1137,7 +1143,7 @@ def _steady_index(state: State, event: Event) -> Transition:
     else:
         window += _PENDING_TAILS[w] if w < _SHARED_PENDINGS else (Pending(w),)
     cursor = (w + 1) % config.num_workers
-    out: tuple[Command, ...] = (SendTask.fast(w, rcvd_idx + len(window) - 1, index),)
+    out: tuple[Command, ...] = (_send_task(w, rcvd_idx + len(window) - 1, index),)
     policy = _policy.in_force
     if waiting and policy.deliverable(window, config.in_order) is not None:
         return _settle(config, life, rcvd_idx, window, loads, cursor, None, waiting, out)
@@ -1166,7 +1172,7 @@ def _steady_answer(state: State, event: Event) -> Transition:
     ):
         return _general_step(state, event)
     slots = [*window]
-    slots[i] = Ready.fast(worker, event.payload)  # type: ignore[attr-defined]
+    slots[i] = _ready(worker, event.payload)  # type: ignore[attr-defined]
     window = tuple(slots)
     return _steady_finish(config, life, rcvd_idx, window, loads, cursor, drawing_for, waiting)
 
@@ -1204,7 +1210,7 @@ def _steady_finish(
             if type(slot) is not Ready:
                 return _settle(config, life, rcvd_idx, window, loads, cursor, drawing_for, True, ())
             worker = slot.worker
-            out = (Deliver.fast(rcvd_idx + i, worker, slot.payload),)
+            out = (_deliver(rcvd_idx + i, worker, slot.payload),)
             counts = [*loads]
             counts[worker] -= 1
             loads = tuple(counts)

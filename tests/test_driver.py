@@ -249,9 +249,9 @@ def test_the_models_world_uses_the_driver_only_through_its_calls_and_snapshots()
 
 
 @pytest.mark.timeout(60)
-def test_the_ledger_carry_out_holds_for_a_batch_equals_the_constructors() -> None:
-    # `carry_out` builds the ledger of every outcome with `tuple.__new__`, past the named
-    # tuple's constructor: it must hold the very value the constructor gives, void tasks and all.
+def test_the_ledger_a_snapshot_takes_after_carry_out_holds_the_outcome_and_the_void() -> None:
+    # The driver holds an outcome and the void apart (`handed`, `void`); its snapshot must pair
+    # them in the very value the constructor gives, void tasks and all.
     driver = _inline_driver(4, lambda state: 0)
     outcome = Deliver(3, 1, ["batch"])
     for void in ((), ((2, 0),)):
