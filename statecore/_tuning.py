@@ -255,11 +255,13 @@ class Tuning:
     have a task: where they spend more than this share of the window with one in hand but
     neither on a core nor waiting for one (`LoadWindow.asleep`: on I/O, a sleep), the cores
     idle whenever enough of them sleep at once, and more workers fill those gaps. `mixed` (2 ms
-    asleep, 1 ms of a core, a sample) at 9 workers: asleep about 40% of the time, the cores
-    given 1.9 of 2; cpu-spin's two workers: none."""
-    idle_above: float = 0.03
+    asleep, 1 ms of a core, a sample) at 9 workers: asleep about 40% of the time (2 ms of each
+    4.8 ms sample), the cores given 1.9 of 2. cpu-spin's windows, loaded or not: -0.1 to 0.05
+    over half a second (over 0.2 only in short windows whose cores were far from given)."""
+    idle_above: float = 0.02
     """...and while the cores given leave more than this share idle: the most such workers can
-    add (`cpus / cpu - 1`) is then worth a try."""
+    add (`cpus / cpu - 1`) is then worth the try, whose cost is the workers' start (they are
+    kept unless batches come slower)."""
 
 
 @attrs.frozen
