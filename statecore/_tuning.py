@@ -42,13 +42,8 @@ The rules, in the order `decide_workers` asks them:
    judged as any add by rule 3: more workers add loading there only where samples also wait
    (on I/O, or behind a shared machine's other work). Where they are given in full as well
    (busy on `cpu_given` of them, measured with the run queue), the machine is the loader's and
-   nothing is tried: the CPU budget is spent, and the tuner settles; unless its workers sleep
-   (`asleep_above` of their time with a task in hand, neither on a core nor waiting for one)
-   and the cores given still idle (`idle_above`): the cores then idle whenever enough of the
-   workers sleep at once, and half as many again fill the gaps, kept unless batches come
-   slower (their gain, at most the idle share, is within a window's noise, and they take
-   little of a core); an add tried where the cores are asked for in full is judged so too
-   where the workers sleep. An add undone undoes all it added.
+   nothing is tried: the CPU budget is spent, and the tuner settles. An add undone undoes all
+   it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -157,16 +152,6 @@ class LoadWindow:
         return self.batches / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def asleep(self) -> float | None:
-        """The share of the window each running worker, on average, had a task in hand but was
-        neither on a core nor waiting for one (asleep: on I/O, a sleep, a lock); None where
-        the run queue is not measured. The loop's own CPU is counted as the workers', which
-        errs on the side of less asleep."""
-        if self.cpu is None or self.queued is None or self.running <= 0:
-            return None
-        return self.busy - (self.cpu + self.queued) / self.running
-
-    @property
     def cores_wanted(self) -> float | None:
         """Cores the loop and its workers kept busy or waited for over the window: the CPU they
         asked for, whether the machine gave it or not; None where not measured."""
@@ -251,18 +236,6 @@ class Tuning:
     wait for one another in the run queue (the main process wakes for each batch while every
     worker computes): cpu-spin's two workers and loop were busy on 1.78 to 1.89 of 2 cores
     over half-second windows of a lightly loaded machine."""
-    asleep_above: float = 0.2
-    """The cores given in full settle the tuner only where its workers compute whenever they
-    have a task: where they spend more than this share of the window with one in hand but
-    neither on a core nor waiting for one (`LoadWindow.asleep`: on I/O, a sleep), the cores
-    idle whenever enough of them sleep at once, and more workers fill those gaps. `mixed` (2 ms
-    asleep, 1 ms of a core, a sample) at 9 workers: asleep about 40% of the time (2 ms of each
-    4.8 ms sample), the cores given 1.9 of 2. cpu-spin's windows, loaded or not: -0.1 to 0.05
-    over half a second (over 0.2 only in short windows whose cores were far from given)."""
-    idle_above: float = 0.02
-    """...and while the cores given leave more than this share idle: the most such workers can
-    add (`cpus / cpu - 1`) is then worth the try, whose cost is the workers' start (they are
-    kept unless batches come slower)."""
 
 
 @attrs.frozen
@@ -297,9 +270,6 @@ class Tuner:
     locked: bool = False
     """Settled for good: `Tuning.max_reversals` reversals were made."""
     changes: int = 0
-    filling: bool = False
-    """The last add was of workers that sleep, past the cores asked for or given (rule 5): it
-    is undone only if batches came slower, not if they came no faster by the gain asked."""
 
 
 @attrs.frozen
@@ -383,55 +353,27 @@ def decide_workers(
             left = min(left, ceiling - running)
         wanted = window.cores_wanted
         why = f"the training loop waited {wait:.0%} of its time on loading"
-        filling = False
         if wanted is not None and wanted >= tuning.cpu_full * budget.cpus:
             if _cores_given_in_full(window, budget, tuning):
-                asleep = window.asleep or 0.0
-                if not _sleepers_leave_cores_idle(window, budget, tuning):
-                    # The cores are not only asked for but given: the machine is the loader's
-                    # and it computes on all of it. Another worker would take a core's slices
-                    # from the others, and its try would cost a start, a cool-down and a
-                    # half-second judgement at a count that cannot be faster.
-                    return attrs.evolve(tuner, settled=True), _hold(
-                        f"the training loop waited {wait:.0%}, and {_cpu_given(window, budget)}: "
-                        f"settled at {running} worker(s)"
-                    )
-                # Given nearly in full, to workers that sleep part of each task: the cores idle
-                # whenever enough of them sleep at once, and more workers fill those gaps (on
-                # `mixed`, 16 workers made 2 to 4% more batches than 9 on the quiet machine).
-                # Such a worker takes little of a core, and the gain is within a window's
-                # noise: the add is kept unless batches come slower (`Tuner.filling`).
-                adding = max(1, min(running // 2, left))
-                tuner, decision = _change(
-                    attrs.evolve(tuner, rate_before=rate, wait_before=wait),
-                    TuningMove.ADD,
-                    window,
-                    tuning,
-                    f"{why}, and the loop and its workers kept {window.cpu or 0.0:.2f} of "
-                    f"{budget.cpus} cores busy while its workers slept {asleep:.0%} of their "
-                    f"time: the cores idle when too many sleep at once; adding {adding}",
-                    adding,
+                # The cores are not only asked for but given: the machine is the loader's and
+                # it computes on all of it. Another worker would take a core's slices from
+                # the others, and its try would cost a start, a cool-down and a half-second
+                # judgement at a count that cannot be faster.
+                return attrs.evolve(tuner, settled=True), _hold(
+                    f"the training loop waited {wait:.0%}, and {_cpu_given(window, budget)}: "
+                    f"settled at {running} worker(s)"
                 )
-                return attrs.evolve(tuner, filling=True), decision
             # The cores are asked for in full: another worker adds loading only where samples
             # also wait (on I/O, or behind the machine's other work, whose share more workers
             # take). Try half as many again, judged as every add: kept only if batches come
-            # faster, else undone and the count before it a ceiling; kept unless slower where
-            # the workers sleep, as those that fill the cores' gaps: on `mixed` the 8% asked
-            # undid 6 -> 9 workers that brought 6.7% (461 -> 492 batches/s, quiet machine).
+            # faster, else undone and the count before it a ceiling.
             adding = max(1, min(running // 2, left))
             why += f", and {_cpu_spent(window, budget)}: trying {adding} more"
-            filling = _workers_sleep(window, tuning)
-            if filling:
-                why += (
-                    f" (its workers slept {window.asleep or 0.0:.0%} of their time: kept "
-                    "unless slower)"
-                )
         elif wait > tuning.starved_above:
             adding = _starved_add(running, left, wait, wanted, budget, tuning)
         else:
             adding = 1
-        tuner, decision = _change(
+        return _change(
             attrs.evolve(tuner, rate_before=rate, wait_before=wait),
             TuningMove.ADD,
             window,
@@ -439,7 +381,6 @@ def decide_workers(
             why,
             adding,
         )
-        return attrs.evolve(tuner, filling=filling), decision
     busy = window.busy
     if (
         wait < tuning.calm_below
@@ -478,22 +419,6 @@ def _cores_given_in_full(window: LoadWindow, budget: WorkerBudget, tuning: Tunin
         window.queued is not None
         and window.cpu is not None
         and window.cpu >= tuning.cpu_given * budget.cpus
-    )
-
-
-def _workers_sleep(window: LoadWindow, tuning: Tuning) -> bool:
-    """Whether the running workers slept over `asleep_above` of the window with a task in hand
-    (False where the run queue is not measured)."""
-    asleep = window.asleep
-    return asleep is not None and asleep > tuning.asleep_above
-
-
-def _sleepers_leave_cores_idle(window: LoadWindow, budget: WorkerBudget, tuning: Tuning) -> bool:
-    """Whether the cores given in full still idle (more than `idle_above` of them) under
-    workers that sleep (`asleep_above` of their time): more workers would fill the gaps."""
-    return (
-        _workers_sleep(window, tuning)
-        and (window.cpu or 0.0) < (1 - tuning.idle_above) * budget.cpus
     )
 
 
@@ -558,10 +483,6 @@ def _judge(
         # loop and took no core from it, though the gain (at most what the loop waited: a
         # few percent for a training step that computes) is within a shared machine's noise.
         fed = window.wait_share <= tuner.wait_before / 2 and window.rate >= tuner.rate_before
-        if tuner.filling:
-            # Workers that sleep, added to fill the cores' idle gaps: kept unless slower.
-            needed = -tuning.min_gain
-            starved = fed = False
         if window.rate < tuner.rate_before * (1 + needed) and not starved and not fed:
             if window.seconds < tuning.judge_seconds and not tuner.judging:
                 return attrs.evolve(tuner, judging=True), _hold(
@@ -578,11 +499,7 @@ def _judge(
                 window,
                 tuning,
                 f"{who} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
-                + (
-                    f"batches/s, over the {-needed:.0%} loss allowed"
-                    if needed < 0
-                    else f"batches/s, under the {needed:.0%} gain asked"
-                ),
+                f"batches/s, under the {needed:.0%} gain asked",
                 added,
             )
     elif (
@@ -627,7 +544,6 @@ def _change(
         locked=locked,
         changes=tuner.changes + 1,
         added=workers if move is TuningMove.ADD else tuner.added,
-        filling=False,
     )
     return tuner, TuningDecision(move, why, workers)
 
