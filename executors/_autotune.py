@@ -417,7 +417,7 @@ class AutoTuner:
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
             # A judgement a short window could not make is made over `window_seconds`.
-            quick = starving and self._may_change() and not self.tuner.judging
+            quick = starving and self._may_change() and not self.tuner.long_window
             if elapsed >= self.window_seconds or quick:
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 
