@@ -205,12 +205,26 @@ def test_a_worker_that_left_the_loop_waiting_half_as_much_and_no_slower_is_kept(
     assert tuner.judged and tuner.ceiling is None
 
 
-def test_a_worker_that_cut_the_waiting_but_slowed_the_loop_is_undone() -> None:
-    # Recorded: the loop waited 4.4% of its time with three workers, but batches came a
-    # little slower (174.5 -> 173.1 a second): the third worker took the core the training
-    # step computes on, as much as it saved it waiting.
+def test_a_worker_that_cut_the_waiting_with_batches_slower_within_the_noise_is_kept() -> None:
+    # Recorded (2026-11-28, quiet): the loop waited 5% of its time with three workers against
+    # 15% with two, batches 5.4% slower (169.6 -> 160.4 a second), within the 6% band of the
+    # gain asked past the cores: half-second windows of two workers there moved from 137 to
+    # 171. Undone, the tuner settled at two (149.4 steps/s) where four fixed made 184.
+    before = recorded(batch=90, running=2, rate=169.6, wait=0.15, cpu=1.52, queued=0.05, batches=85)
+    tuner, decision = decide_workers(Tuner(), before, TWO_CORES)
+    assert (decision.move, decision.workers) == (TuningMove.ADD, 1)
+    after = recorded(batch=179, running=3, rate=160.4, wait=0.05, cpu=1.56, queued=0.41, batches=81)
+    tuner, decision = decide_workers(tuner, after, TWO_CORES)
+    assert decision.move is not TuningMove.RETIRE
+    assert tuner.judged and tuner.ceiling is None
+
+
+def test_a_worker_that_cut_the_waiting_but_slowed_the_loop_beyond_the_noise_is_undone() -> None:
+    # The loop waited 4.4% of its time with three workers, but batches came 8% slower
+    # (174.5 -> 160.5 a second): the third worker took the core the training step computes
+    # on, more than it saved it waiting.
     tuner, _ = decide_workers(Tuner(), BUSY_CONSUMER, TWO_CORES)
-    tuner, decision = decide_workers(tuner, _after_the_third_worker(173.1, 0.044), TWO_CORES)
+    tuner, decision = decide_workers(tuner, _after_the_third_worker(160.5, 0.044), TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 1)
     assert tuner.ceiling == 2
 
