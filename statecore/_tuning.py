@@ -23,10 +23,11 @@ The rules, in the order `decide_workers` asks them:
    (`Tuner.pooled`: batches summed over seconds summed, so one short window, an outlier either
    way, does not decide alone; a starving loop's jump into cores measured to have room, made
    on less than `judge_seconds` of them, is undone only if batches came slower by
-   `min_gain`), or if the loop
-   waited half as much as before and
-   batches came no slower (the add fed the loop and took no core from it, its gain within the
-   noise); otherwise it is undone and the count it reached becomes a ceiling. Not
+   `min_gain`), or if the loop waited half as much as before and batches came no slower
+   beyond the band of the gain asked (the add fed the loop and took no core from it, its gain
+   within the noise; where one window's rate says slower, one more is taken and the two
+   pooled decide: `Tuner.second_look`); otherwise it is undone and the count it reached
+   becomes a ceiling. Not
    while the loop still starves (waits more than `starved_above`) and the cores are measured
    to have room (`cores_wanted`, what the loop and its workers asked for, busy on the cores or
    waiting in the run queue for them, is under `cpu_full` of them): a starved loop is not
@@ -296,6 +297,9 @@ class Tuner:
     (`pooled_rate` as it was made)."""
     wait_before: float = 0.0
     """The loop's share of time waiting over those windows."""
+    second_look: bool = False
+    """The loop waited half as much after the last add, but batches came slower beyond the
+    noise band: the add is judged on the windows since it, pooled, one window later."""
     jumped: bool = False
     """The last add was a starving loop's jump into cores measured to have room, made on
     windows shorter than `Tuning.judge_seconds` (16 batches): they cannot say it brought no
@@ -646,15 +650,25 @@ def _judge(
         # training step that computes) is within that noise. 2 -> 3 there left the loop
         # waiting 5% against 15%, at 169.6 -> 160.4 batches/s; undone, the tuner settled at 2
         # (149.4 steps/s) where 4 fixed workers made 184.
-        fed = window.wait_share <= tuner.wait_before / 2 and window.rate >= tuner.rate_before * (
-            1 - max(needed, 0.0)
-        )
-        if window.rate < tuner.rate_before * (1 + needed) and not starved and not fed:
+        # A second look pools the windows since the add (`Tuner.pooled`).
+        rate = tuner.pooled_rate if tuner.second_look else window.rate
+        halved = window.wait_share <= tuner.wait_before / 2
+        fed = halved and rate >= tuner.rate_before * (1 - max(needed, 0.0))
+        if rate < tuner.rate_before * (1 + needed) and not starved and not fed:
             if window.seconds < tuning.judge_seconds and not tuner.judging:
                 return attrs.evolve(tuner, judging=True), _hold(
                     f"the add looked as if it did not pay ({tuner.rate_before:.1f} -> "
                     f"{window.rate:.1f} batches/s over {window.seconds * 1000:.0f} ms): judging "
                     "it over a longer window"
+                )
+            if halved and not tuner.second_look:
+                # The waiting says the add fed the loop, one rate says batches came slower
+                # beyond the noise band: one more window, pooled with this one, decides.
+                return attrs.evolve(tuner, second_look=True), _hold(
+                    f"the training loop waited {window.wait_share:.0%} against "
+                    f"{tuner.wait_before:.0%} before the add, but batches came slower "
+                    f"({tuner.rate_before:.1f} -> {rate:.1f} a second): judging it over one "
+                    "more window"
                 )
             added = max(1, min(tuner.added, running - tuner.floor))
             tuner = attrs.evolve(tuner, ceiling=running - added)
@@ -664,7 +678,7 @@ def _judge(
                 TuningMove.RETIRE,
                 window,
                 tuning,
-                f"{who} did not pay: {tuner.rate_before:.1f} -> {window.rate:.1f} "
+                f"{who} did not pay: {tuner.rate_before:.1f} -> {rate:.1f} "
                 + (
                     f"batches/s, over the {-needed:.0%} loss allowed against a short window"
                     if needed < 0
@@ -686,7 +700,7 @@ def _judge(
             tuning,
             f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
         )
-    return attrs.evolve(tuner, judged=True, judging=False), None
+    return attrs.evolve(tuner, judged=True, judging=False, second_look=False), None
 
 
 def _change(
@@ -717,6 +731,7 @@ def _change(
         added=workers if move is TuningMove.ADD else tuner.added,
         filling=False,
         jumped=False,
+        second_look=False,
         seen_batches=0,
         seen_seconds=0.0,
         seen_waited=0.0,
