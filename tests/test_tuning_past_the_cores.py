@@ -11,13 +11,14 @@ batches/s, 8 made 479 and 9 made 475."""
 from __future__ import annotations
 
 import attrs
+from _windows import recorded
 
 from statecore._tuning import LoadWindow, Tuner, TuningMove, WorkerBudget, decide_workers
 
 TWO_CORES = WorkerBudget(slots=16, cpus=2)
 
 
-def recorded(
+def mixed(
     batch: int,
     running: int,
     rate: float,
@@ -29,28 +30,17 @@ def recorded(
 ) -> LoadWindow:
     """A window of `mixed` as the loader measured it: the loop starving (waiting `wait`), the
     workers holding a task `busy` of the time."""
-    seconds = batches / rate
-    return LoadWindow(
-        batch=batch,
-        batches=batches,
-        seconds=seconds,
-        waited=wait * seconds,
-        longest_gap=0.0004,
-        busy=busy,
-        running=running,
-        cpu=cpu,
-        queued=queued,
-    )
+    return recorded(batch, running, rate, wait, cpu, queued, batches, busy)
 
 
 # Seven workers over half a second: the cores given 1.80 of 2 (over the 85% that settles a
 # loader computing on them), the workers asleep half of the time they held a task.
-SEVEN = recorded(batch=297, running=7, rate=459.5, cpu=1.80, queued=1.63, batches=230)
+SEVEN = mixed(batch=297, running=7, rate=459.5, cpu=1.80, queued=1.63, batches=230)
 # Six over half a second, the cores asked for in full (1.66 busy, 0.86 more queued) but not
 # given: more workers are tried, half as many again.
-SIX = recorded(batch=735, running=6, rate=451.2, cpu=1.66, queued=0.86, batches=228)
+SIX = mixed(batch=735, running=6, rate=451.2, cpu=1.66, queued=0.86, batches=228)
 # A starving loop's 16 batches at six workers: faster than any fixed count ever ran.
-SIX_OUTLIER = recorded(batch=300, running=6, rate=533.6, cpu=1.66, queued=0.86, batches=16)
+SIX_OUTLIER = mixed(batch=300, running=6, rate=533.6, cpu=1.66, queued=0.86, batches=16)
 
 
 def kept(batch: int) -> Tuner:
@@ -77,7 +67,7 @@ def test_an_add_is_judged_against_every_window_measured_at_the_count_before_it()
     assert not tuner.measuring
     # Nine workers came at 490.5 a second: 8.5% over the pooled rate, kept. Against the outlier
     # alone they would have looked 8% slower, and been undone.
-    nine = recorded(batch=1021, running=9, rate=490.5, cpu=1.85, queued=3.14, batches=247)
+    nine = mixed(batch=1021, running=9, rate=490.5, cpu=1.85, queued=3.14, batches=247)
     tuner, decision = decide_workers(tuner, nine, TWO_CORES)
     assert decision.move is TuningMove.ADD and "did not pay" not in decision.why
     assert tuner.ceiling is None and tuner.reversals == 0
@@ -89,7 +79,7 @@ def test_half_as_many_again_past_the_cores_is_kept_for_the_six_percent_asked() -
     tuner = Tuner(
         changed_at=735, last=TuningMove.ADD, judged=False, rate_before=461.0, added=3, changes=3
     )
-    nine = recorded(batch=1021, running=9, rate=492.0, cpu=1.85, queued=3.14, batches=247)
+    nine = mixed(batch=1021, running=9, rate=492.0, cpu=1.85, queued=3.14, batches=247)
     tuner, decision = decide_workers(tuner, nine, TWO_CORES)
     # Kept: the loop still starves, and the next worker fills the cores' idle gap.
     assert decision.move is TuningMove.ADD and "did not pay" not in decision.why
@@ -101,7 +91,7 @@ def test_more_than_half_as_many_again_past_the_cores_is_asked_more_in_proportion
     tuner = Tuner(
         changed_at=735, last=TuningMove.ADD, judged=False, rate_before=461.0, added=6, changes=3
     )
-    twelve = recorded(batch=1021, running=12, rate=492.0, cpu=1.85, queued=4.5, batches=247)
+    twelve = mixed(batch=1021, running=12, rate=492.0, cpu=1.85, queued=4.5, batches=247)
     tuner, decision = decide_workers(tuner, twelve, TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 6)
     assert "under the 12% gain asked" in decision.why
@@ -122,9 +112,7 @@ def test_a_fill_that_brought_the_gain_asked_of_a_filling_worker_is_kept() -> Non
     tuner, _ = decide_workers(kept(50), SEVEN, TWO_CORES)
     # Eight: 3.2% faster (the sweep's 472.0 -> 487.3). Asked the 2% a worker that takes an
     # idle core's time can bring, not the 6% of one that competes for the cores.
-    eight = recorded(
-        batch=560, running=8, rate=SEVEN.rate * 1.032, cpu=1.84, queued=2.2, batches=240
-    )
+    eight = mixed(batch=560, running=8, rate=SEVEN.rate * 1.032, cpu=1.84, queued=2.2, batches=240)
     tuner, decision = decide_workers(tuner, eight, TWO_CORES)
     assert decision.move is TuningMove.ADD and "did not pay" not in decision.why
     assert tuner.ceiling is None and tuner.reversals == 0
@@ -133,19 +121,17 @@ def test_a_fill_that_brought_the_gain_asked_of_a_filling_worker_is_kept() -> Non
 def test_the_same_gain_from_an_add_that_did_not_fill_idle_cores_is_undone() -> None:
     tuner, _ = decide_workers(kept(50), SEVEN, TWO_CORES)
     tuner = attrs.evolve(tuner, filling=False)
-    eight = recorded(
-        batch=560, running=8, rate=SEVEN.rate * 1.032, cpu=1.84, queued=2.2, batches=240
-    )
+    eight = mixed(batch=560, running=8, rate=SEVEN.rate * 1.032, cpu=1.84, queued=2.2, batches=240)
     tuner, decision = decide_workers(tuner, eight, TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 1)
     assert "under the 6% gain asked" in decision.why
 
 
 def test_a_fill_that_did_not_pay_is_undone_and_its_count_before_becomes_the_ceiling() -> None:
-    eight = recorded(batch=560, running=8, rate=479.0, cpu=1.84, queued=2.2, batches=240)
+    eight = mixed(batch=560, running=8, rate=479.0, cpu=1.84, queued=2.2, batches=240)
     tuner, decision = decide_workers(kept(280), eight, TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.ADD, 1) and tuner.filling
-    nine = recorded(batch=820, running=9, rate=475.3, cpu=1.87, queued=3.2, batches=240)
+    nine = mixed(batch=820, running=9, rate=475.3, cpu=1.87, queued=3.2, batches=240)
     tuner, decision = decide_workers(tuner, nine, TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 1)
     assert "worker 9 did not pay" in decision.why and "under the 2% gain asked" in decision.why
@@ -154,14 +140,14 @@ def test_a_fill_that_did_not_pay_is_undone_and_its_count_before_becomes_the_ceil
 
 def test_workers_that_compute_whenever_they_hold_a_task_still_settle_on_cores_given() -> None:
     # cpu-spin's two workers, quiet: given 1.81 cores and queued for 0.24 more; not asleep.
-    spin = recorded(batch=300, running=2, rate=553.2, cpu=1.81, queued=0.24, batches=277)
+    spin = mixed(batch=300, running=2, rate=553.2, cpu=1.81, queued=0.24, batches=277)
     assert spin.asleep is not None and spin.asleep < 0.2
     tuner, decision = decide_workers(kept(0), spin, TWO_CORES)
     assert decision.move is TuningMove.HOLD and tuner.settled
 
 
 def test_a_settled_tuner_that_wakes_forgets_the_windows_of_its_settled_stretch() -> None:
-    calm = recorded(batch=400, running=7, rate=900.0, cpu=1.0, queued=0.1, batches=450, wait=0.0)
+    calm = mixed(batch=400, running=7, rate=900.0, cpu=1.0, queued=0.1, batches=450, wait=0.0)
     tuner = attrs.evolve(kept(50), settled=True).pooled(calm)
     loud = attrs.evolve(SEVEN, batch=700)
     tuner, _ = decide_workers(tuner, loud, TWO_CORES)
@@ -173,7 +159,7 @@ def test_a_settled_tuner_that_wakes_forgets_the_windows_of_its_settled_stretch()
 
 # A starving loop's jump, from `mixed`'s sweep (2026-11-28, quiet): four workers over 16
 # batches, the cores with room, so one more was added at once.
-FOUR = recorded(batch=41, running=4, rate=298.8, cpu=1.04, queued=0.24, batches=16)
+FOUR = mixed(batch=41, running=4, rate=298.8, cpu=1.04, queued=0.24, batches=16)
 
 
 def _after_a_jump(rate: float) -> tuple[Tuner, LoadWindow]:
@@ -181,7 +167,7 @@ def _after_a_jump(rate: float) -> tuple[Tuner, LoadWindow]:
     assert decision.move is TuningMove.ADD and tuner.jumped
     # Five over half a second, the cores now asked for in full (past them: 6% asked of a
     # worker judged against a measured count).
-    return tuner, recorded(batch=220, running=5, rate=rate, cpu=1.46, queued=0.58, batches=150)
+    return tuner, mixed(batch=220, running=5, rate=rate, cpu=1.46, queued=0.58, batches=150)
 
 
 def test_an_add_judged_against_a_starving_loop_s_16_batches_is_kept_unless_slower() -> None:

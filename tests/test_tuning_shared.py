@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import attrs
+from _windows import recorded
 
 from statecore._tuning import (
     LoadWindow,
@@ -21,32 +22,6 @@ from statecore._tuning import (
 )
 
 TWO_CORES = WorkerBudget(slots=16, cpus=2)
-
-
-def recorded(
-    batch: int,
-    running: int,
-    rate: float,
-    wait: float,
-    cpu: float,
-    queued: float | None,
-    batches: int = 16,
-) -> LoadWindow:
-    """A window as the loader measured it: `batches` at `rate` a second, the loop waiting
-    `wait` of the time, the loader's processes busy on `cpu` cores and waiting for `queued`
-    more in the run queue."""
-    seconds = batches / rate
-    return LoadWindow(
-        batch=batch,
-        batches=batches,
-        seconds=seconds,
-        waited=wait * seconds,
-        longest_gap=0.0004,
-        busy=1.0,
-        running=running,
-        cpu=cpu,
-        queued=queued,
-    )
 
 
 def over_half_a_second(window: LoadWindow) -> LoadWindow:
