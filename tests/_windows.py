@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from statecore._tuning import LoadWindow
 
 
@@ -30,3 +32,9 @@ def recorded(
         cpu=cpu,
         queued=queued,
     )
+
+
+def one_window_later(window: LoadWindow) -> LoadWindow:
+    """The same figures over the next window: what a second look at an add sees when the
+    count's rate held."""
+    return attrs.evolve(window, batch=window.batch + window.batches)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import attrs
-from _windows import recorded
+from _windows import one_window_later, recorded
 
 from statecore._tuning import (
     LoadWindow,
@@ -106,12 +106,15 @@ def test_an_add_that_brought_no_faster_batches_is_undone_once_the_cores_are_aske
     # (under the 36% asked past the cores of six workers added to two), the loop still
     # starving, and the loader busy on
     # 0.93 cores, but its processes waited for 4.1 more: the cores had no room, so the
-    # slower-than-asked window is the add's doing, not noise. The six added go.
+    # slower-than-asked windows are the add's doing, not noise. The six added go, once a
+    # second window says what the first did (one window's gain is within its noise).
     tuner = Tuner(changed_at=17, last=TuningMove.ADD, judged=False, rate_before=174.4, changes=1)
     tuner = attrs.evolve(tuner, added=6)
     # Over half a second (the recorded window was 16 batches: see the next test).
     after = recorded(batch=128, running=8, rate=186.4, wait=0.95, cpu=0.93, queued=4.08, batches=94)
     tuner, decision = decide_workers(tuner, after, TWO_CORES)
+    assert decision.move is TuningMove.HOLD and tuner.second_look
+    tuner, decision = decide_workers(tuner, one_window_later(after), TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 6)
     assert "workers 3-8 did not pay" in decision.why
     assert "under the 36% gain asked" in decision.why
@@ -268,10 +271,13 @@ def test_a_busy_loop_s_third_worker_that_gained_the_gain_asked_within_the_cores_
 
 def test_a_busy_loop_s_worker_is_asked_the_larger_gain_once_the_cores_are_asked_for() -> None:
     # The same gain with the loader's processes asking for the cores in full: the third
-    # worker competes with the training step for them, and 5% is within the noise: undone.
+    # worker competes with the training step for them, and 5% is within the noise: undone
+    # once a second window says the same.
     tuner, _ = decide_workers(Tuner(), BUSY_CONSUMER, TWO_CORES)
     crowded = attrs.evolve(_five_percent_faster(), queued=0.5)
     tuner, decision = decide_workers(tuner, crowded, TWO_CORES)
+    assert decision.move is TuningMove.HOLD and tuner.second_look
+    tuner, decision = decide_workers(tuner, one_window_later(crowded), TWO_CORES)
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 1)
     assert "under the 6% gain asked" in decision.why
     assert tuner.ceiling == 2
