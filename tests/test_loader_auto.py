@@ -29,7 +29,13 @@ from statecore import (
 )
 from statecore.executors import Launch
 from statecore.executors import _autotune as autotune
-from statecore.executors._autotune import AutoTuner, AutoWorkers, cpu_budget, slots_for
+from statecore.executors._autotune import (
+    AutoTuner,
+    AutoTuning,
+    AutoWorkers,
+    cpu_budget,
+    slots_for,
+)
 from statecore.executors._inline import InlineExecutor
 
 pytestmark = pytest.mark.timeout(120)
@@ -516,6 +522,8 @@ def test_the_workers_footprint_is_read_at_most_every_few_seconds(
         return 10**8
 
     monkeypatch.setattr(autotune, "_largest_footprint", footprint)
+    # Resident sizes that leave the budget short of the slots: the footprint is read.
+    monkeypatch.setattr(autotune, "_largest_resident", lambda executor: 10**15)
     loader = statecore.DataLoader(
         Numbers(2000),
         batch_size=2,
@@ -528,6 +536,57 @@ def test_the_workers_footprint_is_read_at_most_every_few_seconds(
     assert len(read_at) >= 2
     gaps = [later - earlier for earlier, later in itertools.pairwise(read_at)]
     assert min(gaps) >= autotune.MEMORY_SECONDS
+
+
+def _footprints_read(
+    monkeypatch: pytest.MonkeyPatch, resident: int, available: int
+) -> tuple[list[float], AutoTuning]:
+    """The moments the workers' footprint (100 MB each) was read over 10 s of the tuner's
+    clock, their resident size `resident`, `available` bytes of memory as the loader began;
+    and the tuning the loader reported."""
+    clock = _LoopClock(step=0.001, wait=0.009)
+    read_at: list[float] = []
+
+    def footprint(executor: Any) -> int | None:
+        read_at.append(clock.now)
+        return 10**8
+
+    monkeypatch.setattr(autotune, "_largest_footprint", footprint)
+    monkeypatch.setattr(autotune, "_largest_resident", lambda executor: resident)
+    loader = statecore.DataLoader(
+        Numbers(2000),
+        batch_size=2,
+        num_workers="auto",
+        executor="mp",
+        multiprocessing_context="fork",
+    )
+    loader._autotuner = AutoTuner(
+        16, cpus=2, decide=_scripted([]), clock=clock, available_memory=available
+    )
+    list(loader)
+    tuning = loader.stats().tuning
+    assert tuning is not None
+    return read_at, tuning
+
+
+def test_the_footprint_is_read_once_while_resident_sizes_say_the_budget_holds_every_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 10 GB available, half of it the budget: 25 workers at 200 MB resident, over the 16
+    # slots. The page-table walk after the first window is the only one.
+    read_at, tuning = _footprints_read(monkeypatch, resident=2 * 10**8, available=10**10)
+    assert len(read_at) == 1
+    assert tuning.memory == 25
+
+
+def test_the_footprint_is_read_again_where_resident_sizes_say_the_budget_may_bind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At 400 MB resident the budget holds 12 workers by that bound, under the 16 slots: the
+    # proportional size decides (50 workers of 100 MB), read every few seconds.
+    read_at, tuning = _footprints_read(monkeypatch, resident=4 * 10**8, available=10**10)
+    assert len(read_at) >= 2
+    assert tuning.memory == 50
 
 
 def test_the_memory_budget_is_measured_on_worker_processes() -> None:
