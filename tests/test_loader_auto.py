@@ -508,36 +508,6 @@ def test_a_settled_tuner_measures_a_starving_loop_over_half_a_second(
     assert len(seen) >= 3
 
 
-def test_the_workers_footprint_is_read_at_most_every_few_seconds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Reading a worker's PSS walks its page tables (milliseconds a worker): over 10 s of the
-    # tuner's clock in 16-batch windows (0.16 s each), it is read every MEMORY_SECONDS, not
-    # every few windows.
-    clock = _LoopClock(step=0.001, wait=0.009)
-    read_at: list[float] = []
-
-    def footprint(executor: Any) -> int | None:
-        read_at.append(clock.now)
-        return 10**8
-
-    monkeypatch.setattr(autotune, "_largest_footprint", footprint)
-    # Resident sizes that leave the budget short of the slots: the footprint is read.
-    monkeypatch.setattr(autotune, "_largest_resident", lambda executor: 10**15)
-    loader = statecore.DataLoader(
-        Numbers(2000),
-        batch_size=2,
-        num_workers="auto",
-        executor="mp",
-        multiprocessing_context="fork",
-    )
-    loader._autotuner = AutoTuner(16, cpus=2, decide=_scripted([]), clock=clock)
-    list(loader)
-    assert len(read_at) >= 2
-    gaps = [later - earlier for earlier, later in itertools.pairwise(read_at)]
-    assert min(gaps) >= autotune.MEMORY_SECONDS
-
-
 def _footprints_read(
     monkeypatch: pytest.MonkeyPatch, resident: int, available: int
 ) -> tuple[list[float], AutoTuning]:
@@ -567,6 +537,18 @@ def _footprints_read(
     tuning = loader.stats().tuning
     assert tuning is not None
     return read_at, tuning
+
+
+def test_the_workers_footprint_is_read_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reading a worker's PSS walks its page tables (milliseconds a worker): over 10 s of the
+    # tuner's clock in 16-batch windows (0.16 s each), it is read every MEMORY_SECONDS, not
+    # every few windows (resident sizes that leave the budget short of the slots: read).
+    read_at, _ = _footprints_read(monkeypatch, resident=10**15, available=10**10)
+    assert len(read_at) >= 2
+    gaps = [later - earlier for earlier, later in itertools.pairwise(read_at)]
+    assert min(gaps) >= autotune.MEMORY_SECONDS
 
 
 def test_the_footprint_is_read_once_while_resident_sizes_say_the_budget_holds_every_slot(
