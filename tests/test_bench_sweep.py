@@ -10,6 +10,7 @@ import multiprocessing
 import statistics
 from pathlib import Path
 
+import attrs
 import multiprocess
 import pytest
 from _side_by_side import WORKERS
@@ -38,6 +39,19 @@ def test_the_best_fixed_count_is_the_one_with_the_highest_median_and_auto_is_not
 def test_autos_ratio_is_its_median_over_the_best_counts_median() -> None:
     result = _result({1: [10, 11, 12], 2: [30, 20, 25], AUTO: [20, 24, 30]})
     assert result.ratio == pytest.approx(24 / 25)
+
+
+def test_the_table_gives_each_counts_lowest_and_highest_run_under_its_median() -> None:
+    result = _result({1: [10, 11, 12], 2: [30, 20, 25], AUTO: [20, 24, 30]})
+    result = attrs.evolve(result, first=(1, 2, AUTO))
+    lines = sweep.SweepReport((result,), 1.0, 2).table().splitlines()
+    assert lines[3].split() == ["lowest", "10.0", "20.0", "20.0"]
+    assert lines[4].split() == ["highest", "12.0", "30.0", "30.0"]
+    assert result.to_json()["spread"] == {
+        "1": [10.0, 12.0],
+        "2": [20.0, 30.0],
+        "auto": [20.0, 30.0],
+    }
 
 
 def test_the_rounds_rotate_so_each_count_and_auto_go_first_in_turn() -> None:

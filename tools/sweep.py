@@ -366,6 +366,13 @@ class SweepResult:
         """The median throughput of `count`'s runs (batches, or steps, per second)."""
         return statistics.median(run.throughput for run in self.runs[count])
 
+    def spread(self, count: Count) -> tuple[float, float]:
+        """The lowest and highest throughput of `count`'s runs: on a shared machine the rounds
+        of one count can differ by more than the goal's margin, and the ratio of the medians
+        reads differently beside them."""
+        rates = [run.throughput for run in self.runs[count]]
+        return min(rates), max(rates)
+
     @property
     def fixed(self) -> tuple[int, ...]:
         return tuple(count for count in self.runs if isinstance(count, int))
@@ -415,6 +422,7 @@ class SweepResult:
             "step": self.workload.step,
             "first": list(self.first),
             "medians": {str(count): self.median(count) for count in self.runs},
+            "spread": {str(count): list(self.spread(count)) for count in self.runs},
             "best": self.best,
             "ratio": self.ratio,
             "settled_on": list(self.settled_on),
@@ -453,6 +461,11 @@ class SweepReport:
             lines.append(
                 f"  {workload.unit:12}" + "".join(f"{result.median(c):8.1f}" for c in counts)
             )
+            if len(result.first) > 1:
+                for name, end in (("lowest", 0), ("highest", 1)):
+                    lines.append(
+                        f"  {name:12}" + "".join(f"{result.spread(c)[end]:8.1f}" for c in counts)
+                    )
             met = "met" if result.ratio >= GOAL else "MISSED"
             lines.append(
                 f"  best fixed: {result.best}; auto/best = {result.ratio:.2f} "
@@ -470,7 +483,8 @@ class SweepReport:
                 )
         lines.append(
             f"{self.cpus} CPU(s); {self.seconds:.0f} s in all; throughputs are medians over the "
-            "rounds, and auto/best is the ratio of the medians"
+            "rounds (lowest and highest run below them), and auto/best is the ratio of the "
+            "medians"
         )
         return "\n".join(lines)
 
