@@ -4,7 +4,7 @@ Run by the main process (the loader's), from the driver's thread, and for `poll`
 stage's thread when there is one (`Capabilities.poll_from_any_thread`).
 
 Each worker has its own task pipe and its own result pipe. The parent waits on every result
-pipe and every worker's process sentinel at once (`multiprocess.connection.wait`), so a worker
+pipe and every worker's process sentinel at once (one poll object, `watch`), so a worker
 that dies is noticed the moment it dies, not after a polling interval. While it reads a
 message it holds back Python signal handlers (`_signals`), since a message read in half is lost.
 
@@ -73,6 +73,7 @@ from statecore.executors._mp.handles import WorkerProcess
 from statecore.executors._mp.leases import KEPT, BufferReceiver, HostRegister
 from statecore.executors._mp.pool import BUFFERS_PER_WORKER
 from statecore.executors._mp.taskpipe import TaskWriter
+from statecore.executors._mp.watch import Watch
 from statecore.executors._mp.wire import (
     BATCH,
     MARKED,
@@ -198,6 +199,8 @@ class MultiprocessExecutor(Confirming):
         """Made when the first worker starts: a loader that starts none leaves no directory."""
         self.remove_tempdir: Any = None
         self.ready: list[Event] = []
+        self.watch = Watch()
+        """What `poll` waits on, registered once for as long as the same handles are watched."""
         self.signals_held = HeldSignals()
         self.stopping: set[int] = set()
         self.shutting_down: Any = None
@@ -533,7 +536,7 @@ class MultiprocessExecutor(Confirming):
             starting = self._next_to_launch()
             busy = starting is not None and self._importing() >= self.start_together
             if starting is not None and not busy:
-                fired = multiprocess.connection.wait(list(watched), 0) if watched else []
+                fired = self.watch.wait(watched, 0) if watched else []
                 # A slot added back starts even while answers wait, one per poll: answers
                 # flowing from the others must not put it off for ever.
                 due = starting in self.due and not added
@@ -551,7 +554,7 @@ class MultiprocessExecutor(Confirming):
                 if busy:
                     # Nothing fires when a starting worker is done importing: look again soon.
                     left = STARTING_CHECK if left is None else min(left, STARTING_CHECK)
-                fired = multiprocess.connection.wait(list(watched), left)
+                fired = self.watch.wait(watched, left)
                 if not fired:
                     if busy and (deadline is None or time.monotonic() < deadline):
                         continue
