@@ -90,6 +90,30 @@ def test_the_floor_with_a_hand_over_makes_the_steady_stretchs_batches_and_counts
     assert run.seconds > 0
 
 
+@pytest.mark.timeout(60)
+def test_the_floor_with_a_hand_over_gives_the_threads_their_batches_in_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Batch k to thread k mod threads, as torch's loaders give batch k to worker k mod
+    # num_workers: a thread done early waits for its turn, as a loader's worker does.
+    made: list[tuple[str, int]] = []
+    real = floors.torch.stack
+
+    def stack(samples: list[torch.Tensor], **kwargs: object) -> torch.Tensor:
+        first_index = int(samples[0][0].item())
+        made.append((threading.current_thread().name, first_index // len(samples)))
+        return real(samples, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(floors.torch, "stack", stack)
+    workload = large_batches(9)
+    handover_floor(workload)
+    # This thread writes the pool's tensors before the clock: not batches of the run.
+    taken = [(name, batch) for name, batch in made if name.startswith("handover-floor")]
+    by_thread = {(name, batch % workload.workers) for name, batch in taken}
+    assert len(by_thread) == workload.workers == len({name for name, _ in taken})
+    assert sorted(batch for _, batch in taken) == list(range(9))
+
+
 def test_the_floor_with_a_hand_over_refuses_a_workload_not_measured_in_bytes() -> None:
     with pytest.raises(ValueError, match="inline-b1: a floor is measured in GB/s, not us/batch"):
         handover_floor(select(["inline-b1"])[0])

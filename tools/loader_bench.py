@@ -509,9 +509,10 @@ class BenchReport:
                 continue
             handed = [result.unit.figure(run.throughput) for run in result.handover]
             lines.append(
-                f"{result.name}: floor with a hand-over (the same threads hand each batch to "
-                "the main thread in order, through queues and a pool of batch tensors; no "
-                f"loader) {_number(statistics.median(handed))} {result.unit.value} "
+                f"{result.name}: floor with a hand-over (the same threads, given batches in "
+                "turns as torch's workers are, hand each to the main thread in order, through "
+                "queues and a pool of batch tensors; no loader) "
+                f"{_number(statistics.median(handed))} {result.unit.value} "
                 f"({_number(min(handed))}-{_number(max(handed))}), "
                 f"{_shares(result.handover_shares())} of the floor; threads "
                 f"{_shares(result.handover_shares(Side.THREADS))} of it"
