@@ -45,10 +45,16 @@ The rules, in the order `decide_workers` asks them:
    calls for (`_starved_add`: the loop used `1 - wait` of its time, so `running / (1 - wait)`
    workers would keep it fed if loading scales), within the room the cores have left (each
    running worker measured to ask for `cores_wanted / running` of them, the loop's share with
-   it), the budget and the ceiling; doubling where the cores are not measured. Where the
-   cores are asked for in full already, half as many again are tried (at least one), and
-   judged as any add by rule 3: more workers add loading there only where samples also wait
-   (on I/O, or behind a shared machine's other work). Where they are given in full as well
+   it), the budget and the ceiling; doubling where the cores are not measured. Where its
+   workers sleep (over `asleep_above` of their time with a task in hand), filling the cores
+   on average leaves them idle whenever enough sleep at once: the jump goes as far as the
+   count that keeps `sleepers_busy` of the cores busy (`core_use`, the cores' use by workers
+   that alternate a sleep and a computation, with the two measured over the window), if the
+   waiting calls for that many; not where the run queue says other work shares the machine
+   (`shared_above`). Where the cores are asked for in full already, half as many again are
+   tried (at least one), and judged as any add by rule 3: more workers add loading there
+   only where samples also wait (on I/O, or behind a shared machine's other work). Where they
+   are given in full as well
    (busy on `cpu_given` of them, measured with the run queue), the machine is the loader's and
    nothing is tried: the CPU budget is spent, and the tuner settles; unless the workers sleep
    (`asleep_above` of their time with a task in hand, neither on a core nor waiting for one)
@@ -90,6 +96,7 @@ __all__ = [
     "Tuning",
     "LoadWindow",
     "tuning_change_bound",
+    "core_use",
     "decide_workers",
     "PrefetchBudget",
     "PrefetchDecision",
@@ -285,6 +292,21 @@ class Tuning:
     """The gain asked of workers that filled such a gap: the cores idled 8-10% on `mixed`, so
     a filling worker brings a few percent at most (7 -> 8 and 8 -> 9 brought 3.2% and 3.5%
     there, quiet, where 16 workers were 5% faster than 8)."""
+    sleepers_busy: float = 0.95
+    """A starving loop's jump, where its workers sleep (`asleep_above`), goes as far as the
+    count whose workers would keep this share of the cores' `cpu_full` busy (`core_use`). The
+    room the cores have left, counted as if each worker asked for its share of them all the
+    time, took `mixed` from 2 workers to 4-5, then half a second at each count to 8: 3.6% of
+    a 2,400-batch run. Sized by `core_use` from the first 16 batches (2 workers, asleep 52-67%
+    of the time), it went to 6-8 at once (12 rounds in turns, quiet: 0.953 of the best fixed
+    count against 0.909)."""
+    shared_above: float = 0.25
+    """The sleepers' jump counts on the cores being the loader's: where its processes waited in
+    the run queue more than its workers' own sleep and computation would make them wait for
+    one another (`core_use`'s model at the running count), by over this share of the CPU they
+    were given, other work shares the machine, and the jump is the cores' room alone. Quiet,
+    `mixed`'s windows waited 0.02 to 0.11 cores' worth beyond the model at 2 to 7 workers
+    (0.03 to 0.11 of their CPU); with other sessions taking a core, 0.39 beyond it (0.9)."""
 
 
 @attrs.frozen
@@ -491,7 +513,10 @@ def decide_workers(
                 # Given nearly in full, to workers that sleep part of each task: the cores
                 # idle whenever enough of them sleep at once. As many more as the idle cores
                 # would keep busy fill the gap; half as many again took `mixed` to 13-16
-                # workers where 8 were as fast, and twice the memory.
+                # workers where 8 were as fast, and twice the memory. (Not `core_use`: the
+                # share asleep, what is left of the workers' time after the CPU and the run
+                # queue, moves too much once they queue for the cores: 7 workers of `mixed` were
+                # measured asleep 34% in one recorded window, 49% in another.)
                 adding = _fill_add(window, budget, left)
                 why += (
                     f", and its workers slept {window.asleep or 0.0:.0%} of their time while "
@@ -507,6 +532,13 @@ def decide_workers(
                 why += f", and {_cpu_spent(window, budget)}: trying {adding} more"
         elif wait > tuning.starved_above:
             adding = _starved_add(running, left, wait, wanted, budget, tuning)
+            sleepers = _sleepers_need(window, budget, tuning)
+            if sleepers is not None and sleepers - running > adding:
+                adding = max(adding, min(sleepers - running, _fed_by(running, wait), left))
+                why += (
+                    f", and its workers slept {window.asleep or 0.0:.0%} of their time: "
+                    f"{sleepers} would keep the cores busy; adding {adding}"
+                )
             jumped = wanted is not None and tuner.seen_seconds < tuning.judge_seconds
         else:
             adding = 1
@@ -578,6 +610,74 @@ def _fill_add(window: LoadWindow, budget: WorkerBudget, left: int) -> int:
     return max(1, min(round(idle * window.running / cpu), left))
 
 
+def _sleepers_chain(workers: int, sleep_per_cpu: float, cores: float) -> tuple[float, float]:
+    """The cores' worth that `workers` keep busy and keep waiting in the run queue, each
+    alternating a sleep and a computation, the sleep `sleep_per_cpu` times as long, in the
+    machine-repairman model: both times exponential, the cores shared among those computing.
+
+    The number computing moves as a birth-death chain (one wakes at `(workers - n) / sleep`,
+    one finishes at `min(n, cores) / cpu`); over its stationary weights, `min(n, cores)` is
+    busy and the rest, `n - cores` where positive, waits for a core."""
+    if workers <= 0 or cores <= 0:
+        return 0.0, 0.0
+    if sleep_per_cpu <= 0:
+        return min(workers, cores), max(workers - cores, 0.0)
+    # The stationary weights, unnormalised, from n = 0 (weight 1).
+    weight, total, busy, waiting = 1.0, 1.0, 0.0, 0.0
+    for n in range(1, workers + 1):
+        computing = min(n, cores)
+        weight *= (workers - n + 1) / sleep_per_cpu / computing
+        total += weight
+        busy += weight * computing
+        waiting += weight * (n - computing)
+        if total > 1e100:
+            # Only the ratios count; kept in range for hundreds of workers that barely sleep.
+            weight, busy, waiting = weight / total, busy / total, waiting / total
+            total = 1.0
+    return busy / total, waiting / total
+
+
+def core_use(workers: int, sleep_per_cpu: float, cores: float) -> float:
+    """The share of `cores` that `workers` keep busy, each alternating a sleep and a
+    computation, the sleep `sleep_per_cpu` times as long as the computation.
+
+    Counting the cores' use as `workers * cpu_each` leaves out the times when too many sleep
+    at once, so it calls for too few workers; the machine-repairman model (`_sleepers_chain`)
+    keeps them. It matched `mixed` (2 ms asleep, then 1 ms of a core, a sample) on this
+    project's 2 cores, quiet (2026-11-28): 1, 2 and 4 fixed workers made 0.17, 0.33 and 0.63
+    of the best count's batches, and the model says 0.17, 0.33 and 0.63 (8: 0.95, where 8 and
+    16 made the same); and the run queue it predicts for auto's windows at 5, 6 and 7 workers,
+    0.76, 0.92 and 1.64 cores' worth, was measured 0.77, 0.86 and 1.63.
+    """
+    if cores <= 0:
+        return 0.0
+    return _sleepers_chain(workers, sleep_per_cpu, cores)[0] / cores
+
+
+def _sleepers_need(window: LoadWindow, budget: WorkerBudget, tuning: Tuning) -> int | None:
+    """The fewest workers that would keep `sleepers_busy` of the cores the loader may ask for
+    (`cpu_full` of them) busy, each sleeping and computing as the running ones did over
+    `window` (`core_use`), at most `budget.slots`. None where the workers are not measured to
+    sleep (`asleep_above`), or where the machine is shared: its processes waited in the run
+    queue more than their own sleep and computation explain (`shared_above`), since the model
+    counts on the cores being the loader's. Each running worker's CPU is taken as
+    `cpu / running`, the loop's counted with theirs, which errs on the side of fewer."""
+    asleep, cpu, queued = window.asleep, window.cpu, window.queued
+    if asleep is None or cpu is None or queued is None or cpu <= 0:
+        return None
+    if asleep <= tuning.asleep_above:
+        return None
+    sleep_per_cpu = asleep / (cpu / window.running)
+    _, own_queue = _sleepers_chain(window.running, sleep_per_cpu, budget.cpus)
+    if queued - own_queue > tuning.shared_above * cpu:
+        return None
+    cores = tuning.cpu_full * budget.cpus
+    count = window.running
+    while count < budget.slots and core_use(count, sleep_per_cpu, cores) < tuning.sleepers_busy:
+        count += 1
+    return count
+
+
 def _past_share(added: int, running: int) -> float:
     """How many times `Tuning.min_gain_past_cpus` an add of `added` workers, `running` now,
     is asked past the cores: once for up to half as many again as ran before it, in
@@ -603,6 +703,13 @@ def _cpu_spent(window: LoadWindow, budget: WorkerBudget) -> str:
     return f"the CPU budget is spent ({kept})"
 
 
+def _fed_by(running: int, wait: float) -> int:
+    """Workers to add to `running` that would feed a loop waiting `wait` of its time, if
+    loading scales: it was busy `1 - wait` of its time, so loading `1 / (1 - wait)` times as
+    fast feeds it."""
+    return math.ceil(running / max(1.0 - wait, 1e-6)) - running
+
+
 def _starved_add(
     running: int, left: int, wait: float, cpu: float | None, budget: WorkerBudget, tuning: Tuning
 ) -> int:
@@ -612,8 +719,7 @@ def _starved_add(
     (doubling), since nothing says the next ones would get a core. At least one."""
     if cpu is None:
         return max(1, min(running, left))
-    # The loop was busy `1 - wait` of its time: loading `1 / (1 - wait)` times as fast feeds it.
-    wanted = math.ceil(running / max(1.0 - wait, 1e-6)) - running
+    wanted = _fed_by(running, wait)
     if cpu > 0:
         # Each running worker took `cpu / running` cores (the loop's share counted with them,
         # which errs on the side of fewer): no more than fit in what the cores have left.
