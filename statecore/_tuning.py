@@ -96,7 +96,6 @@ __all__ = [
     "Tuning",
     "LoadWindow",
     "tuning_change_bound",
-    "core_use",
     "decide_workers",
     "PrefetchBudget",
     "PrefetchDecision",
