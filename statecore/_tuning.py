@@ -41,29 +41,27 @@ The rules, in the order `decide_workers` asks them:
    windows in a row: a sudden slowdown. Waking while the loop starves and the cores are
    measured to have room drops the ceiling: it was set on noise, or the load changed.
 5. Adding, while the loop waits more than `add_above` of its time and the budget allows: one
-   worker, or, while it starves (waits more than `starved_above`), as many as its waiting
-   calls for (`_starved_add`: the loop used `1 - wait` of its time, so `running / (1 - wait)`
-   workers would keep it fed if loading scales), within the room the cores have left (each
-   running worker measured to ask for `cores_wanted / running` of them, the loop's share with
-   it), the budget and the ceiling; doubling where the cores are not measured. Where its
-   workers sleep (over `asleep_above` of their time with a task in hand), filling the cores
-   on average leaves them idle whenever enough sleep at once: the jump goes as far as the
-   count that keeps `sleepers_busy` of the cores busy (`core_use`, the cores' use by workers
-   that alternate a sleep and a computation, with the two measured over the window), if the
-   waiting calls for that many; not where the run queue says other work shares the machine
-   (`shared_above`). Where the cores are asked for in full already, half as many again are
-   tried (at least one), and judged as any add by rule 3: more workers add loading there
-   only where samples also wait (on I/O, or behind a shared machine's other work). Where they
-   are given in full as well
-   (busy on `cpu_given` of them, measured with the run queue), the machine is the loader's and
-   nothing is tried: the CPU budget is spent, and the tuner settles; unless the workers sleep
+   worker, or, while it starves (waits more than `starved_above`), as many as its waiting calls
+   for (`_starved_add`: the loop used `1 - wait` of its time, so `running / (1 - wait)` workers
+   would keep it fed if loading scales), within the room the cores have left (each running
+   worker measured to ask for `cores_wanted / running` of them, the loop's share with it), the
+   budget and the ceiling; doubling where the cores are not measured. Where its workers sleep
+   (over `asleep_above` of their time with a task in hand), filling the cores on average leaves
+   them idle whenever enough sleep at once: the jump goes as far as the count that keeps
+   `sleepers_busy` of the cores busy (`core_use`, the cores' use by workers that alternate a
+   sleep and a computation, with the two measured over the window), if the waiting calls for
+   that many; not where the run queue says other work shares the machine (`shared_above`). Where
+   the cores are asked for in full already, half as many again are tried (at least one), and
+   judged as any add by rule 3: more workers add loading there only where samples also wait (on
+   I/O, or behind a shared machine's other work). Where they are given in full as well (busy on
+   `cpu_given` of them, measured with the run queue), the machine is the loader's and nothing is
+   tried: the CPU budget is spent, and the tuner settles; unless the workers sleep
    (`asleep_above` of their time with a task in hand, neither on a core nor waiting for one)
-   while the cores given still idle (`idle_above`): the cores then idle whenever enough of
-   the workers sleep at once, and the tuner fills the gap, as many workers as the idle cores
-   would keep busy at the CPU each running worker took (at least one), asked `fill_gain`
-   (it takes an idle core's time, not the others'). One at a time, so that a try
-   that does not pay costs one worker's memory, not half as many again. An add undone undoes
-   all it added.
+   while the cores given still idle (`idle_above`): the cores then idle whenever enough of the
+   workers sleep at once, and the tuner fills the gap, as many workers as the idle cores would
+   keep busy at the CPU each running worker took (at least one), asked `fill_gain` (it takes an
+   idle core's time, not the others'). One at a time, so that a try that does not pay costs one
+   worker's memory, not half as many again. An add undone undoes all it added.
 6. Retiring, while waiting is negligible and the running workers' load would fit in one fewer,
    each then busy less than `retire_busy` of the time.
 
@@ -293,7 +291,7 @@ class Tuning:
     there, quiet, where 16 workers were 5% faster than 8)."""
     sleepers_busy: float = 0.95
     """A starving loop's jump, where its workers sleep (`asleep_above`), goes as far as the
-    count whose workers would keep this share of the cores' `cpu_full` busy (`core_use`). The
+    count whose workers would keep this share of `cpu_full` of the cores busy (`core_use`). The
     room the cores have left, counted as if each worker asked for its share of them all the
     time, took `mixed` from 2 workers to 4-5, then half a second at each count to 8: 3.6% of
     a 2,400-batch run. Sized by `core_use` from the first 16 batches (2 workers, asleep 52-67%
