@@ -34,7 +34,11 @@ The rules, in the order `decide_workers` asks them:
    to have room (`cores_wanted`, what the loop and its workers asked for, busy on the cores or
    waiting in the run queue for them, is under `cpu_full` of them): a starved loop is not
    served by fewer workers, so a slower window is noise, and the add is kept. A retire that
-   left the training loop waiting is undone and the count it left becomes a floor.
+   left the training loop waiting is undone and the count it left becomes a floor. So is an
+   undo whose count, measured again over `judge_seconds`, no longer makes batches at the rate
+   the undo was judged against (beyond `noise_band`, either way): the machine's speed moved
+   between the windows, and the ceiling set on them goes (`_baseline_moved`); the add tried
+   once more is the second reversal, so the tuner locks where it lands.
 4. Settled. Once waiting stayed negligible for `calm_windows` windows, or the budget is
    spent (the slots, the memory, or a ceiling), the tuner holds; it wakes only if the loop
    waits more than `wake_above` (well above the threshold of adding) for `wake_windows`
@@ -815,17 +819,32 @@ def _judge(
         tuner.last is TuningMove.RETIRE
         and window.wait_share > tuning.add_above
         and running < budget.limit
-        and (tuner.ceiling is None or running < tuner.ceiling)
     ):
-        tuner = attrs.evolve(tuner, floor=running + 1)
-        return _change(
-            tuner,
-            TuningMove.ADD,
-            window,
-            tuning,
-            f"with {running} worker(s) the training loop waited {window.wait_share:.0%}",
-        )
+        why = f"with {running} worker(s) the training loop waited {window.wait_share:.0%}"
+        moved = tuner.ceiling == running and _baseline_moved(tuner, window, tuning)
+        if moved:
+            # The undo compared the add with this count's rate before it; back at this count,
+            # batches no longer come at that rate: the machine's speed moved between the
+            # windows (a shared machine's dip), and the ceiling was set on it. One more try,
+            # the second reversal: the tuner locks wherever it lands.
+            why += (
+                f", and batches came {tuner.rate_before:.1f} -> {window.rate:.1f} a second at "
+                "the same count: the undo was judged on a machine whose speed moved"
+            )
+            tuner = attrs.evolve(tuner, ceiling=None)
+        if tuner.ceiling is None or running < tuner.ceiling:
+            tuner = attrs.evolve(tuner, floor=running + 1)
+            return _change(tuner, TuningMove.ADD, window, tuning, why)
     return attrs.evolve(tuner, judged=True, judging=False, second_look=False), None
+
+
+def _baseline_moved(tuner: Tuner, window: LoadWindow, tuning: Tuning) -> bool:
+    """Whether `window`, at the count an undo went back to, says batches came at another rate
+    than the one the undo was judged against (`Tuner.rate_before`), by more than one window's
+    wobble (`noise_band`), measured over `judge_seconds` at least."""
+    if window.seconds < tuning.judge_seconds or tuner.rate_before <= 0:
+        return False
+    return abs(window.rate - tuner.rate_before) > tuning.noise_band * tuner.rate_before
 
 
 def _change(

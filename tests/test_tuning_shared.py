@@ -314,3 +314,43 @@ def test_a_worker_whose_second_look_still_says_slower_is_undone() -> None:
     assert (decision.move, decision.workers) == (TuningMove.RETIRE, 1)
     assert "worker 3 did not pay: 169.6 -> 154.1" in decision.why
     assert tuner.ceiling == 2
+
+
+def _undone_at_two() -> Tuner:
+    """The third worker under the busy training step, undone on two windows that came slower
+    (169.6 -> 154.1 batches/s pooled): back at two workers, the ceiling at two."""
+    tuner, after = _three_after(156.1)
+    tuner, _ = decide_workers(tuner, after, TWO_CORES)
+    again = recorded(batch=268, running=3, rate=152.0, wait=0.04, cpu=1.6, queued=0.3, batches=76)
+    tuner, decision = decide_workers(tuner, again, TWO_CORES)
+    assert decision.move is TuningMove.RETIRE and tuner.ceiling == 2
+    return tuner
+
+
+def test_an_undo_whose_count_no_longer_makes_its_rate_was_set_on_a_moving_machine() -> None:
+    # Recorded in the sweep (2026-11-28, noisy): undone on windows of a dip, two runs stayed at
+    # two workers for the epoch (138 and 133 steps/s, where four fixed made 163). Back at two,
+    # batches come at 150 a second, not the 169.6 the undo was judged against: the ceiling
+    # goes, and the third worker is tried once more, the tuner locked where it lands.
+    tuner = _undone_at_two()
+    back = recorded(batch=380, running=2, rate=150.0, wait=0.16, cpu=1.5, queued=0.05, batches=90)
+    tuner, decision = decide_workers(tuner, back, TWO_CORES)
+    assert (decision.move, decision.workers) == (TuningMove.ADD, 1)
+    assert "169.6 -> 150.0 a second at the same count" in decision.why
+    assert tuner.ceiling is None and tuner.floor == 3 and tuner.locked
+
+
+def test_an_undo_whose_count_still_makes_its_rate_keeps_its_ceiling() -> None:
+    tuner = _undone_at_two()
+    back = recorded(batch=380, running=2, rate=165.0, wait=0.16, cpu=1.5, queued=0.05, batches=90)
+    tuner, decision = decide_workers(tuner, back, TWO_CORES)
+    assert decision.move is TuningMove.HOLD
+    assert "adding past 2 worker(s) did not pay earlier" in decision.why
+    assert tuner.ceiling == 2 and tuner.settled
+
+
+def test_a_short_window_back_at_the_count_does_not_judge_the_undo() -> None:
+    tuner = _undone_at_two()
+    back = recorded(batch=306, running=2, rate=150.0, wait=0.16, cpu=1.5, queued=0.05, batches=16)
+    tuner, decision = decide_workers(tuner, back, TWO_CORES)
+    assert decision.move is TuningMove.HOLD and tuner.ceiling == 2
