@@ -11,7 +11,7 @@ numbers.
 
 The seed of each batch travels with its task (`SeededTask`, made by the driver from the
 scheduler's `SendTask`), and the worker seeds where it runs (`seeder_for`): a process of its
-own seeds `random` and torch as torch seeds a worker, and numpy from the seed mixed again
+own seeds `random` and torch as torch seeds a worker, and numpy from its low word mixed again
 (`numpy_seed`); a thread seeds the generators of its own WorkerInfo (`rng`); the loader's own
 thread (`num_workers=0`) seeds the process-wide ones for the batch and puts them back
 afterwards, so the training loop's numbers stay its own.
@@ -80,6 +80,7 @@ def resolve_seeding(
 
 
 _MASK = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
 _GAMMA = 0x9E3779B97F4A7C15
 """splitmix64's increment: its state moves on by this much per output."""
 
@@ -101,12 +102,32 @@ def epoch_seed(base_seed: int, epoch: int) -> int:
     return _mix(_mix(base_seed & _MASK) ^ epoch)
 
 
+def _mix32(value: int) -> int:
+    """murmur3's finalizer: a bijection of 32-bit values (each step, a shift folded in or a
+    multiplication by an odd number, can be undone) whose every output bit depends on every
+    input bit."""
+    value ^= value >> 16
+    value = (value * 0x85EBCA6B) & _MASK32
+    value ^= value >> 13
+    value = (value * 0xC2B2AE35) & _MASK32
+    return value ^ (value >> 16)
+
+
 def batch_seed(seed_of_epoch: int, position: int) -> int:
     """The seed of the batch at `position` (0 first) of the epoch whose seed is
-    `seed_of_epoch`: output `position` of a splitmix64 generator seeded with it, less its
-    lowest bit (63 bits, a non-negative int64 as torch's seeds are). Mixed, not added:
-    `base_seed + position` would be the seed of another epoch's worker or batch."""
-    return _mix((seed_of_epoch + position * _GAMMA) & _MASK) >> 1
+    `seed_of_epoch`: 63 bits, a non-negative int64 as torch's seeds are.
+
+    Its low 32 bits are all torch's CPU generator keeps of a seed (its MT19937 state is made
+    from them alone): they are a bijection of the position, offset by the epoch's seed, so no
+    two batches of an epoch (up to 2**32 of them) draw the same numbers from torch, where 32
+    hashed bits would collide within about 1e5 batches (the birthday bound). The high 31 bits
+    are output `position` of a splitmix64 generator seeded with the epoch's seed, for `random`,
+    which keeps every bit. Mixed, not added: `base_seed + position` would be the seed of another
+    epoch's worker or batch.
+    """
+    low = _mix32((seed_of_epoch + position) & _MASK32)
+    high = _mix((seed_of_epoch + position * _GAMMA) & _MASK) >> 33
+    return (high << 32) | low
 
 
 @attrs.frozen
@@ -156,40 +177,29 @@ class BatchSeeds:
         return SeededTask.fast(command.worker, command.task, command.index, seed)
 
 
-def numpy_seed(seed: int) -> int:
-    """The seed of numpy's generator for a batch seeded `seed`: `seed` mixed once more
-    (splitmix64), 64 bits.
+_NUMPY_WORD = 0x5BD1E995
+"""What a batch's torch word is told apart by for numpy (see `numpy_seed`)."""
 
-    Mixed: `random.seed(seed)` seeds the same algorithm as numpy's global functions (MT19937)
-    the same way (from the seed's 32-bit words, low first), so numpy seeded with `seed` itself
-    would draw what `random` draws. 64 bits: numpy's scalar seeds take 32, and 32-bit seeds
-    collide (two batches drawing the same numbers) within about 1e5 batches (the birthday
-    bound, 2**16), a few epochs of a large dataset.
+
+def numpy_seed(seed: int) -> int:
+    """The 32-bit seed of numpy's generator for a batch seeded `seed`: its low 32 bits mixed
+    once more (`_mix32`) and told apart by a constant.
+
+    32 bits: numpy's cheapest seeding (`numpy.random.seed` of an int, 7 us after a batch's work
+    against 55 for a state of 64 bits), and a bijection of the same word torch's generator
+    keeps, so that no two batches of an epoch draw the same numbers from numpy either. Not that
+    word itself: numpy's scalar seeding and torch's are the same MT19937 initialisation, so
+    numpy seeded with it would draw the words torch draws. `random.seed` seeds MT19937 another
+    way (from the whole seed, `init_by_array`).
     """
-    return _mix(seed)
+    return _mix32((seed & _MASK32) ^ _NUMPY_WORD)
 
 
 def _seed_numpy(seed: int) -> None:
-    """Put numpy's global generator in the state `random.Random(numpy_seed(seed))` is in: the
-    state `numpy.random.seed` gives the seed's 32-bit words, low first (two, but one where the
-    high word is 0: numpy's legacy seeding and `random`'s are the same MT19937 `init_by_array`
-    over those), reached more cheaply.
-
-    After a batch's work, `numpy.random.seed` over an array of words takes 140 us (loaded) of
-    which most is its checks of the array (seven array operations, their code out of the
-    caches), against 86 for this: `random`'s C seeding, its 624 words read back as a tuple, and
-    numpy's state set from them. Back to back this is slower (16 us against 9); a worker seeds
-    after a batch's work. torch's per-worker numpy seed (`_generate_state`) is not used: 30
-    calls of pure Python, 25 us more after a batch's work.
-    """
+    """Seed numpy's global generator for a batch seeded `seed` (`numpy_seed`)."""
     import numpy
 
-    # getstate(): (version, the 624 words and the position, gauss); the position is 624 just
-    # after seeding, as numpy's is.
-    words = random.Random(numpy_seed(seed)).getstate()[1]
-    # numpy's legacy state: the name, the key (any sequence of 624 words), the position.
-    state: Any = ("MT19937", words[:624], words[624])
-    numpy.random.set_state(state)
+    numpy.random.seed(numpy_seed(seed))
 
 
 def seed_globals(seed: int) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import hypothesis
+import hypothesis.strategies as st
 import numpy
 import pytest
 import torch
@@ -373,35 +375,66 @@ def test_worker_info_seed_is_the_seed_of_the_batch_being_made(executor: str) -> 
     ]
 
 
-def test_numpy_is_seeded_as_numpy_seeds_the_words_of_the_seed_mixed_again() -> None:
+def test_numpy_is_seeded_as_numpy_seeds_its_own_32_bit_word_of_the_seed() -> None:
     seed = batch_seed(epoch_seed(SEED, 1), 0)
-    mixed = numpy_seed(seed)
-    assert mixed >> 32  # two words
+    numpy.random.standard_normal()  # a normal kept for the next draw: seeding drops it
     seed_globals(seed)
-    expected = numpy.random.RandomState([mixed & (2**32 - 1), mixed >> 32]).get_state()
+    expected = numpy.random.RandomState(numpy_seed(seed)).get_state()
     got = numpy.random.get_state()
     assert got[0] == expected[0] and got[2:] == expected[2:]
     assert got[1].tolist() == expected[1].tolist()
 
 
 def test_numpys_draws_for_a_batch_are_not_randoms() -> None:
-    # `random` and numpy's global functions are the same algorithm (MT19937), and `random.seed`
-    # seeds it from the seed's own 32-bit words: numpy seeded from those words would draw what
-    # `random` draws.
+    # `random` and numpy's global functions are the same algorithm (MT19937): numpy seeded
+    # from the seed's own words would draw what `random` draws.
     seed_globals(batch_seed(epoch_seed(SEED, 1), 0))
     from_random = [random.getrandbits(32) for _ in range(8)]
     from_numpy = numpy.random.randint(0, 2**32, size=8, dtype=numpy.uint64).tolist()
     assert from_numpy != from_random
 
 
-def test_batch_seeds_that_share_their_low_32_bits_seed_numpy_apart() -> None:
-    # numpy's scalar seeds take 32 bits: batches' seeds would collide within about 1e5 batches.
-    low = batch_seed(epoch_seed(SEED, 1), 0) & (2**32 - 1)
+def test_numpys_draws_for_a_batch_are_not_torchs() -> None:
+    # numpy's scalar seeding and torch's are the same MT19937 initialisation from 32 bits:
+    # numpy seeded with the word torch keeps would draw torch's words.
+    seed_globals(batch_seed(epoch_seed(SEED, 1), 0))
+    from_torch = torch.randint(0, 2**31, (8,), dtype=torch.int64).tolist()
+    from_numpy = numpy.random.randint(0, 2**31, size=8).tolist()
+    assert from_numpy != from_torch
+
+
+def test_torchs_generator_keeps_only_the_low_32_bits_of_a_seed() -> None:
+    # Why `batch_seed` makes its low word, not the whole seed, unique within an epoch.
+    generator = torch.Generator()
     draws = []
-    for high in (1, 2):
-        seed_globals((high << 32) | low)
-        draws.append(numpy.random.rand(4).tolist())
-    assert draws[0] != draws[1]
+    for seed in (5, 5 + 2**32):
+        generator.manual_seed(seed)
+        draws.append(torch.rand(4, generator=generator).tolist())
+    assert draws[0] == draws[1]
+
+
+@hypothesis.given(
+    seed_of_epoch=st.integers(0, 2**64 - 1),
+    positions=st.lists(st.integers(0, 2**32 - 1), min_size=2, max_size=2, unique=True),
+)
+def test_no_two_batches_of_an_epoch_share_torchs_or_numpys_seed(
+    seed_of_epoch: int, positions: list[int]
+) -> None:
+    first, second = (batch_seed(seed_of_epoch, position) for position in positions)
+    assert first & (2**32 - 1) != second & (2**32 - 1)
+    assert numpy_seed(first) != numpy_seed(second)
+
+
+def test_a_long_epochs_batches_draw_apart_from_torch_and_numpy() -> None:
+    # 2e5 batches: 32 hashed bits would give about 5 pairs of batches drawing alike.
+    seeds = [batch_seed(epoch_seed(SEED, 1), position) for position in range(200_000)]
+    assert len({seed & (2**32 - 1) for seed in seeds}) == len(seeds)
+    assert len({numpy_seed(seed) for seed in seeds}) == len(seeds)
+
+
+@hypothesis.given(seed_of_epoch=st.integers(0, 2**64 - 1), position=st.integers(0, 2**40))
+def test_a_batch_seed_is_a_non_negative_int64(seed_of_epoch: int, position: int) -> None:
+    assert 0 <= batch_seed(seed_of_epoch, position) < 2**63
 
 
 def test_seeding_a_batch_runs_no_pure_python_state_generation() -> None:
