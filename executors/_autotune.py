@@ -70,6 +70,10 @@ START_WITH = 2
 quickly as with two."""
 WINDOW = 16
 """Batches a window of figures covers at least: the policy is asked once per window."""
+FIRST_WINDOW = 8
+"""Batches the tuner's first window covers at least: every batch of it is made by the
+`START_WITH` workers a loader starts with, so a loop that starves on them starves for each
+batch the window waits for."""
 WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
@@ -271,8 +275,8 @@ class AutoTuner:
     """The loader's tuner: measures between `next()` calls, asks the policy, carries out.
 
     `decide` is the policy (tests pass their own, to drive it with figures of their choosing);
-    `clock` what the waits are timed with; a window covers at least `window` batches and
-    `window_seconds` seconds.
+    `clock` what the waits are timed with; a window covers at least `window` batches (the
+    first, `first_window`) and `window_seconds` seconds.
     """
 
     def __init__(
@@ -286,6 +290,7 @@ class AutoTuner:
         clock: Callable[[], float] = time.perf_counter,
         available_memory: int | None = None,
         window: int = WINDOW,
+        first_window: int = FIRST_WINDOW,
         window_seconds: float = WINDOW_SECONDS,
         tunes_workers: bool = True,
         prefetch: int | None = None,
@@ -300,6 +305,7 @@ class AutoTuner:
         """`prefetch_factor="auto"`: the prefetch policy's memory, starting from `prefetch`."""
         self.decide_prefetch = decide_prefetch
         self.window = window
+        self.first_window = min(first_window, window)
         self.window_seconds = window_seconds
         self.cpus = cpu_budget() if cpus is None else cpus
         self.decide = decide
@@ -413,10 +419,11 @@ class AutoTuner:
                 holding = {slot.worker for slot in state.window if type(slot) is Pending}
                 self.busy += len(holding) / running
                 self.samples += 1
-        # A starving loop is measured over `window` batches alone: its waiting is not noise, and
-        # each half second spent measuring it is spent starving. Starving in the last window,
-        # or in this one already: the first window of a loader that starts too small is one.
-        if count >= self.window:
+        # A starving loop is measured over `window` batches alone (the first window over
+        # `first_window`): its waiting is not noise, and each half second spent measuring it is
+        # spent starving. Starving in the last window, or in this one already: the first window
+        # of a loader that starts too small is one.
+        if count >= (self.window if self.windows else self.first_window):
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
             # A judgement a short window could not make is made over `window_seconds`.

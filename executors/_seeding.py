@@ -178,12 +178,13 @@ class BatchSeeds:
 
 
 _NUMPY_WORD = 0x5BD1E995
-"""What a batch's torch word is told apart by for numpy (see `numpy_seed`)."""
+"""Folded into a batch's low word before it is mixed for numpy, so that numpy's seed is not
+torch's word (see `numpy_seed`)."""
 
 
 def numpy_seed(seed: int) -> int:
-    """The 32-bit seed of numpy's generator for a batch seeded `seed`: its low 32 bits mixed
-    once more (`_mix32`) and told apart by a constant.
+    """The 32-bit seed of numpy's generator for a batch seeded `seed`: its low 32 bits with
+    `_NUMPY_WORD` folded in, mixed once more (`_mix32`).
 
     32 bits: numpy's cheapest seeding (`numpy.random.seed` of an int, 7 us after a batch's work
     against 55 for a state of 64 bits), and a bijection of the same word torch's generator

@@ -186,8 +186,8 @@ def test_the_tuner_is_given_windows_of_what_the_loader_measured(where: dict[str,
     loader = _auto(Numbers(200), _scripted([], seen), batch_size=2, **where)
     list(loader)
     assert len(seen) >= 5
+    assert [window.batches for window in seen] == [8] + [16] * (len(seen) - 1)
     for window in seen:
-        assert window.batches == 16
         assert window.running == 2
         assert 0 <= window.waited <= window.seconds
         assert 0 <= window.longest_gap <= window.seconds
@@ -215,16 +215,31 @@ def test_no_window_begins_within_the_cooldown_after_a_change(where: dict[str, An
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_a_starving_loop_is_measured_over_sixteen_batches_from_the_first_window(
+def test_a_starving_loop_is_measured_over_eight_batches_first_then_sixteen(
     where: dict[str, Any],
 ) -> None:
     # Each batch takes 10 ms of the tuner's clock, 9 of them waited: the loop starves from the
-    # start, so no window waits for half a second, the first neither.
+    # start, so no window waits for half a second. The first is made by the two workers a
+    # loader starts with, each of its batches starved for: it is half as long.
     seen: list[LoadWindow] = []
     loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
-    assert [window.batches for window in seen] == [16] * len(seen)
+    assert [window.batches for window in seen] == [8] + [16] * (len(seen) - 1)
     assert len(seen) > 3
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_only_the_tuners_first_window_is_short_not_each_epochs(where: dict[str, Any]) -> None:
+    # The next epoch's workers are the count the tuner learned, not the two it started with.
+    seen: list[LoadWindow] = []
+    loader = _auto(
+        Numbers(200), _scripted([], seen), batch_size=2, persistent_workers=True, **where
+    )
+    list(loader)
+    first_epoch = len(seen)
+    list(loader)
+    assert first_epoch >= 2 and len(seen) > first_epoch
+    assert [window.batches for window in seen] == [8] + [16] * (len(seen) - 1)
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
@@ -280,12 +295,12 @@ def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
 def test_an_add_a_starving_window_could_not_judge_is_judged_over_half_a_second(
     where: dict[str, Any],
 ) -> None:
-    # The loop starves (9 ms waited of each 10): 16-batch windows, but the one after the
-    # policy asked for a longer judgement covers half a second (51 batches).
+    # The loop starves (9 ms waited of each 10): short windows (the first 8 batches, then 16),
+    # but the one after the policy asked for a longer judgement covers half a second (51).
     seen: list[LoadWindow] = []
     loader = _on_a_loop_clock(where, _judging_after_the_first(seen), step=0.001, wait=0.009)
     list(loader)
-    assert [window.batches for window in seen[:3]] == [16, 51, 16]
+    assert [window.batches for window in seen[:3]] == [8, 51, 16]
 
 
 def test_stats_and_the_verdict_report_the_decisions() -> None:
@@ -295,7 +310,7 @@ def test_stats_and_the_verdict_report_the_decisions() -> None:
     assert stats.tuning is not None
     (record,) = stats.tuning.decisions
     assert record.move is ADD and record.workers == 3 and record.why == "scripted add"
-    assert record.batch > 16 and record.epoch == 1
+    assert record.batch > 8 and record.epoch == 1
     verdict = stats.verdict()
     assert 'num_workers="auto"' in verdict
     assert "added a worker, 3 now: scripted add" in verdict
@@ -499,12 +514,12 @@ def test_a_settled_tuner_measures_a_starving_loop_over_half_a_second(
     where: dict[str, Any],
 ) -> None:
     # The loop starves (9 of each 10 ms waited), but the policy has settled: it has nothing to
-    # do quickly, so windows are half a second (51 batches) again after the first 16 batches,
+    # do quickly, so windows are half a second (51 batches) again after the first 8 batches,
     # not 16 batches each with /proc read for every worker.
     seen: list[LoadWindow] = []
     loader = _on_a_loop_clock(where, _settling(seen), step=0.001, wait=0.009)
     list(loader)
-    assert [window.batches for window in seen] == [16] + [51] * (len(seen) - 1)
+    assert [window.batches for window in seen] == [8] + [51] * (len(seen) - 1)
     assert len(seen) >= 3
 
 
