@@ -54,6 +54,28 @@ def test_the_table_gives_each_counts_lowest_and_highest_run_under_its_median() -
     }
 
 
+def test_a_run_timed_from_iter_counts_the_first_batch_and_the_start_up_before_it() -> None:
+    run = SweepRun(99, 1.5, started=0.5)
+    assert run.throughput == pytest.approx(99 / 1.5)
+    assert run.from_iter == pytest.approx(100 / 2.0)
+
+
+def test_from_iter_the_best_count_and_autos_ratio_are_judged_on_the_start_up_too() -> None:
+    # 16 workers are fastest once started, but take 1.5 s to start; auto starts in 0.1 s.
+    runs = {
+        2: (SweepRun(99, 2.0, started=0.1),),
+        16: (SweepRun(99, 1.0, started=1.5),),
+        AUTO: (SweepRun(99, 1.2, TuningSummary(True, 16, (), 0.0, "settled"), started=0.1),),
+    }
+    result = SweepResult(sweep.SWEEP[0], runs, (2,))
+    assert (result.best, result.best_from_iter) == (16, 2)
+    assert result.ratio == pytest.approx(1.0 / 1.2)
+    assert result.ratio_from_iter == pytest.approx(2.1 / 1.3)
+    assert result.to_json()["ratio_from_iter"] == pytest.approx(2.1 / 1.3)
+    table = sweep.SweepReport((result,), 1.0, 2).table()
+    assert "from iter(), start-up in every count's clock: best fixed 2; auto/best = 1.62" in table
+
+
 def test_the_rounds_rotate_so_each_count_and_auto_go_first_in_turn() -> None:
     taking = (*COUNTS, AUTO)
     firsts = [rotated(number, taking)[0] for number in range(len(taking))]
@@ -86,6 +108,11 @@ def test_the_quickest_sweep_runs_every_count_and_auto_and_reports_them(tmp_path:
     ]
     medians = [run["batches"] / run["seconds"] for run in result["runs"]["1"]]
     assert fixed[1] == pytest.approx(statistics.median(medians))
+    whole = [
+        (run["batches"] + 1) / (run["started"] + run["seconds"]) for run in result["runs"]["1"]
+    ]
+    assert result["medians_from_iter"]["1"] == pytest.approx(statistics.median(whole))
+    assert all(run["started"] > 0 for runs in result["runs"].values() for run in runs)
     table = out.getvalue()
     assert "io-4ms" in table and "auto/best" in table and "best fixed" in table
     if sweep.AVAILABLE:
