@@ -76,6 +76,14 @@ def test_from_iter_the_best_count_and_autos_ratio_are_judged_on_the_start_up_too
     assert "from iter(), start-up in every count's clock: best fixed 2; auto/best = 1.62" in table
 
 
+def test_the_memory_sampler_takes_at_most_a_fifth_of_a_core() -> None:
+    took = 0.05  # 10 workers' page tables walked
+    pause = sweep.sampler_pause(took)
+    assert took / (took + pause) == pytest.approx(sweep.SAMPLER_SHARE)
+    assert sweep.SAMPLER_SHARE <= 0.2
+    assert sweep.sampler_pause(0.0) == sweep.INTERVAL
+
+
 def test_the_rounds_rotate_so_each_count_and_auto_go_first_in_turn() -> None:
     taking = (*COUNTS, AUTO)
     firsts = [rotated(number, taking)[0] for number in range(len(taking))]

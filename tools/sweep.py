@@ -331,6 +331,21 @@ def run_once(workload: SweepWorkload, count: Count, prefetch_factor: Count = 2) 
     return SweepRun(len(arrivals) - 1, arrivals[-1] - arrivals[0], tuning, started)
 
 
+SAMPLER_SHARE = 0.2
+"""The most of one core the memory sampler takes: each read of a process's PSS walks its page
+tables (about 5 ms a worker here), and sampling back to back took a whole core of this 2-core
+machine from the run it measured: 8 fixed workers of `mixed` made 15% fewer batches, and the
+sampler's CPU, counted as the training loop's, moved an auto loader's tuning."""
+
+
+def sampler_pause(took: float) -> float:
+    """Seconds the memory sampler waits after a sample that took `took` seconds: at least
+    `INTERVAL`, and enough that it takes at most `SAMPLER_SHARE` of a core (a tenth of a second
+    or two between samples of 16 workers: a worker an auto loader tries and retires lives for
+    half a second or more)."""
+    return max(INTERVAL, took * (1 - SAMPLER_SHARE) / SAMPLER_SHARE)
+
+
 def measure_memory(workload: SweepWorkload, count: Count) -> MemoryPeak:
     """One run while this process samples its own PSS and its workers' (`tools.memory`).
 
@@ -346,6 +361,7 @@ def measure_memory(workload: SweepWorkload, count: Count) -> MemoryPeak:
 
     def sample() -> None:
         while not done.is_set():
+            began = time.perf_counter()
             tree = descendants(me)
             own = pss(me)
             workers = [pss(child) for child in tree]
@@ -354,7 +370,7 @@ def measure_memory(workload: SweepWorkload, count: Count) -> MemoryPeak:
             if descendants(me) == tree:
                 highest[0] = max(highest[0], own + sum(workers))
                 highest[1] = max([highest[1], *workers])
-            done.wait(INTERVAL)
+            done.wait(sampler_pause(time.perf_counter() - began))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
