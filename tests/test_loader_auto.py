@@ -268,13 +268,16 @@ def test_a_loop_that_does_not_starve_is_measured_after_the_batches_loaded_during
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_a_starving_loop_is_measured_from_its_second_batch(where: dict[str, Any]) -> None:
-    # A loop that starves is decided on its waiting: its jump is not delayed by the batches
-    # loaded during start-up.
+def test_a_starving_loop_is_measured_after_the_batches_loaded_during_start_up_too(
+    where: dict[str, Any],
+) -> None:
+    # Its first window's rate is what its jump is judged against: counting the batches that
+    # came at once made two workers look nearly twice as fast as they were.
     seen: list[LoadWindow] = []
     loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
-    assert seen and seen[0].first == 1
+    assert seen and seen[0].first >= 1 + 3
+    assert seen[0].first <= 1 + 2 * 2  # two workers, two tasks each: no more waited for
 
 
 def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
@@ -310,7 +313,7 @@ def test_stats_and_the_verdict_report_the_decisions() -> None:
     assert stats.tuning is not None
     (record,) = stats.tuning.decisions
     assert record.move is ADD and record.workers == 3 and record.why == "scripted add"
-    assert record.batch > 8 and record.epoch == 1
+    assert record.batch > 8 + 3 and record.epoch == 1
     verdict = stats.verdict()
     assert 'num_workers="auto"' in verdict
     assert "added a worker, 3 now: scripted add" in verdict
@@ -476,7 +479,7 @@ def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not
     tuning = loader.stats().tuning
     assert tuning is not None
     assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (RETIRE, 2)]
-    assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
+    assert "waited 91%" in tuning.decisions[0].why  # 8 waits of 9 ms over 8 + 7 steps
     assert "workers 3-4 did not pay" in tuning.decisions[1].why
     assert tuning.settled and tuning.workers == 2
 
