@@ -79,6 +79,11 @@ its twelfth batch or so."""
 WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
+QUICK_SECONDS = 0.05
+"""Seconds a starving loop's window covers at least, however few batches that asks for: a
+running process's CPU time, as /proc reports it, can lag by a scheduler tick (4 ms here), and
+over the 14 ms of 8 batches of `cpu-spin` at 2 workers the CPU figures said the workers slept
+35 to 49% of their time, in pure-Python work: the tuner jumped to 4 to 6 workers on 2 cores."""
 SLOTS_PER_CPU = 8
 COOLDOWN = Tuning().cooldown
 STARVED = Tuning().starved_above
@@ -278,7 +283,7 @@ class AutoTuner:
 
     `decide` is the policy (tests pass their own, to drive it with figures of their choosing);
     `clock` what the waits are timed with; a window covers at least `window` batches (the
-    first, `first_window`) and `window_seconds` seconds.
+    first, `first_window`) and `window_seconds` seconds (a starving loop's, `quick_seconds`).
     """
 
     def __init__(
@@ -294,6 +299,7 @@ class AutoTuner:
         window: int = WINDOW,
         first_window: int = FIRST_WINDOW,
         window_seconds: float = WINDOW_SECONDS,
+        quick_seconds: float = QUICK_SECONDS,
         tunes_workers: bool = True,
         prefetch: int | None = None,
         decide_prefetch: Callable[
@@ -309,6 +315,7 @@ class AutoTuner:
         self.window = window
         self.first_window = min(first_window, window)
         self.window_seconds = window_seconds
+        self.quick_seconds = quick_seconds
         self.cpus = cpu_budget() if cpus is None else cpus
         self.decide = decide
         self.clock = clock
@@ -423,14 +430,19 @@ class AutoTuner:
                 self.busy += len(holding) / running
                 self.samples += 1
         # A starving loop is measured over `window` batches alone (the first window over
-        # `first_window`): its waiting is not noise, and each half second spent measuring it is
-        # spent starving. Starving in the last window, or in this one already: the first window
-        # of a loader that starts too small is one.
+        # `first_window`), and `quick_seconds`: its waiting is not noise, and each half second
+        # spent measuring it is spent starving. Starving in the last window, or in this one
+        # already: the first window of a loader that starts too small is one.
         if count >= (self.window if self.windows else self.first_window):
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
             # A judgement a short window could not make is made over `window_seconds`.
-            quick = starving and self._may_change() and not self.tuner.long_window
+            quick = (
+                starving
+                and self._may_change()
+                and not self.tuner.long_window
+                and elapsed >= self.quick_seconds
+            )
             if elapsed >= self.window_seconds or quick:
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 

@@ -229,6 +229,20 @@ def test_a_starving_loop_is_measured_over_eight_batches_first_then_sixteen(
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_starving_loop_whose_batches_come_quickly_is_measured_over_fifty_milliseconds(
+    where: dict[str, Any],
+) -> None:
+    # 1 ms a batch, 0.9 of it waited: 8 or 16 batches would be 8 or 16 ms, over which the
+    # workers' CPU time, read from /proc, can be off by a scheduler tick each.
+    seen: list[LoadWindow] = []
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.0001, wait=0.0009)
+    list(loader)
+    assert len(seen) >= 2
+    assert all(window.batches == 51 for window in seen)  # 51 waits and 50 steps: 50.1 ms
+    assert all(window.seconds >= autotune.QUICK_SECONDS for window in seen)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_only_the_tuners_first_window_is_short_not_each_epochs(where: dict[str, Any]) -> None:
     # The next epoch's workers are the count the tuner learned, not the two it started with.
     seen: list[LoadWindow] = []
