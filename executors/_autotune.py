@@ -73,17 +73,10 @@ WINDOW = 16
 FIRST_WINDOW = 8
 """Batches the tuner's first window covers at least: every batch of it is made by the
 `START_WITH` workers a loader starts with, so a loop that starves on them starves for each
-batch the window waits for. It begins after the batches loaded during the workers' start-up
-(three or more: two workers, two tasks each), so a starving loop's first decision comes at
-its twelfth batch or so."""
+batch the window waits for."""
 WINDOW_SECONDS = 0.5
 """Seconds a window covers at least: fast batches are counted over a longer window, whose
 figures wobble less."""
-QUICK_SECONDS = 0.05
-"""Seconds a starving loop's window covers at least, however few batches that asks for: a
-running process's CPU time, as /proc reports it, can lag by a scheduler tick (4 ms here), and
-over the 14 ms of 8 batches of `cpu-spin` at 2 workers the CPU figures said the workers slept
-35 to 49% of their time, in pure-Python work: the tuner jumped to 4 to 6 workers on 2 cores."""
 SLOTS_PER_CPU = 8
 COOLDOWN = Tuning().cooldown
 STARVED = Tuning().starved_above
@@ -283,7 +276,7 @@ class AutoTuner:
 
     `decide` is the policy (tests pass their own, to drive it with figures of their choosing);
     `clock` what the waits are timed with; a window covers at least `window` batches (the
-    first, `first_window`) and `window_seconds` seconds (a starving loop's, `quick_seconds`).
+    first, `first_window`) and `window_seconds` seconds.
     """
 
     def __init__(
@@ -299,7 +292,6 @@ class AutoTuner:
         window: int = WINDOW,
         first_window: int = FIRST_WINDOW,
         window_seconds: float = WINDOW_SECONDS,
-        quick_seconds: float = QUICK_SECONDS,
         tunes_workers: bool = True,
         prefetch: int | None = None,
         decide_prefetch: Callable[
@@ -315,7 +307,6 @@ class AutoTuner:
         self.window = window
         self.first_window = min(first_window, window)
         self.window_seconds = window_seconds
-        self.quick_seconds = quick_seconds
         self.cpus = cpu_budget() if cpus is None else cpus
         self.decide = decide
         self.clock = clock
@@ -408,17 +399,16 @@ class AutoTuner:
             self.longest_gap = max(self.longest_gap, asked - self.last)
         self.waited += now - asked
         self.last = now
-        if self.batch == self.loaded_ahead:
+        if (
+            self.batch == self.loaded_ahead
+            and not self.starving
+            and self.waited <= STARVED * (now - self.began)
+        ):
             # The batches the workers loaded while the epoch's first waited for their start-up
-            # come at once. Counted, they make the window's rate a figure of no count: 2
-            # workers of `mixed` looked 1.8 times as fast as they are over the tuner's first
-            # window, the rate a starving loop's jump is judged against, and the jump to 4
-            # workers (of a loop whose process had another busy thread) was undone as "slower"
-            # and the tuner locked at 4 where 8 made 1.5 times the batches. Under a busy
-            # training step they made 2 workers look a few percent faster over the half second
-            # that judges the next add. Every window begins after them, a starving loop's too:
-            # they come at once, so its first decision comes a few batches, and a few
-            # milliseconds, later.
+            # come at once: counted, they made 2 workers of mixed under a busy training step
+            # look a few percent faster than they are, over the half second that judges the
+            # next add. A loop that does not starve is measured from here; a starving one is
+            # decided on its waiting (a jump not to be delayed), its rate not judged on this.
             self._restart()
             self.last = now
             return
@@ -430,19 +420,14 @@ class AutoTuner:
                 self.busy += len(holding) / running
                 self.samples += 1
         # A starving loop is measured over `window` batches alone (the first window over
-        # `first_window`), and `quick_seconds`: its waiting is not noise, and each half second
-        # spent measuring it is spent starving. Starving in the last window, or in this one
-        # already: the first window of a loader that starts too small is one.
+        # `first_window`): its waiting is not noise, and each half second spent measuring it is
+        # spent starving. Starving in the last window, or in this one already: the first window
+        # of a loader that starts too small is one.
         if count >= (self.window if self.windows else self.first_window):
             elapsed = now - self.began
             starving = self.starving or self.waited > STARVED * elapsed
             # A judgement a short window could not make is made over `window_seconds`.
-            quick = (
-                starving
-                and self._may_change()
-                and not self.tuner.long_window
-                and elapsed >= self.quick_seconds
-            )
+            quick = starving and self._may_change() and not self.tuner.long_window
             if elapsed >= self.window_seconds or quick:
                 self._decide(driver, state, workers.count(_ACTIVE), now, executor)
 

@@ -229,20 +229,6 @@ def test_a_starving_loop_is_measured_over_eight_batches_first_then_sixteen(
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_a_starving_loop_whose_batches_come_quickly_is_measured_over_fifty_milliseconds(
-    where: dict[str, Any],
-) -> None:
-    # 1 ms a batch, 0.9 of it waited: 8 or 16 batches would be 8 or 16 ms, over which the
-    # workers' CPU time, read from /proc, can be off by a scheduler tick each.
-    seen: list[LoadWindow] = []
-    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.0001, wait=0.0009)
-    list(loader)
-    assert len(seen) >= 2
-    assert all(window.batches == 51 for window in seen)  # 51 waits and 50 steps: 50.1 ms
-    assert all(window.seconds >= autotune.QUICK_SECONDS for window in seen)
-
-
-@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
 def test_only_the_tuners_first_window_is_short_not_each_epochs(where: dict[str, Any]) -> None:
     # The next epoch's workers are the count the tuner learned, not the two it started with.
     seen: list[LoadWindow] = []
@@ -282,16 +268,13 @@ def test_a_loop_that_does_not_starve_is_measured_after_the_batches_loaded_during
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
-def test_a_starving_loop_is_measured_after_the_batches_loaded_during_start_up_too(
-    where: dict[str, Any],
-) -> None:
-    # Its first window's rate is what its jump is judged against: counting the batches that
-    # came at once made two workers look nearly twice as fast as they were.
+def test_a_starving_loop_is_measured_from_its_second_batch(where: dict[str, Any]) -> None:
+    # A loop that starves is decided on its waiting: its jump is not delayed by the batches
+    # loaded during start-up.
     seen: list[LoadWindow] = []
     loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
-    assert seen and seen[0].first >= 1 + 3
-    assert seen[0].first <= 1 + 2 * 2  # two workers, two tasks each: no more waited for
+    assert seen and seen[0].first == 1
 
 
 def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
@@ -327,7 +310,7 @@ def test_stats_and_the_verdict_report_the_decisions() -> None:
     assert stats.tuning is not None
     (record,) = stats.tuning.decisions
     assert record.move is ADD and record.workers == 3 and record.why == "scripted add"
-    assert record.batch > 8 + 3 and record.epoch == 1
+    assert record.batch > 8 and record.epoch == 1
     verdict = stats.verdict()
     assert 'num_workers="auto"' in verdict
     assert "added a worker, 3 now: scripted add" in verdict
@@ -493,7 +476,7 @@ def test_the_real_policy_adds_for_a_waiting_loop_and_undoes_an_add_that_does_not
     tuning = loader.stats().tuning
     assert tuning is not None
     assert [(r.move, r.workers) for r in tuning.decisions] == [(ADD, 4), (RETIRE, 2)]
-    assert "waited 91%" in tuning.decisions[0].why  # 8 waits of 9 ms over 8 + 7 steps
+    assert "waited 91%" in tuning.decisions[0].why  # 16 waits of 9 ms over 16 + 15 steps
     assert "workers 3-4 did not pay" in tuning.decisions[1].why
     assert tuning.settled and tuning.workers == 2
 
