@@ -12,14 +12,14 @@ clock, and so is the start-up of the workers it adds). The goal is judged on tha
 run is also timed from `iter(loader)`, as a training loop lives the epoch: there every count
 pays for starting its workers, a fixed count before its first batch. Where the workload has a
 training step, the loop spins one core for that long per batch, so the figure is end-to-end
-steps per second. After every auto run, the loader's
-`stats().tuning` says what it did: the changes, with the batch of each, whether it settled
-and on how many workers; the sweep turns the batch of the last change into seconds with the
-run's arrival times (how long tuning took).
+steps per second. After every auto run, the loader's `stats().tuning` says what it did: the
+changes, with the batch of each, whether it settled and on how many workers; the sweep turns
+the batch of the last change into seconds with the run's arrival times (how long tuning took).
 
 Then, unless told not to, each count and auto make one more run while this process samples
-the PSS of itself and its workers (`tools.memory`): the peak the run added, and the largest
-single worker seen (what "one worker" costs).
+the PSS of itself and its workers (`tools.memory`), taking at most a fifth of a core
+(`sampler_pause`): the peak the run added, and the largest single worker seen (what "one
+worker" costs).
 
 The report gives, per workload, the median throughput of each count and of auto, the best
 fixed count (the highest median), auto's ratio to it (of the medians), the count auto settled
@@ -340,8 +340,8 @@ sampler's CPU, counted as the training loop's, moved an auto loader's tuning."""
 
 def sampler_pause(took: float) -> float:
     """Seconds the memory sampler waits after a sample that took `took` seconds: at least
-    `INTERVAL`, and enough that it takes at most `SAMPLER_SHARE` of a core (a tenth of a second
-    or two between samples of 16 workers: a worker an auto loader tries and retires lives for
+    `INTERVAL`, and enough that it takes at most `SAMPLER_SHARE` of a core (about a third of a
+    second between samples of 16 workers: a worker an auto loader tries and retires lives for
     half a second or more)."""
     return max(INTERVAL, took * (1 - SAMPLER_SHARE) / SAMPLER_SHARE)
 
