@@ -408,7 +408,10 @@ class AutoTuner:
             # come at once: counted, they made 2 workers of mixed under a busy training step
             # look a few percent faster than they are, over the half second that judges the
             # next add. A loop that does not starve is measured from here; a starving one is
-            # decided on its waiting (a jump not to be delayed), its rate not judged on this.
+            # decided on its waiting (a jump not to be delayed), but its jump is then judged
+            # against this window's rate, which these batches inflate (1.8 times on mixed):
+            # a known limit (docs/choosing-num-workers.md), kept since measuring after them
+            # misled the tuner on cpu-spin (docs/tuning-history.md, stop 46).
             self._restart()
             self.last = now
             return
