@@ -342,6 +342,10 @@ class AutoTuner:
         self.longest_gap = 0.0
         self.busy = 0.0
         self.samples = 0
+        self.ahead = 0
+        """Of the window's batches, those loaded during the epoch's start-up (see `handed`)."""
+        self.ahead_seconds = 0.0
+        self.ahead_waited = 0.0
 
     def begin_epoch(self) -> None:
         """An epoch begins: its first batch (the workers' start-up) is not measured."""
@@ -399,23 +403,28 @@ class AutoTuner:
             self.longest_gap = max(self.longest_gap, asked - self.last)
         self.waited += now - asked
         self.last = now
+        ahead = self.batch <= self.loaded_ahead
         if (
             self.batch == self.loaded_ahead
             and not self.starving
             and self.waited <= STARVED * (now - self.began)
         ):
             # The batches the workers loaded while the epoch's first waited for their start-up
-            # come at once: counted, they made 2 workers of mixed under a busy training step
+            # come at once: counted, they made 2 workers of `mixed` under a busy training step
             # look a few percent faster than they are, over the half second that judges the
-            # next add. A loop that does not starve is measured from here; a starving one is
-            # decided on its waiting (a jump not to be delayed), but its jump is then judged
-            # against this window's rate, which these batches inflate (1.8 times on mixed):
-            # a known limit (docs/choosing-num-workers.md), kept since measuring after them
-            # misled the tuner on cpu-spin (docs/tuning-history.md, stop 46).
+            # next add. A loop that does not starve is measured from here.
             self._restart()
             self.last = now
             return
         count = self.count = self.count + 1
+        if ahead:
+            # A starving loop is decided on its waiting from the epoch's second batch (a jump
+            # not to be delayed; measured after these batches, cpu-spin's first window was 14 ms
+            # and its CPU figures said its workers slept: docs/tuning-history.md, stop 46), but
+            # these batches are left out of the rate its jump is judged against.
+            self.ahead = count
+            self.ahead_seconds = now - self.began
+            self.ahead_waited = self.waited
         if count % BUSY_EVERY == 0:
             running = workers.count(_ACTIVE)
             if running:
@@ -480,6 +489,9 @@ class AutoTuner:
             running=running,
             cpu=cpu,
             queued=queued,
+            ahead=self.ahead,
+            ahead_seconds=self.ahead_seconds,
+            ahead_waited=self.ahead_waited,
         )
         self.windows += 1
         self.starving = window.wait_share > STARVED

@@ -21,7 +21,8 @@ The rules, in the order `decide_workers` asks them:
    loop for cores: where measured, once they ask for `cpu_full` of the cores, not merely once
    there are more workers than cores) than over every window measured at the count before it
    (`Tuner.pooled`: batches summed over seconds summed, so one short window, an outlier either
-   way, does not decide alone; a starving loop's jump into cores measured to have room, made
+   way, does not decide alone; the batches an epoch's start-up loaded ahead, which come at once,
+   are left out, `LoadWindow.ahead`; a starving loop's jump into cores measured to have room, made
    on less than `judge_seconds` of them, is undone only if batches came slower by
    `min_gain`), or if the loop waited half as much as before and batches came no slower
    beyond the band of the gain asked (the add fed the loop and took no core from it, its gain
@@ -157,6 +158,16 @@ class LoadWindow:
     queue's delay, over the window's seconds); None where not measured. On a machine shared
     with other work the loader's processes are given less than they ask for, and what they
     were given (`cpu`) looks like room: what they asked for is `cpu + queued`."""
+    ahead: int = 0
+    """Of `batches`, the first ones the workers loaded before the window began: an epoch's
+    first window, measured from its second batch, begins with those in flight as its first was
+    handed over, loaded while that one waited for the workers' start-up. They come at once, so
+    they are left out of `rate` (2 workers of `mixed` under a busy training process made
+    166-172 batches/s, and a first window counting them said 298.7)."""
+    ahead_seconds: float = 0.0
+    """The seconds from the window's first request to the last of the `ahead` batches."""
+    ahead_waited: float = 0.0
+    """Of which the training loop spent waiting inside `next()`."""
 
     @property
     def first(self) -> int:
@@ -169,9 +180,26 @@ class LoadWindow:
         return self.waited / self.seconds if self.seconds > 0 else 0.0
 
     @property
+    def loading_batches(self) -> int:
+        """The batches the workers loaded within the window: all but the `ahead` ones."""
+        return self.batches - self.ahead
+
+    @property
+    def loading_seconds(self) -> float:
+        """The seconds those took: from the last `ahead` batch to the window's end."""
+        return self.seconds - self.ahead_seconds
+
+    @property
+    def loading_waited(self) -> float:
+        """Of which the training loop spent waiting inside `next()`."""
+        return self.waited - self.ahead_waited
+
+    @property
     def rate(self) -> float:
-        """Batches per second over the window."""
-        return self.batches / self.seconds if self.seconds > 0 else 0.0
+        """Batches per second the workers made over the window (the `ahead` ones left out);
+        0.0 where every batch of it was loaded before it began."""
+        seconds = self.loading_seconds
+        return self.loading_batches / seconds if seconds > 0 else 0.0
 
     @property
     def asleep(self) -> float | None:
@@ -374,12 +402,13 @@ class Tuner:
         return self.judging or self.second_look or self.measuring
 
     def pooled(self, window: LoadWindow) -> Tuner:
-        """With `window` counted among those at the running count."""
+        """With `window` counted among those at the running count: the batches the workers
+        loaded in it (`LoadWindow.ahead` left out), the rate a change is judged against."""
         return attrs.evolve(
             self,
-            seen_batches=self.seen_batches + window.batches,
-            seen_seconds=self.seen_seconds + window.seconds,
-            seen_waited=self.seen_waited + window.waited,
+            seen_batches=self.seen_batches + window.loading_batches,
+            seen_seconds=self.seen_seconds + window.loading_seconds,
+            seen_waited=self.seen_waited + window.loading_waited,
         )
 
     @property
@@ -734,7 +763,13 @@ def _judge(
 ) -> tuple[Tuner, TuningDecision | None]:
     """Keep the last change, or undo it (None: kept)."""
     running = window.running
-    if tuner.last is TuningMove.ADD and running > tuner.floor:
+    if tuner.last is TuningMove.ADD and running > tuner.floor and window.loading_batches == 0:
+        # Every batch of the window was loaded before it began (an epoch's start-up): it says
+        # nothing of the count's rate. The next one judges.
+        return tuner, _hold("the window's batches were loaded before it: judging on the next")
+    if tuner.last is TuningMove.ADD and running > tuner.floor and tuner.rate_before > 0:
+        # (No rate before: every batch measured at the count before was loaded before its
+        # window began. The add, made on the loop's waiting, is kept.)
         # Past the cores: the loop and its workers ask for them in full, where measured (a
         # worker that sleeps on I/O or a busy training loop's third worker takes no core from
         # the others, and the gain a loop waiting 15% can have is 18% at most); else more

@@ -265,6 +265,7 @@ def test_a_loop_that_does_not_starve_is_measured_after_the_batches_loaded_during
     loader = _on_a_loop_clock(where, _scripted([], seen), step=0.009, wait=0.001)
     list(loader)
     assert seen and seen[0].first >= 1 + 3
+    assert all(window.ahead == 0 for window in seen)
 
 
 @pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
@@ -275,6 +276,36 @@ def test_a_starving_loop_is_measured_from_its_second_batch(where: dict[str, Any]
     loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
     list(loader)
     assert seen and seen[0].first == 1
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_a_starving_loops_first_window_leaves_the_batches_loaded_during_start_up_out_of_its_rate(
+    where: dict[str, Any],
+) -> None:
+    # Two workers of two tasks each: at least three batches were in flight as the first was
+    # handed over. The window counts them (its waiting decides), its rate does not: each batch
+    # takes 10 ms of the loop's clock, so the rate is 100 a second whatever the workers did.
+    seen: list[LoadWindow] = []
+    loader = _on_a_loop_clock(where, _scripted([], seen), step=0.001, wait=0.009)
+    list(loader)
+    first, *later = seen
+    assert 3 <= first.ahead < first.batches
+    assert first.rate == pytest.approx(100.0)
+    assert later and all(window.ahead == 0 for window in later)
+
+
+@pytest.mark.parametrize("where", EXECUTORS, ids=lambda where: where["executor"])
+def test_each_epochs_start_up_batches_are_left_out_of_its_first_windows_rate(
+    where: dict[str, Any],
+) -> None:
+    # Persistent workers load the next epoch's first batches as its iterator starts.
+    seen: list[LoadWindow] = []
+    loader = _on_a_loop_clock(
+        {**where, "persistent_workers": True}, _scripted([], seen), step=0.001, wait=0.009
+    )
+    list(loader)
+    list(loader)
+    assert [window.first for window in seen if window.ahead] == [1, len(loader) + 1]
 
 
 def _judging_after_the_first(seen: list[LoadWindow]) -> Decide:
