@@ -763,11 +763,12 @@ def _judge(
 ) -> tuple[Tuner, TuningDecision | None]:
     """Keep the last change, or undo it (None: kept)."""
     running = window.running
-    if tuner.last is TuningMove.ADD and running > tuner.floor and window.loading_batches == 0:
+    an_add = tuner.last is TuningMove.ADD and running > tuner.floor
+    if an_add and window.loading_batches == 0:
         # Every batch of the window was loaded before it began (an epoch's start-up): it says
         # nothing of the count's rate. The next one judges.
         return tuner, _hold("the window's batches were loaded before it: judging on the next")
-    if tuner.last is TuningMove.ADD and running > tuner.floor and tuner.rate_before > 0:
+    if an_add and tuner.rate_before > 0:
         # (No rate before: every batch measured at the count before was loaded before its
         # window began. The add, made on the loop's waiting, is kept.)
         # Past the cores: the loop and its workers ask for them in full, where measured (a
